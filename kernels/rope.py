@@ -13,14 +13,22 @@ def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox):
     """Rotate x in place. x: [n_tokens, n_head, head_dim] f32; pos: [n_tokens] i32 (or a delta)."""
     n_tokens, n_head, head_dim = x.shape
     half = n_rot // 2
-    # theta_i = p * freq_scale * base^(-2i/n_rot), computed per token in float64 like ggml's cache
+    # ggml's rope cache: theta_0 = p, theta_{i+1} = theta_i * base^(-2/n_rot), all in float32,
+    # then theta * freq_scale per pair (no YaRN ramp: ext_factor 0, attn_factor 1).
+    theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
+    fs = np.float32(freq_scale)
     for t in prange(n_tokens):
-        p = np.float64(pos[t]) * freq_scale
+        cs = np.empty((half, 2), dtype=np.float32)  # [half, (cos, sin)] f32
+        theta = np.float32(pos[t])
         for i in range(half):
-            theta = p * freq_base ** (-2.0 * i / n_rot)
-            c = np.float32(np.cos(theta))
-            s = np.float32(np.sin(theta))
-            for h in range(n_head):
+            th = fs * theta
+            cs[i, 0] = np.float32(np.cos(th))
+            cs[i, 1] = np.float32(np.sin(th))
+            theta = np.float32(theta * theta_scale)
+        for h in range(n_head):
+            for i in range(half):
+                c = cs[i, 0]
+                s = cs[i, 1]
                 if neox:
                     a = x[t, h, i]
                     b = x[t, h, i + half]

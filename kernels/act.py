@@ -1,0 +1,109 @@
+"""Feed-forward activations and the row softmax.
+
+- SwiGLU: silu(gate) * up, silu(x) = x / (1 + e^-x)        (llama, qwen2, qwen3: LLM_FFN_SILU, PAR)
+- GeGLU:  gelu(gate) * up with ggml's tanh approximation  (gemma3: LLM_FFN_GELU, PAR)
+  gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))); ggml saturates to 0 / x beyond
+  |x| >= 10 and we do the same. (ggml's CPU build reads gelu from an f16 table; the difference
+  is below f16 resolution and far inside the reference tolerance.)
+- softmax over rows with -inf masking (classic attention path, tests).
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+_GELU_COEF_A = np.float32(0.044715)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def gelu_f32(x):
+    """ggml_gelu (tanh form) of one f32 value."""
+    if x <= -10.0:
+        return np.float32(0.0)
+    if x >= 10.0:
+        return x
+    return np.float32(0.5) * x * (np.float32(1.0) + np.float32(
+        math.tanh(_SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x))))
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def silu_f32(x):
+    """x * sigmoid(x) of one f32 value."""
+    return x / (np.float32(1.0) + np.float32(math.exp(-x)))
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def _glu_rows(gu, n_ff, use_gelu, out):
+    """gu: [n, 2*n_ff] f32 = [gate | up] per row; out: [n, n_ff] f32."""
+    n = gu.shape[0]
+    for r in prange(n):
+        for i in range(n_ff):
+            g = gu[r, i]
+            a = gelu_f32(g) if use_gelu else silu_f32(g)
+            out[r, i] = a * gu[r, n_ff + i]
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def _glu_split(gate, up, use_gelu, out):
+    """gate, up, out: [n, n_ff] f32."""
+    n, n_ff = gate.shape
+    for r in prange(n):
+        for i in range(n_ff):
+            g = gate[r, i]
+            a = gelu_f32(g) if use_gelu else silu_f32(g)
+            out[r, i] = a * up[r, i]
+
+
+def swiglu(gate, up):
+    """silu(gate) * up. gate, up: [n, n_ff] f32 -> [n, n_ff] f32."""
+    out = np.empty_like(gate)
+    _glu_split(gate, up, False, out)
+    return out
+
+
+def geglu(gate, up):
+    """gelu(gate) * up. gate, up: [n, n_ff] f32 -> [n, n_ff] f32."""
+    out = np.empty_like(gate)
+    _glu_split(gate, up, True, out)
+    return out
+
+
+def glu_fused(gate_up, n_ff, use_gelu):
+    """The same on one [n, 2*n_ff] f32 array holding gate then up (a fused gate+up matmul)."""
+    out = np.empty((gate_up.shape[0], n_ff), dtype=np.float32)
+    _glu_rows(gate_up, n_ff, use_gelu, out)
+    return out
+
+
+@njit(cache=True, fastmath=False, inline="always")
+def softmax_inplace(x, n):
+    """Softmax of x[:n] in place (f32). -inf entries become 0; an all -inf row becomes all 0."""
+    m = -np.inf
+    for j in range(n):
+        if x[j] > m:
+            m = x[j]
+    if m == -np.inf:
+        for j in range(n):
+            x[j] = 0.0
+        return
+    s = 0.0
+    for j in range(n):
+        e = np.float32(math.exp(x[j] - m)) if x[j] != -np.inf else np.float32(0.0)
+        x[j] = e
+        s += e
+    inv = np.float32(1.0 / s)
+    for j in range(n):
+        x[j] *= inv
+
+
+@njit(cache=True, parallel=True)
+def _softmax_rows(x):
+    for r in prange(x.shape[0]):
+        softmax_inplace(x[r], x.shape[1])
+
+
+def softmax(x):
+    """Row softmax of x ([n, m] f32) in place; returns x."""
+    _softmax_rows(x)
+    return x
