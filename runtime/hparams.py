@@ -1,0 +1,279 @@
+"""Per-architecture hyper-parameters read from GGUF metadata (llama.cpp's llama_hparams).
+
+`HParams.from_gguf(gf)` reads and sanity-checks every key the forward pass and the KV cache
+depend on, then checks that each weight tensor has the shape those numbers imply, so a model
+that loads is one the engine can run. Defaults follow llama.cpp's loader: n_head_kv = n_head,
+head sizes = n_embd / n_head unless key_length / value_length say otherwise, n_rot = head size,
+rope base 10000, gemma3: SWA pattern "5 sliding layers then 1 global" (every 6th layer global),
+rope base 10000 on the sliding layers, embeddings scaled by sqrt(n_embd).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.ggml_types import TYPES, type_name
+from runtime.gguf_file import GGUFFile, GGUFValueType
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# llama_model_rope_type: llama rotates adjacent pairs, the others rotate the two halves
+ROPE_TYPES = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+QK_NORM_ARCHS = ("qwen3", "gemma3")
+GEMMA3_SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
+ROPE_SCALING_TYPES = ("none", "linear")  # the kernels implement no yarn / longrope
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+MAX_DIM = 1 << 20  # sanity cap on widths and head counts
+
+
+@dataclass
+class HParams:
+    """Hyper-parameters of one model. Per-layer values are uniform in the supported archs,
+    except the sliding-window flag (`swa_layers[il]`)."""
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_ff: int
+    norm_eps: float
+    rope_type: str  # "norm" | "neox"
+    n_rot: int
+    rope_freq_base: float
+    rope_freq_scale: float
+    rope_freq_base_swa: float
+    n_swa: int  # sliding window size; 0 = no sliding-window layers
+    swa_layers: list[bool]
+    use_qk_norm: bool
+    tied_output: bool  # no output.weight: logits reuse token_embd.weight
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(n_embd))
+    kq_scale: float = 0.0  # attention scale (1/sqrt(head size) unless the arch says otherwise)
+    rope_freq_scale_swa: float = 1.0
+    rope_scaling_type: str = "linear"
+    n_ctx_orig: int = 0  # rope.scaling.original_context_length (default n_ctx_train)
+    swa_pattern: int = 0  # n of "every n-th layer is global" when given that way (0 = none)
+
+    # ------------------------------------------------------------------ per layer
+    def is_swa(self, il: int) -> bool:
+        return self.swa_layers[il]
+
+    def n_embd_k_gqa(self, il: int = 0) -> int:
+        """Width of one token's K row in layer il (all kv heads)."""
+        return self.n_embd_head_k * self.n_head_kv
+
+    def n_embd_v_gqa(self, il: int = 0) -> int:
+        return self.n_embd_head_v * self.n_head_kv
+
+    def has_kv(self, il: int) -> bool:
+        """Whether layer il stores its own K/V (no layer shares a cache in these archs)."""
+        return 0 <= il < self.n_layer
+
+    def rope_base(self, il: int) -> float:
+        """RoPE frequency base of layer il (sliding layers have their own in gemma3)."""
+        return self.rope_freq_base_swa if self.is_swa(il) else self.rope_freq_base
+
+    def rope_scale(self, il: int) -> float:
+        return self.rope_freq_scale_swa if self.is_swa(il) else self.rope_freq_scale
+
+    @property
+    def can_shift(self) -> bool:
+        """K can be re-roped in place (context shift): true for every rope arch we support."""
+        return self.rope_type in ("norm", "neox")
+
+    @property
+    def n_swa_layers(self) -> int:
+        return sum(self.swa_layers)
+
+    @property
+    def n_gqa(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile, check_tensors: bool = True) -> "HParams":
+        """Read and validate; ModelFileError (one line: file, key, problem) on any violation."""
+        arch = gf.arch
+        if arch not in SUPPORTED_ARCHS:
+            gf.fail("general.architecture",
+                    f"architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+        k = lambda name: f"{arch}.{name}"  # noqa: E731
+
+        n_layer = _scalar_int(gf, k("block_count"), 1, MAX_LAYERS)
+        n_embd = _scalar_int(gf, k("embedding_length"), 1, MAX_DIM)
+        n_ff = _scalar_int(gf, k("feed_forward_length"), 1, MAX_DIM)
+        n_ctx_train = gf.get_int(k("context_length"), min_value=1)
+        n_head = _scalar_int(gf, k("attention.head_count"), 1, MAX_DIM)
+        n_head_kv = _scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head)
+        if n_head % n_head_kv:
+            gf.fail(k("attention.head_count_kv"),
+                    f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        if k("attention.key_length") not in gf.metadata or k("attention.value_length") not in gf.metadata:
+            if n_embd % n_head:
+                gf.fail(k("attention.head_count"),
+                        f"embedding_length {n_embd} is not divisible by head_count {n_head} "
+                        f"(and no key_length/value_length given)")
+        head_k = _scalar_int(gf, k("attention.key_length"), 1, MAX_DIM, default=n_embd // n_head)
+        head_v = _scalar_int(gf, k("attention.value_length"), 1, MAX_DIM, default=n_embd // n_head)
+        n_rot = _scalar_int(gf, k("rope.dimension_count"), 1, MAX_DIM, default=head_k)
+        if arch == "llama" and n_rot != head_k:
+            gf.fail(k("rope.dimension_count"), f"{n_rot} must equal the head size {head_k} for llama")
+        if n_rot > head_k or n_rot % 2:
+            gf.fail(k("rope.dimension_count"), f"{n_rot} must be even and at most the head size {head_k}")
+
+        norm_eps = gf.get_float(k("attention.layer_norm_rms_epsilon"))
+        if not 0.0 < norm_eps < 1.0:
+            gf.fail(k("attention.layer_norm_rms_epsilon"), f"{norm_eps} is not in (0, 1)")
+
+        rope_base = _positive(gf, k("rope.freq_base"), 10000.0)
+        scaling = gf.get_str(k("rope.scaling.type"), "linear")
+        if scaling not in ROPE_SCALING_TYPES:
+            gf.fail(k("rope.scaling.type"),
+                    f"rope scaling '{scaling}' is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
+        factor = gf.get_float(k("rope.scaling.factor"), None)
+        if factor is None:
+            factor = gf.get_float(k("rope.scale_linear"), 0.0)
+        if factor < 0:
+            gf.fail(k("rope.scaling.factor"), f"{factor} is negative")
+        rope_scale = 1.0 if factor == 0.0 else 1.0 / factor
+        n_ctx_orig = gf.get_int(k("rope.scaling.original_context_length"), n_ctx_train, min_value=1)
+
+        n_vocab = _vocab_size(gf, arch)
+
+        swa_layers = [False] * n_layer
+        n_swa, swa_pattern = 0, 0
+        rope_base_swa = rope_base
+        embed_scale, final_softcap = 1.0, 0.0
+        kq_scale = 1.0 / math.sqrt(head_k)
+        if arch == "gemma3":
+            n_swa = gf.get_int(k("attention.sliding_window"), 0, min_value=0)
+            if n_swa > 0:
+                swa_layers, swa_pattern = _swa_layers(gf, k("attention.sliding_window_pattern"), n_layer)
+                rope_base_swa = _positive(gf, k("rope.freq_base_swa"), 10000.0)
+            embed_scale = math.sqrt(n_embd)
+            final_softcap = gf.get_float(k("final_logit_softcapping"), 0.0)
+            if n_layer == 62:  # the 27B model scales by n_embd / n_head instead of the head size
+                kq_scale = 1.0 / math.sqrt(n_embd / n_head)
+
+        hp = cls(
+            arch=arch, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
+            n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=head_k, n_embd_head_v=head_v,
+            n_ff=n_ff, norm_eps=norm_eps, rope_type=ROPE_TYPES[arch], n_rot=n_rot,
+            rope_freq_base=rope_base, rope_freq_scale=rope_scale, rope_freq_base_swa=rope_base_swa,
+            n_swa=n_swa, swa_layers=swa_layers, use_qk_norm=arch in QK_NORM_ARCHS,
+            tied_output="output.weight" not in gf.tensors, attn_logit_softcap=0.0,
+            final_logit_softcap=final_softcap, embed_scale=embed_scale, kq_scale=kq_scale,
+            rope_scaling_type=scaling, n_ctx_orig=n_ctx_orig, swa_pattern=swa_pattern,
+        )
+        if check_tensors:
+            validate_tensors(gf, hp)
+        return hp
+
+
+# ---------------------------------------------------------------------- tensor schema
+def expected_tensors(hp: HParams) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """name -> (shape in ggml ne order, required) for every weight the arch may use."""
+    e, v, ff = hp.n_embd, hp.n_vocab, hp.n_ff
+    q_dim = hp.n_embd_head_k * hp.n_head
+    out_in = hp.n_embd_head_v * hp.n_head
+    kd, vd = hp.n_embd_k_gqa(), hp.n_embd_v_gqa()
+    t = {
+        "token_embd.weight": ((e, v), True),
+        "output_norm.weight": ((e,), True),
+        "output.weight": ((e, v), False),
+    }
+    for il in range(hp.n_layer):
+        p = f"blk.{il}."
+        t.update({
+            p + "attn_norm.weight": ((e,), True),
+            p + "attn_q.weight": ((e, q_dim), True),
+            p + "attn_k.weight": ((e, kd), True),
+            p + "attn_v.weight": ((e, vd), True),
+            p + "attn_output.weight": ((out_in, e), True),
+            p + "ffn_norm.weight": ((e,), True),
+            p + "ffn_gate.weight": ((e, ff), True),
+            p + "ffn_up.weight": ((e, ff), True),
+            p + "ffn_down.weight": ((ff, e), True),
+        })
+        t.update({p + "attn_q.bias": ((q_dim,), False), p + "attn_k.bias": ((kd,), False),
+                      p + "attn_v.bias": ((vd,), False)})
+        if hp.arch == "llama":
+            t.update({p + "attn_output.bias": ((e,), False), p + "ffn_gate.bias": ((ff,), False),
+                      p + "ffn_up.bias": ((ff,), False), p + "ffn_down.bias": ((e,), False),
+                      p + "rope_freqs.weight": ((hp.n_rot // 2,), False)})
+        if hp.use_qk_norm:
+            t.update({p + "attn_q_norm.weight": ((hp.n_embd_head_k,), True),
+                      p + "attn_k_norm.weight": ((hp.n_embd_head_k,), True)})
+        if hp.arch == "gemma3":
+            t.update({p + "post_attention_norm.weight": ((e,), True),
+                      p + "post_ffw_norm.weight": ((e,), True)})
+    return t
+
+
+def validate_tensors(gf: GGUFFile, hp: HParams) -> None:
+    """Every required weight present, every known weight of the implied shape and of a format
+    the kernels implement."""
+    for name, (shape, required) in expected_tensors(hp).items():
+        ti = gf.tensors.get(name)
+        if ti is None:
+            if required:
+                gf.fail(name, f"required tensor missing for {hp.arch}")
+            continue
+        if tuple(ti.shape) != shape:
+            gf.fail(name, f"shape {list(ti.shape)} does not match the metadata, expected {list(shape)}")
+        if int(ti.ggml_type) not in TYPES:
+            gf.fail(name, f"tensor type {type_name(ti.ggml_type)} is not supported by kvchat")
+
+
+# ---------------------------------------------------------------------- key helpers
+def _scalar_int(gf: GGUFFile, key: str, lo: int, hi: int, default=...) -> int:
+    """An integer key; a per-layer array is accepted only if all its entries are equal."""
+    if key in gf.metadata and gf.value_types[key][0] == GGUFValueType.ARRAY:
+        arr = gf.metadata[key]
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu" or arr.size == 0:
+            gf.fail(key, "must be an integer or an array of integers")
+        if np.any(arr != arr[0]):
+            gf.fail(key, "per-layer values that differ are not supported")
+        v = int(arr[0])
+    else:
+        v = gf.get_int(key, default)
+    if not lo <= v <= hi:
+        gf.fail(key, f"{v} is not in [{lo}, {hi}]")
+    return v
+
+
+def _positive(gf: GGUFFile, key: str, default: float) -> float:
+    v = gf.get_float(key, default)
+    if v <= 0:
+        gf.fail(key, f"{v} must be positive")
+    return v
+
+
+def _vocab_size(gf: GGUFFile, arch: str) -> int:
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        gf.fail("tokenizer.ggml.tokens", "missing (required: the model has no vocabulary)")
+    n = len(tokens)
+    declared = gf.get_int(f"{arch}.vocab_size", n, min_value=1)
+    if declared != n:
+        gf.fail(f"{arch}.vocab_size", f"{declared} differs from the {n} entries of tokenizer.ggml.tokens")
+    return n
+
+
+def _swa_layers(gf: GGUFFile, key: str, n_layer: int) -> tuple[list[bool], int]:
+    """Sliding-window flags per layer: an explicit bool array, or `n` meaning layers
+    il % n < n - 1 slide and every n-th is global (n = 0: every layer slides)."""
+    if key in gf.metadata and gf.value_types[key] == (GGUFValueType.ARRAY, GGUFValueType.BOOL):
+        arr = gf.metadata[key]
+        if len(arr) != n_layer:
+            gf.fail(key, f"has {len(arr)} entries for {n_layer} layers")
+        return [bool(x) for x in arr], 0
+    n = gf.get_int(key, GEMMA3_SWA_PATTERN, min_value=0)
+    return [n == 0 or il % n < n - 1 for il in range(n_layer)], n
