@@ -1,0 +1,295 @@
+"""Attention over the KV cache, reading K and V rows in their cache format (never a float copy).
+
+Two paths, as llama.cpp's build_attn_mha:
+- flash (``flash_attn_ext``): online softmax over K/V tiles; V rows are ``[n_kv, n_embd_v_gqa]``.
+- classic (flash off): KQ for all cells, masked softmax, then KQV against the transposed V cache
+  ``[n_embd_v_gqa, kv_size]`` (f32/f16/bf16 elements only, like llama.cpp).
+
+Work split (one parallel launch per layer): a unit is (kv head, group of its query heads, block
+of tokens). Each unit dequantizes a tile of KT cache rows of its kv head once, into a small f32
+buffer, and reuses it for every query of the unit — GQA heads and a block of prompt tokens —
+so dequantization is amortized in prefill and parallel in decode. Tiles that the mask hides
+for every token of the block are skipped (causal prefill touches only the lower triangle).
+
+Numerics: like ggml's CPU kernels, Q is first rounded to the vec-dot type of K (f16 for f16 K,
+bf16 for bf16, 8-bit blocks for the quantized formats), so scores match llama.cpp closely.
+The -inf mask needs IEEE infinities: these kernels use fastmath flags without ``ninf``/``nnan``.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.ggml_types import GGMLType, type_info
+from kernels.quants import (
+    dequant_row_bf16,
+    dequant_row_f16,
+    dequant_row_f32,
+    dequant_row_iq4_nl,
+    dequant_row_q4_0,
+    dequant_row_q4_1,
+    dequant_row_q5_0,
+    dequant_row_q5_1,
+    dequant_row_q8_0,
+    dequantize,
+    quantize,
+)
+
+_FM = {"nsz", "arcp", "contract", "afn", "reassoc"}  # fast math, but keep inf/nan semantics
+KT = 32  # cache rows per tile
+
+_F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
+_Q4_0, _Q4_1, _Q5_0 = int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0)
+_Q5_1, _Q8_0, _IQ4_NL = int(GGMLType.Q5_1), int(GGMLType.Q8_0), int(GGMLType.IQ4_NL)
+CACHE_TYPES = (_F32, _F16, _BF16, _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _IQ4_NL)
+
+
+@njit(cache=True)
+def dequant_cache_row(t, src, dst):
+    """Dequantize one cache row fragment src (u8) of format t into dst (f32)."""
+    if t == _F16:
+        dequant_row_f16(src, dst)
+    elif t == _Q8_0:
+        dequant_row_q8_0(src, dst)
+    elif t == _Q4_0:
+        dequant_row_q4_0(src, dst)
+    elif t == _F32:
+        dequant_row_f32(src, dst)
+    elif t == _BF16:
+        dequant_row_bf16(src, dst)
+    elif t == _Q4_1:
+        dequant_row_q4_1(src, dst)
+    elif t == _Q5_0:
+        dequant_row_q5_0(src, dst)
+    elif t == _Q5_1:
+        dequant_row_q5_1(src, dst)
+    elif t == _IQ4_NL:
+        dequant_row_iq4_nl(src, dst)
+
+
+@njit(cache=True, fastmath=_FM)
+def _tile_live(mask, t0, t1, j0, j1):
+    """True if any token of [t0, t1) may see any cell of [j0, j1)."""
+    for t in range(t0, t1):
+        for j in range(j0, j1):
+            if mask[t, j] != -np.inf:
+                return True
+    return False
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _unit_coords(u, n_tb, n_sub):
+    """Unit index -> (token block, head sub-group, kv head). Token blocks are visited in a
+    zig-zag so that the contiguous ranges numba hands each thread get light and heavy
+    (late, long-context) causal blocks alike."""
+    i = u % n_tb
+    tbi = i // 2 if i % 2 == 0 else n_tb - 1 - i // 2
+    rest = u // n_tb
+    return tbi, rest % n_sub, rest // n_sub
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _score(q, t, h, kt, j, dk, scale, softcap, mv):
+    """scale * q[t,h]·k[j] (optionally soft-capped) plus the mask value."""
+    d = np.float32(0.0)
+    for c in range(dk):
+        d += q[t, h, c] * kt[j, c]
+    if softcap != 0.0:
+        d = softcap * np.float32(math.tanh(d * (scale / softcap)))
+    else:
+        d = d * scale
+    return d + mv
+
+
+@njit(cache=True, fastmath=_FM, parallel=True)
+def _flash_attn(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
+    """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
+    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32."""
+    n_tokens, n_head, dk = q.shape
+    dv = out.shape[2]
+    n_kv = mask.shape[1]
+    gq = n_head // n_head_kv
+    n_sub = gq // hpg
+    n_tb = (n_tokens + tb - 1) // tb
+    kb = k.shape[2] // n_head_kv  # bytes of one kv head in a K row
+    vb = v.shape[2] // n_head_kv
+    for u in prange(n_head_kv * n_sub * n_tb):
+        tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
+        t0 = tbi * tb
+        t1 = min(t0 + tb, n_tokens)
+        nq = (t1 - t0) * hpg
+        h0 = hk * gq + sg * hpg
+        st = tok_stream[t0]
+        kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
+        vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
+        sc = np.empty(KT, dtype=np.float32)  # scores of one query against the tile
+        acc = np.zeros((nq, dv), dtype=np.float32)  # running sum of p * v
+        mx = np.full(nq, -np.inf, dtype=np.float32)  # running max score
+        sm = np.zeros(nq, dtype=np.float32)  # running sum of p
+        for j0 in range(0, n_kv, KT):
+            j1 = min(j0 + KT, n_kv)
+            nj = j1 - j0
+            if not _tile_live(mask, t0, t1, j0, j1):
+                continue
+            for j in range(nj):
+                dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
+                dequant_cache_row(type_v, v[st, j0 + j, hk * vb:(hk + 1) * vb], vt[j])
+            for t in range(t0, t1):
+                for hi in range(hpg):
+                    h = h0 + hi
+                    qi = (t - t0) * hpg + hi
+                    m_tile = np.float32(-np.inf)
+                    for j in range(nj):
+                        mv = mask[t, j0 + j]
+                        if mv == -np.inf:
+                            sc[j] = -np.inf
+                            continue
+                        s = _score(q, t, h, kt, j, dk, scale, softcap, mv)
+                        sc[j] = s
+                        if s > m_tile:
+                            m_tile = s
+                    if m_tile == -np.inf:
+                        continue
+                    m_old = mx[qi]
+                    if m_tile > m_old:
+                        if m_old != -np.inf:
+                            r = np.float32(math.exp(m_old - m_tile))
+                            sm[qi] *= r
+                            for c in range(dv):
+                                acc[qi, c] *= r
+                        mx[qi] = m_tile
+                    m_new = mx[qi]
+                    for j in range(nj):
+                        if sc[j] == -np.inf:
+                            continue
+                        p = np.float32(math.exp(sc[j] - m_new))
+                        sm[qi] += p
+                        for c in range(dv):
+                            acc[qi, c] += p * vt[j, c]
+        for t in range(t0, t1):
+            for hi in range(hpg):
+                qi = (t - t0) * hpg + hi
+                inv = np.float32(1.0 / sm[qi]) if sm[qi] > 0.0 else np.float32(0.0)
+                for c in range(dv):
+                    out[t, h0 + hi, c] = acc[qi, c] * inv
+
+
+@njit(cache=True, fastmath=_FM, parallel=True)
+def _classic_attn(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
+    """As _flash_attn but V is transposed: vt [n_stream, n_embd_v_gqa, >= n_kv * elem] u8.
+    KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]."""
+    n_tokens, n_head, dk = q.shape
+    dv = out.shape[2]
+    n_kv = mask.shape[1]
+    gq = n_head // n_head_kv
+    n_sub = gq // hpg
+    n_tb = (n_tokens + tb - 1) // tb
+    kb = k.shape[2] // n_head_kv
+    eb = 4 if type_v == _F32 else 2  # bytes per V element (f32, f16, bf16)
+    for u in prange(n_head_kv * n_sub * n_tb):
+        tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
+        t0 = tbi * tb
+        t1 = min(t0 + tb, n_tokens)
+        nq = (t1 - t0) * hpg
+        h0 = hk * gq + sg * hpg
+        st = tok_stream[t0]
+        kt = np.empty((KT, dk), dtype=np.float32)
+        p = np.full((nq, n_kv), -np.inf, dtype=np.float32)  # scores, then probabilities
+        for j0 in range(0, n_kv, KT):
+            j1 = min(j0 + KT, n_kv)
+            if not _tile_live(mask, t0, t1, j0, j1):
+                continue
+            for j in range(j1 - j0):
+                dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
+            for t in range(t0, t1):
+                for hi in range(hpg):
+                    qi = (t - t0) * hpg + hi
+                    for j in range(j1 - j0):
+                        mv = mask[t, j0 + j]
+                        if mv != -np.inf:
+                            p[qi, j0 + j] = _score(q, t, h0 + hi, kt, j, dk, scale, softcap, mv)
+        for qi in range(nq):  # masked softmax per query row
+            m = np.float32(-np.inf)
+            for j in range(n_kv):
+                if p[qi, j] > m:
+                    m = p[qi, j]
+            s = np.float32(0.0)
+            for j in range(n_kv):
+                e = np.float32(0.0) if p[qi, j] == -np.inf else np.float32(math.exp(p[qi, j] - m))
+                p[qi, j] = e
+                s += e
+            inv = np.float32(1.0 / s) if s > 0.0 else np.float32(0.0)
+            for j in range(n_kv):
+                p[qi, j] *= inv
+        vrow = np.empty(n_kv, dtype=np.float32)  # one row of V^T: component c of every cell
+        for c in range(dv):
+            dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow)
+            for t in range(t0, t1):
+                for hi in range(hpg):
+                    qi = (t - t0) * hpg + hi
+                    a = np.float32(0.0)
+                    for j in range(n_kv):
+                        a += p[qi, j] * vrow[j]
+                    out[t, h0 + hi, c] = a
+
+
+def round_q_like_ggml(q, type_k):
+    """Round Q to the vec-dot type ggml's CPU backend converts it to before K·Q.
+
+    f16 K -> f16, bf16 K -> bf16, quantized K -> 8-bit blocks (q8_0 / q8_1 share values).
+    q: [n_tokens, n_head, dk] f32 -> same shape f32 (a new array; f32 K returns q itself).
+    """
+    if type_k == _F32:
+        return q
+    if type_k == _F16:
+        return q.astype(np.float16).astype(np.float32)
+    if type_k == _BF16:
+        return dequantize(quantize(q.reshape(-1, q.shape[-1]), _BF16), _BF16, q.shape[-1]).reshape(q.shape)
+    flat = q.reshape(-1, q.shape[-1])  # [n_tokens * n_head, dk]; dk is a multiple of 32
+    return dequantize(quantize(flat, _Q8_0), _Q8_0, q.shape[-1]).reshape(q.shape)
+
+
+def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
+    """Choose (token block, heads per unit): share tiles across tokens and GQA heads, yet keep
+    at least a few units per thread."""
+    gq = n_head // n_head_kv
+    tb = 1 if n_stream > 1 else min(32, max(1, n_tokens))
+    n_tb = -(-n_tokens // tb)
+    hpg = gq
+    while hpg > 1 and n_head_kv * (gq // hpg) * n_tb < 2 * n_threads:
+        hpg -= 1
+        while gq % hpg:
+            hpg -= 1
+    return tb, hpg
+
+
+def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap=0.0,
+              flash=True, n_threads=2, round_q=True):
+    """Attention of fresh queries over the cache.
+
+    q: [n_tokens, n_head, dk] f32; k: (u8 [n_stream, n_kv, row_k], type_k) cache view;
+    v: flash -> u8 [n_stream, n_kv, row_v]; classic -> transposed u8 [n_stream, n_embd_v_gqa, kv_size*elem];
+    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32.
+    Returns [n_tokens, n_head * dv] f32 (heads concatenated, ready for the output projection).
+    """
+    n_tokens, n_head, dk = q.shape
+    if flash:
+        dv = _values_per_bytes(int(type_v), v.shape[2] // n_head_kv)
+    else:
+        dv = v.shape[1] // n_head_kv
+    qr = round_q_like_ggml(q, int(type_k)) if round_q else q
+    qr = np.ascontiguousarray(qr, dtype=np.float32)
+    out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
+    tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads)
+    mask = np.ascontiguousarray(mask, dtype=np.float32)
+    ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
+    fn = _flash_attn if flash else _classic_attn
+    fn(qr, k, int(type_k), v, int(type_v), mask, ts, int(n_head_kv), np.float32(scale),
+       np.float32(softcap), int(tb), int(hpg), out)
+    return out.reshape(n_tokens, n_head * dv)
+
+
+def _values_per_bytes(t, nbytes):
+    """How many values nbytes of format t hold."""
+    ti = type_info(t)
+    return nbytes // ti.type_size * ti.block_size
