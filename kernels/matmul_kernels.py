@@ -1,0 +1,143 @@
+"""numba kernels behind kernels/matmul.py, on the row-interleaved layouts of kernels/repack.py.
+
+Two kinds of kernel per layout (nib, i8, f32):
+
+- ``gemv_*``: y = x @ W.T for a few tokens. One parallel launch; prange over groups of R = 32
+  rows. The innermost loop runs over the 32 rows of a group, so it vectorizes into plain
+  loads + int->float converts + FMAs with the activation broadcast, and the per-block scale
+  is applied once per (block, row) — no horizontal sums anywhere.
+- ``decode_*``: dequantize the row groups [g0, g1) into a float panel ``f32 [k, cols]``
+  (transposed, so the 32 rows of a group are contiguous). Used for prefill: a panel is
+  decoded once per call and shared by all n tokens through one BLAS sgemm.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.repack import R
+
+_U15 = np.uint8(15)
+_U4 = np.uint8(4)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gemv_nib(qs, d, mn, x, y):
+    """qs u8 [G, nb, 16, R], d/mn f32 [G, nb, R], x f32 [n, k] -> y f32 [n, m]."""
+    G, nb = qs.shape[0], qs.shape[1]
+    n, m = y.shape
+    for g in prange(G):
+        acc = np.empty(R, np.float32)  # [R] row sums
+        blk = np.empty(R, np.float32)  # [R] integer-valued block dot, before the scale
+        for t in range(n):
+            for r in range(R):
+                acc[r] = 0.0
+            for b in range(nb):
+                x0 = b * 32
+                xs = np.float32(0.0)
+                for j in range(32):
+                    xs += x[t, x0 + j]
+                for r in range(R):
+                    blk[r] = 0.0
+                for j in range(16):
+                    xl = x[t, x0 + j]
+                    xh = x[t, x0 + 16 + j]
+                    for r in range(R):
+                        v = qs[g, b, j, r]
+                        blk[r] += np.float32(np.uint8(v & _U15)) * xl + np.float32(np.uint8(v >> _U4)) * xh
+                for r in range(R):
+                    acc[r] += d[g, b, r] * blk[r] + mn[g, b, r] * xs
+            r1 = min(R, m - g * R)
+            for r in range(r1):
+                y[t, g * R + r] = acc[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gemv_i8(q, d, mn, x, y):
+    """q i8 [G, nb, B, R], d/mn f32 [G, nb, R], x f32 [n, k] -> y f32 [n, m]."""
+    G, nb, B = q.shape[0], q.shape[1], q.shape[2]
+    n, m = y.shape
+    for g in prange(G):
+        acc = np.empty(R, np.float32)
+        blk = np.empty(R, np.float32)
+        for t in range(n):
+            for r in range(R):
+                acc[r] = 0.0
+            for b in range(nb):
+                x0 = b * B
+                xs = np.float32(0.0)
+                for j in range(B):
+                    xs += x[t, x0 + j]
+                for r in range(R):
+                    blk[r] = 0.0
+                for j in range(B):
+                    xv = x[t, x0 + j]
+                    for r in range(R):
+                        blk[r] += np.float32(q[g, b, j, r]) * xv
+                for r in range(R):
+                    acc[r] += d[g, b, r] * blk[r] + mn[g, b, r] * xs
+            r1 = min(R, m - g * R)
+            for r in range(r1):
+                y[t, g * R + r] = acc[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gemv_f32(w, x, y):
+    """w f32 [G, k, R], x f32 [n, k] -> y f32 [n, m]."""
+    G, k = w.shape[0], w.shape[1]
+    n, m = y.shape
+    for g in prange(G):
+        acc = np.empty(R, np.float32)
+        for t in range(n):
+            for r in range(R):
+                acc[r] = 0.0
+            for i in range(k):
+                xv = x[t, i]
+                for r in range(R):
+                    acc[r] += w[g, i, r] * xv
+            r1 = min(R, m - g * R)
+            for r in range(r1):
+                y[t, g * R + r] = acc[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def decode_nib(qs, d, mn, g0, out):
+    """Row groups g0 .. g0 + out.shape[1] / R of the nib layout -> out f32 [k, cols]."""
+    nb = qs.shape[1]
+    ng = out.shape[1] // R
+    for gg in prange(ng):
+        g = g0 + gg
+        c0 = gg * R
+        for b in range(nb):
+            for j in range(16):
+                for r in range(R):
+                    v = qs[g, b, j, r]
+                    out[b * 32 + j, c0 + r] = d[g, b, r] * np.float32(np.uint8(v & _U15)) + mn[g, b, r]
+                    out[b * 32 + 16 + j, c0 + r] = d[g, b, r] * np.float32(np.uint8(v >> _U4)) + mn[g, b, r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def decode_i8(q, d, mn, g0, out):
+    """Row groups of the i8 layout -> out f32 [k, cols]."""
+    nb, B = q.shape[1], q.shape[2]
+    ng = out.shape[1] // R
+    for gg in prange(ng):
+        g = g0 + gg
+        c0 = gg * R
+        for b in range(nb):
+            for j in range(B):
+                for r in range(R):
+                    out[b * B + j, c0 + r] = d[g, b, r] * np.float32(q[g, b, j, r]) + mn[g, b, r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def decode_f32(w, g0, out):
+    """Row groups of the f32 layout -> out f32 [k, cols]."""
+    k = w.shape[1]
+    ng = out.shape[1] // R
+    for gg in prange(ng):
+        g = g0 + gg
+        c0 = gg * R
+        for i in range(k):
+            for r in range(R):
+                out[i, c0 + r] = w[g, i, r]

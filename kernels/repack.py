@@ -1,0 +1,174 @@
+"""Load-time repack of ggml weight blocks into the row-interleaved layout of kernels/matmul_kernels.py.
+
+Why: a matrix-vector product is fastest here when the SIMD lanes run over *rows* (R = 32
+output rows side by side): every weight byte is loaded once, the activation is a broadcast,
+and no horizontal reduction is needed per 32-value block. So each format is rewritten, once,
+into one of three kernel layouts — the values stay quantized, only their order and the
+representation of the block scales change:
+
+- ``nib``: 4-bit values 0..15, two per byte (byte j of a 32-block holds values j and j+16,
+  ggml's q4_0 order), ``qs u8 [G, nb, 16, R]``; value = d * q + mn with per-32-block
+  ``d, mn f32 [G, nb, R]``.  q4_0 (mn = -8 d), q4_1, q4_K (sub-block scales resolved).
+- ``i8``: one signed byte per value, ``q i8 [G, nb, B, R]`` with B = 32 or 16 values per
+  scale; value = d * q + mn.  q8_0, q5_0, q5_1, q5_K, q6_K, q3_K, q2_K, iq4_nl (codebook
+  values are int8).  The 5/6/3/2-bit formats cost 8 bits a value here instead of 5.5-6.6:
+  splitting their high bits in the inner loop costs more time than the memory is worth.
+- ``f32``: ``w f32 [G, k, R]`` for f32 / f16 / bf16 matrices (already float).
+
+G = ceil(m / R) row groups; the rows past m are zero (d = mn = 0) and never written out.
+The arithmetic d * q + mn equals ggml's (q - 8) * d etc. up to float rounding (~1e-7 rel).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.ggml_types import GGMLType
+
+R = 32  # rows interleaved per group: 32 f32 lanes = 4 AVX2 / 2 AVX-512 registers
+
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes (last axis) as float16 -> float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _u32(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<u4")[..., 0]
+
+
+def _interleave(a: np.ndarray, m: int) -> np.ndarray:
+    """[m, ...rest] -> [G, ...rest, R], rows padded with zeros to G * R."""
+    g = -(-m // R)
+    pad = np.zeros((g * R,) + a.shape[1:], a.dtype)
+    pad[:m] = a
+    pad = pad.reshape((g, R) + a.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
+
+
+def _nib_from_values(q: np.ndarray) -> np.ndarray:
+    """values u8 [m, nb, 32] in 0..15 -> bytes [m, nb, 16]: low nibble value j, high value j+16."""
+    return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+
+
+def _bits(x: np.ndarray, n: int) -> np.ndarray:
+    """u32 [...] -> u8 [..., n]: bit i of each word."""
+    return ((x[..., None] >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k4_scales(sc: np.ndarray):
+    """12 packed bytes of q4_K / q5_K -> (scales, mins) u8 [..., 8], 6 bits each."""
+    s = sc.astype(np.uint8)
+    lo_sc = s[..., 0:4] & 63
+    lo_mn = s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return np.concatenate([lo_sc, hi_sc], -1), np.concatenate([lo_mn, hi_mn], -1)
+
+
+def _q3k_scales(sc: np.ndarray) -> np.ndarray:
+    """12 packed bytes of q3_K -> signed scales i32 [..., 16] (6 bits, minus 32)."""
+    s = sc.astype(np.int32)
+    out = np.empty(sc.shape[:-1] + (16,), np.int32)
+    for j in range(16):
+        low = (s[..., j % 8] >> (4 * (j // 8))) & 15
+        high = (s[..., 8 + j % 4] >> (2 * (j // 4))) & 3
+        out[..., j] = (low | (high << 4)) - 32
+    return out
+
+
+def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]]:
+    """raw u8 [m, row_bytes] of type t -> (kind, arrays) for the matmul kernels."""
+    m = raw.shape[0]
+    t = GGMLType(t)
+    if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        if t == GGMLType.F32:
+            w = raw.view(np.float32)
+        elif t == GGMLType.F16:
+            w = raw.view(np.float16).astype(np.float32)
+        else:
+            w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return "f32", (_interleave(w.reshape(m, k), m),)
+
+    if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
+        nb = k // 32
+        bsz = raw.shape[1] // nb
+        blk = raw.reshape(m, nb, bsz)
+        d = _f16(blk[..., 0:2])
+        if t in (GGMLType.Q4_0, GGMLType.Q4_1):
+            mn = -8.0 * d if t == GGMLType.Q4_0 else _f16(blk[..., 2:4])
+            qs = blk[..., bsz - 16:]
+            return "nib", (_interleave(qs, m), _interleave(d, m), _interleave(mn.astype(np.float32), m))
+        if t == GGMLType.Q8_0:
+            q = blk[..., 2:].view(np.int8)
+            mn = np.zeros_like(d)
+        elif t == GGMLType.IQ4_NL:
+            qs = blk[..., 2:]
+            q = IQ4_NL_VALUES[np.concatenate([qs & 15, qs >> 4], -1)]
+            mn = np.zeros_like(d)
+        else:  # q5_0, q5_1: nibble plus a fifth bit from the 32-bit qh word
+            off = 2 if t == GGMLType.Q5_0 else 4
+            qh = _bits(_u32(blk[..., off:off + 4]), 32)
+            qs = blk[..., off + 4:]
+            q = np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)
+            if t == GGMLType.Q5_0:
+                q = q.astype(np.int8) - np.int8(16)
+                mn = np.zeros_like(d)
+            else:
+                mn = _f16(blk[..., 2:4])
+            q = q.astype(np.int8)
+        return "i8", (_interleave(np.ascontiguousarray(q), m), _interleave(d, m), _interleave(mn, m))
+
+    nsb = k // 256
+    blk = raw.reshape(m, nsb, raw.shape[1] // nsb)
+    if t in (GGMLType.Q4_K, GGMLType.Q5_K):
+        d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        sc, mnq = _k4_scales(blk[..., 4:16])
+        ds = (d[..., None] * sc).reshape(m, nsb * 8)  # [m, nb] per 32-value sub-block
+        mn = -(dmin[..., None] * mnq).reshape(m, nsb * 8)
+        qs = blk[..., -128:].reshape(m, nsb, 4, 32)  # 4 chunks of 64 values
+        q = np.stack([qs & 15, qs >> 4], 3)  # [m, nsb, 4, 2, 32]: sub-block 2c, 2c+1
+        if t == GGMLType.Q4_K:
+            q = q.reshape(m, nsb * 8, 32)
+            return "nib", (_interleave(_nib_from_values(q), m), _interleave(ds, m), _interleave(mn, m))
+        qh = blk[..., 16:48]  # [m, nsb, 32]: bit 2c / 2c+1 -> chunk c low / high
+        hb = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+        q = q + (hb.reshape(m, nsb, 4, 2, 32) << 4)
+        q = q.reshape(m, nsb * 8, 32).astype(np.int8)
+        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(mn, m))
+
+    if t == GGMLType.Q6_K:
+        ql, qh = blk[..., 0:128].reshape(m, nsb, 2, 64), blk[..., 128:192].reshape(m, nsb, 2, 32)
+        sc = blk[..., 192:208].view(np.int8).astype(np.float32)  # [m, nsb, 16]
+        d = _f16(blk[..., 208:210])
+        # [m, nsb, 2 halves of 128, 4 quarters of 32, 32]
+        lo = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], 3)
+        hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 3)
+        q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+        q = q.reshape(m, nsb * 16, 16)
+        ds = (d[..., None] * sc).reshape(m, nsb * 16)
+        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(np.zeros_like(ds), m))
+
+    if t == GGMLType.Q3_K:
+        hm, qs = blk[..., 0:32], blk[..., 32:96].reshape(m, nsb, 2, 32)
+        sc = _q3k_scales(blk[..., 96:108]).astype(np.float32)
+        d = _f16(blk[..., 108:110])
+        low = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3)  # [m, nsb, 2, 4, 32]
+        hbit = ((hm[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
+        hbit = hbit.reshape(m, nsb, 2, 4, 32)
+        q = low.astype(np.int8) - (4 * (1 - hbit)).astype(np.int8)
+        q = q.reshape(m, nsb * 16, 16)
+        ds = (d[..., None] * sc).reshape(m, nsb * 16)
+        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(np.zeros_like(ds), m))
+
+    if t == GGMLType.Q2_K:
+        sc, qs = blk[..., 0:16], blk[..., 16:80].reshape(m, nsb, 2, 32)
+        d, dmin = _f16(blk[..., 80:82]), _f16(blk[..., 82:84])
+        q = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3).astype(np.int8)
+        q = q.reshape(m, nsb * 16, 16)
+        ds = (d[..., None] * (sc & 15)).reshape(m, nsb * 16)
+        mn = -(dmin[..., None] * (sc >> 4)).reshape(m, nsb * 16)
+        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(mn, m))
+
+    raise ValueError(f"matmul: ggml type {t.name} is not supported for weights")
