@@ -319,24 +319,24 @@ class GGUFFile:
 
     def _read_tensor_info(self, cur: _Cursor, i: int):
         name = cur.string(f"tensor #{i} (name)")
-        n_dims = cur.u32(f"{name} (n_dims)")
+        n_dims = cur.u32(f"tensor {name} (n_dims)")
         if not 1 <= n_dims <= MAX_DIMS:
-            self._fail(name, f"n_dims {n_dims} not in 1..{MAX_DIMS}")
-        shape = tuple(cur.u64(f"{name} (dims)") for _ in range(n_dims))
+            self._fail(f"tensor {name}", f"n_dims {n_dims} not in 1..{MAX_DIMS}")
+        shape = tuple(cur.u64(f"tensor {name} (dims)") for _ in range(n_dims))
         n = 1
         for d in shape:
             if d == 0:
-                self._fail(name, f"dimension of size 0 in shape {list(shape)}")
+                self._fail(f"tensor {name}", f"dimension of size 0 in shape {list(shape)}")
             if d > INT64_MAX // n:
-                self._fail(name, f"element count of shape {list(shape)} overflows int64")
+                self._fail(f"tensor {name}", f"element count of shape {list(shape)} overflows int64")
             n *= d
-        t = cur.u32(f"{name} (type)")
+        t = cur.u32(f"tensor {name} (type)")
         info = _known_type(t)
         if info is None:
-            self._fail(name, f"unknown ggml type id {t}")
+            self._fail(f"tensor {name}", f"unknown ggml type id {t}")
         if shape[0] % info.block_size:
-            self._fail(name, f"row length {shape[0]} is not a multiple of the {info.name} block size {info.block_size}")
-        offset = cur.u64(f"{name} (offset)")
+            self._fail(f"tensor {name}", f"row length {shape[0]} is not a multiple of the {info.name} block size {info.block_size}")
+        offset = cur.u64(f"tensor {name} (offset)")
         nbytes = n // info.block_size * info.type_size
         return name, shape, t, info, offset, nbytes
 
@@ -345,11 +345,11 @@ class GGUFFile:
         arr = np.frombuffer(self._mm, dtype=np.uint8)  # read-only: the mmap is ACCESS_READ
         for name, shape, t, info, offset, nbytes in infos:
             if name in self.tensors:
-                self._fail(name, "duplicate tensor name")
+                self._fail(f"tensor {name}", "duplicate tensor name")
             if offset % self.alignment:
-                self._fail(name, f"data offset {offset} is not a multiple of the alignment {self.alignment}")
+                self._fail(f"tensor {name}", f"data offset {offset} is not a multiple of the alignment {self.alignment}")
             if offset > data_size or nbytes > data_size - offset:
-                self._fail(name, f"data [{offset}, {offset + nbytes}) lies outside the data section "
+                self._fail(f"tensor {name}", f"data [{offset}, {offset + nbytes}) lies outside the data section "
                                  f"({max(data_size, 0)} bytes)")
             row = shape[0] // info.block_size * info.type_size
             start = self.data_offset + offset
@@ -358,7 +358,7 @@ class GGUFFile:
         prev = None
         for ti in sorted(self.tensors.values(), key=lambda x: x.offset):
             if prev is not None and ti.offset < prev.offset + prev.nbytes:
-                self._fail(ti.name, f"data at offset {ti.offset} overlaps tensor {_show(prev.name)} "
+                self._fail(f"tensor {ti.name}", f"data at offset {ti.offset} overlaps tensor {_show(prev.name)} "
                                     f"[{prev.offset}, {prev.offset + prev.nbytes})")
             prev = ti
 

@@ -224,12 +224,12 @@ def validate_tensors(gf: GGUFFile, hp: HParams) -> None:
         ti = gf.tensors.get(name)
         if ti is None:
             if required:
-                gf.fail(name, f"required tensor missing for {hp.arch}")
+                gf.fail(f"tensor {name}", f"missing (required for {hp.arch})")
             continue
         if tuple(ti.shape) != shape:
-            gf.fail(name, f"shape {list(ti.shape)} does not match the metadata, expected {list(shape)}")
+            gf.fail(f"tensor {name}", f"shape {list(ti.shape)} does not match the metadata, expected {list(shape)}")
         if int(ti.ggml_type) not in TYPES:
-            gf.fail(name, f"tensor type {type_name(ti.ggml_type)} is not supported by kvchat")
+            gf.fail(f"tensor {name}", f"type {type_name(ti.ggml_type)} is not supported by kvchat")
 
 
 # ---------------------------------------------------------------------- key helpers
