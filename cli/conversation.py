@@ -1,0 +1,439 @@
+"""A conversation on top of one sequence of a Context: messages in, streamed answers out.
+
+Two lists describe the state. `messages` is the chat as the user sees it. `tokens` is that chat
+as tokens *as if nothing had ever been dropped*; context shifts remove one contiguous run
+`tokens[n_keep_shift : n_keep_shift + n_dropped]` from the cache, so the cache holds
+`tokens[:n_keep_shift] + tokens[n_keep_shift + n_dropped:]` at positions 0, 1, 2, ...
+
+Each turn renders the messages through the chat template, compares the result with `tokens`,
+keeps the common prefix (`seq_rm` of the rest) and decodes only what is new — so a follow-up
+costs its own tokens, and /undo, /system or a re-tokenized answer cost only from the first
+difference on. When the cache is full, the overflow policy applies: with context shift, keep the
+first n_keep tokens, drop half of the rest (`seq_rm` + `seq_add` with a negative delta) and go on;
+without it, stop the answer. A prompt that cannot fit at all is refused with both numbers.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.errors import KvchatError
+
+
+class PromptTooLong(KvchatError):
+    """The new tokens of a turn cannot fit in the context, even after dropping old ones."""
+
+
+class Interrupted(Exception):
+    """The user stopped a prompt evaluation (Ctrl-C); the cache holds what was decoded before."""
+
+
+class DecodeError(KvchatError):
+    """Context.decode failed in a way the user cannot fix by retrying."""
+
+
+@dataclass
+class TurnStats:
+    n_prompt: int = 0         # tokens decoded before the answer (new ones only)
+    t_prompt: float = 0.0     # seconds
+    n_gen: int = 0            # answer tokens sampled
+    n_gen_decoded: int = 0    # answer tokens decoded (the last one usually is not)
+    t_gen: float = 0.0
+    n_shifted: int = 0        # tokens dropped by context shifts during this turn
+    stop: str = ""            # "eog" | "limit" | "interrupted" | "ctx_full"
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.t_prompt if self.t_prompt > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.n_gen_decoded / self.t_gen if self.t_gen > 0 else 0.0
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass
+class ConversationConfig:
+    n_predict: int = -1            # most answer tokens (-1: until end of turn)
+    context_shift: bool = True
+    keep: int | None = None        # None: the system prompt; -1: the whole first prompt
+    ignore_eos: bool = False
+    raw: bool = False              # plain completion: no template, the prompt is the text
+    system_prompt: str | None = None
+
+
+class Conversation:
+    """Messages, the token mirror of the cache, the overflow policy, and the generation loop.
+
+    ctx: a Context (decode, get_logits_ith, memory, n_ctx, cparams.n_batch).
+    vocab: a Vocab; template: a ChatTemplate or None (raw mode); sampler: runtime.sampling.Sampler.
+    notify(text): one-line notices for the user (context shifts, stops).
+    """
+
+    def __init__(self, ctx, vocab, template, sampler, config: ConversationConfig | None = None,
+                 seq_id: int = 0, notify=None, batch_factory=None, stream_decoder=None,
+                 stop_event: threading.Event | None = None):
+        self.ctx = ctx
+        self.vocab = vocab
+        self.template = template
+        self.sampler = sampler
+        self.config = config or ConversationConfig()
+        self.seq_id = seq_id
+        self.notify = notify or (lambda text: None)
+        if batch_factory is None:
+            from runtime.batch import Batch
+            batch_factory = Batch.one_seq
+        self._batch = batch_factory
+        if stream_decoder is None:
+            from runtime.vocab import StreamDecoder as stream_decoder
+        self._stream_decoder = stream_decoder
+        # set from a signal handler: stop at the next token (and, via the Context's abort
+        # callback, inside a long prompt evaluation)
+        self.stop_event = stop_event or threading.Event()
+        self.messages: list[dict] = []
+        if self.config.system_prompt:
+            self.messages.append({"role": "system", "content": self.config.system_prompt})
+        self.tokens: list[int] = []
+        self.n_dropped = 0
+        self.n_keep_shift = 0
+        self.logits: np.ndarray | None = None  # f32 [n_vocab] after the last decoded token
+        self._regen = None  # (index in tokens where the last answer starts, logits there, n_dropped)
+        self._first_prompt_len = 0
+        self._n_keep_cache = None  # (system text, n_keep)
+        self.last_stats = TurnStats()
+        eog = sorted(int(t) for t in getattr(vocab, "eog", ()) or ())
+        self._eog_ids = np.asarray(eog, dtype=np.int64)
+
+    # ---- views -------------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.ctx.n_ctx)
+
+    @property
+    def n_cached(self) -> int:
+        """Tokens of this conversation held in the cache."""
+        return len(self.tokens) - self.n_dropped
+
+    def cached_tokens(self) -> list[int]:
+        if not self.n_dropped:
+            return list(self.tokens)
+        return self.tokens[:self.n_keep_shift] + self.tokens[self.n_keep_shift + self.n_dropped:]
+
+    def _recent(self, n: int) -> list[int]:
+        if n < 0:
+            return self.cached_tokens()
+        if n <= self.n_cached - self.n_keep_shift or not self.n_dropped:
+            return self.tokens[-n:] if n else []
+        return self.cached_tokens()[-n:]
+
+    @property
+    def system_prompt(self) -> str | None:
+        if self.messages and self.messages[0]["role"] == "system":
+            return self.messages[0]["content"]
+        return None
+
+    # ---- templates → tokens ------------------------------------------------------------------
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """Template output → ids, parsing special tokens, without doubling a BOS the text has."""
+        ids = list(self.vocab.tokenize(text, add_special=True, parse_special=not self.config.raw))
+        bos = getattr(self.vocab, "bos", None)
+        if len(ids) >= 2 and bos is not None and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        if self.config.raw or self.template is None:
+            return self.tokenize_prompt("".join(m["content"] for m in messages if m["role"] != "system"))
+        return self.tokenize_prompt(self.template.render(messages, add_generation_prompt=add_generation_prompt))
+
+    def n_keep(self) -> int:
+        """How many leading tokens a context shift keeps.
+
+        Default: everything the template puts before the first user's words (the system prompt,
+        the model's default one included), found as the common prefix of two renderings that
+        differ only in that first user message. -1: the whole first prompt.
+        """
+        keep = self.config.keep
+        if keep is not None and keep >= 0:
+            return keep
+        if keep == -1:
+            return self._first_prompt_len
+        if self.config.raw or self.template is None:
+            bos = getattr(self.vocab, "bos", None)
+            return 1 if self.tokens and self.tokens[0] == bos and getattr(self.vocab, "add_bos", False) else 0
+        system = self.system_prompt
+        if self._n_keep_cache is None or self._n_keep_cache[0] != system:
+            head = [m for m in self.messages[:1] if m["role"] == "system"]
+            a = self.render(head + [{"role": "user", "content": "A"}])
+            b = self.render(head + [{"role": "user", "content": "Z"}])
+            self._n_keep_cache = (system, common_prefix(a, b))
+        return self._n_keep_cache[1]
+
+    # ---- cache edits -------------------------------------------------------------------------
+
+    def _rewind(self, p: int) -> None:
+        """Keep tokens[:p] (indices of the undropped list) and remove the rest from the cache."""
+        mem = self.ctx.memory
+        if self.n_dropped and p < self.n_keep_shift + self.n_dropped:
+            # the kept part differs inside the dropped run: the cache cannot serve it
+            p = min(p, self.n_keep_shift)
+            mem.seq_rm(self.seq_id, p, -1)
+            self.tokens = self.tokens[:p]
+            self.n_dropped = 0
+            self.n_keep_shift = 0
+        else:
+            mem.seq_rm(self.seq_id, p - self.n_dropped, -1)
+            self.tokens = self.tokens[:p]
+        self.logits = None
+        self._regen = None
+
+    def context_shift(self, n_needed: int = 1) -> int:
+        """Drop half of the tokens after n_keep (repeatedly) until n_needed more fit. Returns the count."""
+        n_keep = self.n_keep_shift if self.n_dropped else min(self.n_keep(), self.n_cached)
+        total = 0
+        mem = self.ctx.memory
+        while self.n_cached + n_needed > self.n_ctx:
+            n_left = self.n_cached - n_keep
+            if n_left <= 0:
+                break
+            n_discard = max(1, n_left // 2)
+            mem.seq_rm(self.seq_id, n_keep, n_keep + n_discard)
+            mem.seq_add(self.seq_id, n_keep + n_discard, self.n_cached, -n_discard)
+            self.n_keep_shift = n_keep
+            self.n_dropped += n_discard
+            total += n_discard
+        if total:
+            self.notify(f"context full: dropped {total} tokens after the first {n_keep} to make room")
+        return total
+
+    def _can_shift(self) -> bool:
+        mem = self.ctx.memory
+        can = getattr(mem, "get_can_shift", None)
+        return self.config.context_shift and (can() if callable(can) else True)
+
+    def _decode(self, ids: list[int]) -> None:
+        """Decode ids at the end of the cache, in n_batch chunks; logits of the last one kept."""
+        n_batch = int(getattr(getattr(self.ctx, "cparams", None), "n_batch", 0) or len(ids) or 1)
+        for i in range(0, len(ids), n_batch):
+            chunk = ids[i:i + n_batch]
+            batch = self._batch(np.asarray(chunk, dtype=np.int32), self.n_cached, self.seq_id)
+            rc = self.ctx.decode(batch)
+            if rc == 2:
+                raise Interrupted()
+            if rc == 1:
+                raise DecodeError(f"no room in the KV cache for {len(chunk)} tokens "
+                                  f"({self.n_cached}/{self.n_ctx} used)")
+            if rc != 0:
+                raise DecodeError(f"decode failed with code {rc}")
+            self.tokens.extend(int(t) for t in chunk)
+            self.logits = np.array(self.ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
+
+    def prefill(self, desired: list[int]) -> int:
+        """Make the cache hold `desired` (full-list indices), decoding only what differs.
+
+        Returns the number of tokens decoded. Raises PromptTooLong before touching anything
+        when the new tokens cannot fit.
+        """
+        if not desired:
+            raise KvchatError("the prompt is empty")
+        p = common_prefix(self.tokens, desired)
+        if p >= len(desired):
+            p = len(desired) - 1  # re-decode the last token: its logits start the answer
+        if self.n_dropped and p < self.n_keep_shift + self.n_dropped:
+            base = min(p, self.n_keep_shift)  # what survives a rebuild
+        else:
+            base = p - self.n_dropped
+        n_new = len(desired) - p
+        shift = self._can_shift()
+        keep = min(self.n_keep(), base) if shift else base
+        if n_new + keep > self.n_ctx or (not shift and base + n_new > self.n_ctx):
+            room = self.n_ctx - keep
+            raise PromptTooLong(f"the prompt needs {n_new} new tokens but only {room} fit in the "
+                                f"context of {self.n_ctx} tokens; shorten it, /clear, or raise -c")
+        self._rewind(p)
+        if self.n_cached + n_new > self.n_ctx:
+            self.last_stats.n_shifted += self.context_shift(n_new)
+        self._decode(desired[p:])
+        return n_new
+
+    # ---- turns -------------------------------------------------------------------------------
+
+    def ask(self, text: str, on_text=None) -> TurnStats:
+        """Add a user message, evaluate the prompt, stream the answer. Returns the turn's stats.
+
+        On Interrupted during the prompt the message is withdrawn; on PromptTooLong nothing changed.
+        """
+        self.stop_event.clear()
+        self.messages.append({"role": "user", "content": text})
+        try:
+            desired = self.render(self.messages)
+            stats = self.last_stats = TurnStats()
+            t0 = time.perf_counter()
+            if not any(m["role"] == "assistant" for m in self.messages):
+                self._first_prompt_len = len(desired)
+            stats.n_prompt = self.prefill(desired)
+            stats.t_prompt = time.perf_counter() - t0
+        except BaseException:
+            self.messages.pop()
+            raise
+        self._regen = (len(self.tokens), self.logits.copy(), self.n_dropped)
+        return self._answer(stats, on_text)
+
+    def regenerate(self, on_text=None) -> TurnStats:
+        """Drop the last answer and sample a new one from the same prompt (no prompt re-decode
+        when the prompt's logits are still at hand; else only its last token is re-decoded)."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise KvchatError("nothing to regenerate: there is no answer yet")
+        self.stop_event.clear()
+        self.messages.pop()
+        stats = self.last_stats = TurnStats()
+        if self._regen is not None and self._regen[2] == self.n_dropped:
+            start, logits, _ = self._regen
+            self.ctx.memory.seq_rm(self.seq_id, start - self.n_dropped, -1)
+            self.tokens = self.tokens[:start]
+            self.logits = logits.copy()
+        else:
+            t0 = time.perf_counter()
+            stats.n_prompt = self.prefill(self.render(self.messages))
+            stats.t_prompt = time.perf_counter() - t0
+            self._regen = (len(self.tokens), self.logits.copy(), self.n_dropped)
+        return self._answer(stats, on_text)
+
+    def _answer(self, stats: TurnStats, on_text) -> TurnStats:
+        on_text = on_text or (lambda s: None)
+        decoder = self._stream_decoder(self.vocab)
+        pieces: list[str] = []
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            while True:
+                if self.stop_event.is_set():
+                    stats.stop = "interrupted"
+                    break
+                if self.n_cached + 1 > self.n_ctx:
+                    if not self._can_shift():
+                        stats.stop = "ctx_full"
+                        self.notify(f"context full ({self.n_cached}/{self.n_ctx} tokens) and context "
+                                    "shift is off: answer stopped (/clear, or restart with a larger -c)")
+                        break
+                    stats.n_shifted += self.context_shift(1)
+                    if self.n_cached + 1 > self.n_ctx:
+                        stats.stop = "ctx_full"
+                        break
+                logits = self.logits
+                if cfg.ignore_eos and self._eog_ids.size:
+                    logits = logits.copy()
+                    logits[self._eog_ids[self._eog_ids < logits.shape[0]]] = -np.inf
+                tok = self.sampler.sample(logits, self._recent(self.sampler.params.repeat_last_n))
+                if not cfg.ignore_eos and self.vocab.is_eog(tok):
+                    stats.stop = "eog"
+                    break
+                stats.n_gen += 1
+                piece = decoder.feed(tok)
+                if piece:
+                    pieces.append(piece)
+                    on_text(piece)
+                if 0 <= cfg.n_predict <= stats.n_gen:
+                    stats.stop = "limit"
+                    break
+                try:
+                    self._decode([tok])
+                except Interrupted:
+                    stats.stop = "interrupted"
+                    break
+                stats.n_gen_decoded += 1
+        finally:
+            tail = decoder.flush()
+            if tail:
+                pieces.append(tail)
+                on_text(tail)
+            stats.t_gen = time.perf_counter() - t0
+            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+        return stats
+
+    # ---- editing the conversation --------------------------------------------------------------
+
+    def _sync_to_messages(self) -> None:
+        """Remove from the cache whatever no longer matches the messages (used after edits)."""
+        if len(self.messages) <= (1 if self.system_prompt is not None else 0):
+            self.clear(keep_system=True)
+            return
+        self._rewind(common_prefix(self.tokens, self.render(self.messages, add_generation_prompt=False)))
+
+    def undo(self) -> int:
+        """Drop the last exchange (user message and its answer). Returns messages removed."""
+        idx = max((i for i, m in enumerate(self.messages) if m["role"] == "user"), default=None)
+        if idx is None:
+            raise KvchatError("nothing to undo")
+        removed = len(self.messages) - idx
+        del self.messages[idx:]
+        self._sync_to_messages()
+        return removed
+
+    def clear(self, keep_system: bool = True) -> None:
+        """A new conversation: messages (but the system prompt) and the sequence's cache emptied."""
+        self.ctx.memory.seq_rm(self.seq_id, -1, -1)
+        self.messages = [m for m in self.messages[:1] if keep_system and m["role"] == "system"]
+        self.tokens = []
+        self.n_dropped = 0
+        self.n_keep_shift = 0
+        self.logits = None
+        self._regen = None
+        self._first_prompt_len = 0
+
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt; the cache is fixed lazily at the next turn (prefix compare)."""
+        if self.system_prompt is not None:
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+        self._n_keep_cache = None
+
+    # ---- sessions ----------------------------------------------------------------------------
+
+    def session_state(self) -> dict:
+        """What a session file needs from the conversation (besides identity and config)."""
+        return {
+            "messages": [dict(m) for m in self.messages],
+            "tokens": list(self.tokens),
+            "n_dropped": self.n_dropped,
+            "n_keep": self.n_keep_shift,
+            "state": self.ctx.state_seq_get_data(self.seq_id),
+        }
+
+    def restore(self, messages, tokens, n_dropped: int, n_keep: int, state: bytes) -> None:
+        """Replace the conversation with a validated session; on refusal nothing changes."""
+        before = self.ctx.state_seq_get_data(self.seq_id)
+        consumed = self.ctx.state_seq_set_data(state, self.seq_id)
+        n_cached = len(tokens) - n_dropped
+        ok = consumed == len(state) and (
+            n_cached == 0 or self.ctx.memory.seq_pos_max(self.seq_id) == n_cached - 1)
+        if not ok:
+            if self.ctx.state_seq_set_data(before, self.seq_id) != len(before) and before:
+                raise KvchatError("the memory state was refused and the previous one could not be "
+                                  "put back; use /clear")
+            from runtime.errors import SessionError
+            raise SessionError("the saved memory state does not fit this context "
+                               "(refused; the conversation is unchanged)")
+        self.messages = [dict(m) for m in messages]
+        self.tokens = [int(t) for t in tokens]
+        self.n_dropped = int(n_dropped)
+        self.n_keep_shift = int(n_keep) if n_dropped else 0
+        self.logits = None
+        self._regen = None
+        self._n_keep_cache = None
+        self._first_prompt_len = 0

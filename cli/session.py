@@ -1,0 +1,226 @@
+"""Session files: a conversation saved to disk and resumed without re-processing its tokens.
+
+Layout (all integers little-endian):
+
+    magic    8 bytes  b"KVCHATSS"
+    version  u32      FORMAT_VERSION
+    hlen     u32      length of the JSON header
+    header   hlen     UTF-8 JSON: model identity, cache configuration, messages, sampling
+                      settings, the token list, and the context-shift bookkeeping
+    slen     u64      length of the memory state
+    state    slen     Context.state_seq_get_data(seq) of the conversation's sequence
+    digest   32 bytes sha256 of everything above
+
+The digest makes truncation and corruption detectable before anything is parsed; the header
+is then checked against the live model and cache configuration, so `load_session` either
+returns a `SessionData` the caller can apply, or raises SessionError with a one-line reason —
+it never touches a context. Writes go to a temp file in the same directory, are fsynced, and
+renamed over the target: an interrupted save leaves the previous file as it was.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import SessionError
+
+MAGIC = b"KVCHATSS"
+FORMAT_VERSION = 1
+_DIGEST = 32
+_FIXED = len(MAGIC) + 4 + 4  # magic, version, header length
+HEADER_FALLBACK_BYTES = 16 << 20  # hashed when a GGUF reader gives no data offset
+
+
+@dataclass
+class SessionData:
+    """Everything a session file holds, in memory."""
+    model: dict            # model_identity(): file, size, header_sha256
+    cache: dict            # cache_config(): n_ctx, type_k, type_v, flash_attn, swa_full
+    messages: list         # [{"role": ..., "content": ...}, ...]
+    sampling: dict         # SamplingParams.to_dict()
+    tokens: list           # the conversation's tokens as if nothing had been dropped
+    n_dropped: int = 0     # tokens removed by context shifts, right after the first n_keep
+    n_keep: int = 0        # the kept prefix the shifts preserved
+    state: bytes = b""     # the sequence's memory state
+    extra: dict = field(default_factory=dict)  # free-form (e.g. the system prompt flag)
+
+
+def model_identity(path, data_offset: int | None = None) -> dict:
+    """Identify a model file: name, size, and sha256 of its header (metadata + tensor table).
+
+    data_offset: where tensor data starts (GGUFFile.data_offset); the bytes before it are the
+    header. Without it the first HEADER_FALLBACK_BYTES are hashed.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    n = data_offset if data_offset else min(size, HEADER_FALLBACK_BYTES)
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        left = n
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return {"file": p.name, "size": size, "header_sha256": h.hexdigest()}
+
+
+def cache_config(cparams) -> dict:
+    """The parts of the resolved context parameters a memory state depends on."""
+    from kernels.ggml_types import type_info
+    return {
+        "n_ctx": int(cparams.n_ctx),
+        "type_k": type_info(cparams.type_k).name,
+        "type_v": type_info(cparams.type_v).name,
+        "flash_attn": bool(cparams.flash_attn),
+        "swa_full": bool(cparams.swa_full),
+    }
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+def encode_session(data: SessionData) -> bytes:
+    header = json.dumps({
+        "model": data.model, "cache": data.cache, "messages": data.messages,
+        "sampling": data.sampling, "tokens": [int(t) for t in data.tokens],
+        "n_dropped": int(data.n_dropped), "n_keep": int(data.n_keep), "extra": data.extra,
+    }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    body = b"".join([MAGIC, struct.pack("<II", FORMAT_VERSION, len(header)), header,
+                     struct.pack("<Q", len(data.state)), bytes(data.state)])
+    return body + hashlib.sha256(body).digest()
+
+
+def atomic_write(path, blob: bytes) -> None:
+    """Write blob to path so that readers see the old file or the whole new one, never a mix."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        try:  # make the rename itself durable
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def save_session(path, data: SessionData) -> int:
+    """Encode and write atomically; returns the file size. SessionError if it cannot be written."""
+    blob = encode_session(data)
+    try:
+        atomic_write(path, blob)
+    except OSError as e:
+        raise SessionError(f"cannot write session file {path}: {e.strerror or e}") from None
+    return len(blob)
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+def decode_session(blob: bytes, where: str = "session file") -> SessionData:
+    """Parse and check the structure of a session file; SessionError with the first problem."""
+    if len(blob) < _FIXED + 8 + _DIGEST:
+        raise SessionError(f"{where}: truncated ({len(blob)} bytes) or not a kvchat session file")
+    if blob[:len(MAGIC)] != MAGIC:
+        raise SessionError(f"{where}: not a kvchat session file (bad magic)")
+    version, hlen = struct.unpack_from("<II", blob, len(MAGIC))
+    if version != FORMAT_VERSION:
+        raise SessionError(f"{where}: format version {version}, this kvchat reads version {FORMAT_VERSION}")
+    body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
+    if hlen > len(body) - _FIXED - 8:
+        raise SessionError(f"{where}: truncated (header runs past the end of the file)")
+    (slen,) = struct.unpack_from("<Q", body, _FIXED + hlen)
+    expected = _FIXED + hlen + 8 + slen + _DIGEST
+    if expected != len(blob):
+        kind = "truncated" if len(blob) < expected else "has trailing bytes"
+        raise SessionError(f"{where}: {kind} ({len(blob)} bytes, expected {expected})")
+    if hashlib.sha256(body).digest() != digest:
+        raise SessionError(f"{where}: corrupted (checksum mismatch)")
+    try:
+        h = json.loads(body[_FIXED:_FIXED + hlen].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SessionError(f"{where}: corrupted header ({e})") from None
+    _check_header(h, where)
+    state = body[_FIXED + hlen + 8:]
+    return SessionData(model=h["model"], cache=h["cache"], messages=h["messages"],
+                       sampling=h["sampling"], tokens=h["tokens"], n_dropped=h["n_dropped"],
+                       n_keep=h["n_keep"], state=bytes(state), extra=h.get("extra") or {})
+
+
+def _check_header(h, where: str) -> None:
+    def bad(what):
+        raise SessionError(f"{where}: invalid header ({what})")
+
+    if not isinstance(h, dict):
+        bad("not an object")
+    for key, typ in (("model", dict), ("cache", dict), ("messages", list), ("sampling", dict),
+                     ("tokens", list), ("n_dropped", int), ("n_keep", int)):
+        if not isinstance(h.get(key), typ):
+            bad(f"'{key}' missing or of the wrong type")
+    for m in h["messages"]:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            bad("a message lacks role or content")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in h["tokens"]):
+        bad("token ids must be non-negative integers")
+    n_keep, n_dropped = h["n_keep"], h["n_dropped"]
+    if n_keep < 0 or n_dropped < 0 or (n_dropped and n_keep + n_dropped > len(h["tokens"])):
+        bad("context-shift counters do not fit the token list")
+
+
+def read_session(path) -> SessionData:
+    """Read and structurally check a session file (no model/cache comparison)."""
+    p = Path(path)
+    try:
+        blob = p.read_bytes()
+    except FileNotFoundError:
+        raise SessionError(f"session file {p} does not exist") from None
+    except IsADirectoryError:
+        raise SessionError(f"session file {p} is a directory") from None
+    except OSError as e:
+        raise SessionError(f"cannot read session file {p}: {e.strerror or e}") from None
+    return decode_session(blob, where=str(p))
+
+
+def check_compatible(data: SessionData, model: dict, cache: dict, where: str, n_vocab: int | None = None) -> None:
+    """Raise SessionError unless the session belongs to this model and cache configuration."""
+    if data.model.get("file") != model["file"] or data.model.get("size") != model["size"] \
+            or data.model.get("header_sha256") != model["header_sha256"]:
+        raise SessionError(f"{where}: saved with model {data.model.get('file')} "
+                           f"({data.model.get('size')} bytes), not {model['file']} ({model['size']} bytes)")
+    for key in ("n_ctx", "type_k", "type_v", "flash_attn", "swa_full"):
+        if data.cache.get(key) != cache[key]:
+            flag = {"n_ctx": "-c", "type_k": "-ctk", "type_v": "-ctv", "flash_attn": "-fa",
+                    "swa_full": "--swa-full"}[key]
+            raise SessionError(f"{where}: saved with {key}={data.cache.get(key)}, this chat has "
+                               f"{key}={cache[key]} (restart with matching {flag})")
+    n_cached = len(data.tokens) - data.n_dropped
+    if n_cached > cache["n_ctx"]:
+        raise SessionError(f"{where}: holds {n_cached} cached tokens, more than n_ctx={cache['n_ctx']}")
+    if n_vocab is not None and any(t >= n_vocab for t in data.tokens):
+        raise SessionError(f"{where}: holds token ids outside this model's vocabulary ({n_vocab})")
+
+
+def load_session(path, model: dict, cache: dict, n_vocab: int | None = None) -> SessionData:
+    """Read, check structure and compatibility; SessionError with one line if anything is off."""
+    data = read_session(path)
+    check_compatible(data, model, cache, str(path), n_vocab)
+    return data
