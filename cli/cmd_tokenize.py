@@ -1,5 +1,32 @@
-"""Placeholder until the module's owner lands it (registers no command yet)."""
+"""`kvchat tokenize -m MODEL [--parse-special] [--no-bos] TEXT`: print the token ids as a JSON list.
+
+Only the vocabulary is read (no weights are touched), so this is quick even for large models; the
+ids are those llama.cpp's llama-tokenize prints for the same flags.
+"""
+import json
+import sys
+
+import typer
+
+from cli.models import resolve_model
+from runtime.gguf_file import GGUFFile
+from runtime.vocab import Vocab
 
 
-def register(app):
-    pass
+def register(app: typer.Typer) -> None:
+    @app.command("tokenize")
+    def tokenize(
+        text: str = typer.Argument(..., help='text to tokenize; "-" reads it from stdin'),
+        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a path to a .gguf file"),
+        parse_special: bool = typer.Option(False, "--parse-special",
+                                           help="turn texts like <|im_start|> into their special tokens"),
+        no_bos: bool = typer.Option(False, "--no-bos", help="do not add the BOS/EOS tokens the model asks for"),
+    ):
+        """Print the token ids of TEXT as a JSON list."""
+        if text == "-":
+            text = sys.stdin.read()
+        path = resolve_model(model)
+        with GGUFFile(path) as gf:
+            vocab = Vocab.from_gguf(gf)
+        ids = vocab.tokenize(text, add_special=not no_bos, parse_special=parse_special)
+        print(json.dumps(ids))
