@@ -172,6 +172,7 @@ class GGUFFile:
     `metadata` values: int / float / bool / str; arrays of strings as list[str] (invalid UTF-8
     bytes kept via surrogateescape), numeric arrays as numpy arrays (copied, native order),
     arrays of arrays as lists. `value_types[key]` is (type, element type or None).
+    `raw` is the whole file as a read-only u8 array; every tensor's `data` is a slice of it.
     Tensors share one read-only mmap; `close()` drops our reference — the mapping itself stays
     until the last view (e.g. held by model weights) is gone.
     """
@@ -204,6 +205,7 @@ class GGUFFile:
         """Forget the mapping (unmapped now if no tensor view is alive, else when the last goes)."""
         mm, self._mm = self._mm, None
         self.tensors = {}
+        self.raw = None
         if mm is not None:
             try:
                 mm.close()
@@ -342,7 +344,8 @@ class GGUFFile:
 
     def _place_tensors(self, infos) -> None:
         data_size = self.file_size - self.data_offset
-        arr = np.frombuffer(self._mm, dtype=np.uint8)  # read-only: the mmap is ACCESS_READ
+        # the whole file as u8, read-only (the mmap is ACCESS_READ); every tensor is a slice of it
+        self.raw = arr = np.frombuffer(self._mm, dtype=np.uint8)
         for name, shape, t, info, offset, nbytes in infos:
             if name in self.tensors:
                 self._fail(f"tensor {name}", "duplicate tensor name")
