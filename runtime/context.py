@@ -1,0 +1,253 @@
+"""The inference context (llama_context): decode(), outputs, state, memory reporting.
+
+decode(batch) either fully succeeds or leaves memory as it was:
+  1. BatchAllocator.init validates and completes the batch            (invalid -> -1)
+  2. pending memory updates (K-shift, stream copies) are applied
+  3. memory.init_batch splits it and finds slots in a dry run; on FAILED_PREPARE one
+     optimize pass (compaction) and a retry                           (no room -> 1, untouched)
+  4. per ubatch: mctx.apply() (the only mutation), abort check, model.forward(ubatch, mctx)
+     -> logits rows of the ubatch's outputs, mctx.next()
+  5. any failure after an apply() rolls back everything this call placed   (2 / -2 / -3)
+The model is anything with `.hparams` and `.forward(ubatch, mctx) -> f32 [n_outputs, n_vocab]`.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from runtime.batch import Batch, BatchAllocator
+from runtime.cparams import ContextParams, resolve_cparams
+from runtime.memory import MemoryStatus, create_memory
+
+log = logging.getLogger(__name__)
+
+STATE_SEQ_MAGIC = 0xAF143CD8  # llama.cpp's io_magic at the head of a sequence state blob
+
+
+class DecodeAborted(Exception):
+    """Raised by a forward pass (or seen by Context) when the abort callback asked to stop."""
+
+
+class Context:
+    """One model + one memory + the outputs of the last decode."""
+
+    def __init__(self, model, params: ContextParams | None = None, abort_callback=None):
+        self.model = model
+        self.hparams = model.hparams
+        self.params = params or ContextParams()
+        self.cparams = resolve_cparams(self.params, self.hparams)
+        self.memory = create_memory(self.hparams, self.cparams)
+        self.abort_callback = abort_callback
+        self.balloc = BatchAllocator()
+        self.n_vocab = int(self.hparams.n_vocab)
+        self.last_error = ""
+        self._logits = np.zeros((0, self.n_vocab), dtype=np.float32)  # [n_outputs, n_vocab]
+        self._n_outputs = 0
+        self._out_row = np.zeros(0, dtype=np.int64)  # batch index -> output row (-1: none)
+        self.n_threads = self.cparams.n_threads
+        if self.n_threads is not None:
+            self.set_n_threads(self.n_threads)
+
+    # ---- properties -------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cparams.n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        return self.cparams.n_ctx_seq
+
+    @property
+    def n_batch(self) -> int:
+        return self.cparams.n_batch
+
+    @property
+    def n_ubatch(self) -> int:
+        return self.cparams.n_ubatch
+
+    def set_n_threads(self, n: int) -> None:
+        import numba
+        n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(n)
+        self.n_threads = n
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    def memory_update(self, optimize: bool = False) -> bool:
+        """Apply pending memory updates; True if something was done."""
+        mctx = self.memory.init_update(optimize)
+        st = mctx.get_status()
+        if st == MemoryStatus.NO_UPDATE:
+            return False
+        if st != MemoryStatus.SUCCESS:
+            log.error("failed to prepare memory update")
+            return False
+        return bool(mctx.apply())
+
+    def _fail(self, code: int, msg: str) -> int:
+        self.last_error = msg
+        (log.warning if code == 1 else log.error)("decode: %s", msg)
+        return code
+
+    def decode(self, batch: Batch) -> int:
+        """0 ok; 1 no memory slot (memory untouched); 2 aborted; -1 invalid batch;
+        -2 allocation / memory failure; -3 compute failure. 2/-2/-3 leave memory as before."""
+        self.last_error = ""
+        if batch.n_tokens == 0:
+            return self._fail(-1, "n_tokens == 0")
+        if batch.n_tokens > self.cparams.n_batch:
+            return self._fail(-1, f"batch of {batch.n_tokens} tokens exceeds n_batch = "
+                                  f"{self.cparams.n_batch}")
+        balloc = self.balloc
+        if not balloc.init(batch, self.n_vocab, self.cparams.n_seq_max, self.memory):
+            return self._fail(-1, balloc.error)
+
+        self.memory_update(False)
+
+        did_optimize = False
+        while True:
+            mctx = self.memory.init_batch(balloc, self.cparams.n_ubatch)
+            st = mctx.get_status()
+            if st == MemoryStatus.SUCCESS:
+                break
+            if st == MemoryStatus.FAILED_PREPARE:
+                if not did_optimize:
+                    did_optimize = True
+                    if self.memory_update(True):
+                        continue
+                return self._fail(1, f"failed to find a memory slot for batch of size "
+                                     f"{balloc.get_n_tokens()}")
+            return self._fail(-2, f"unexpected memory context status {st.name}")
+
+        n_out = balloc.get_n_outputs()
+        if self._logits.shape[0] < n_out:
+            self._logits = np.empty((n_out, self.n_vocab), dtype=np.float32)
+        out_row = np.cumsum(balloc.output) - 1  # batch index -> output row
+        out_row[~balloc.output] = -1
+        self._n_outputs = 0  # outputs are invalid until the call succeeds
+
+        code = 0
+        try:
+            while True:
+                ub = mctx.get_ubatch()
+                mctx.apply()
+                if self.abort_callback is not None and self.abort_callback():
+                    raise DecodeAborted()
+                logits = self.model.forward(ub, mctx)
+                if ub.n_outputs:
+                    rows = out_row[ub.batch_idx[ub.output]]
+                    self._logits[rows] = logits[:ub.n_outputs]
+                if not mctx.next():
+                    break
+        except DecodeAborted:
+            code = 2
+            self.last_error = "decode aborted by the abort callback"
+        except MemoryError as e:
+            code = -2
+            self.last_error = f"out of memory during decode: {e}"
+        except Exception as e:  # a compute failure: report it, undo, return -3
+            log.exception("decode: compute failed")
+            code = -3
+            self.last_error = f"compute failed: {type(e).__name__}: {e}"
+        except BaseException:
+            mctx.rollback()  # KeyboardInterrupt & co: memory stays consistent, then re-raise
+            raise
+        if code != 0:
+            mctx.rollback()
+            log.warning("decode: %s - removed this call's entries from memory", self.last_error)
+            return code
+
+        self._n_outputs = n_out
+        self._out_row = out_row
+        return 0
+
+    # ---- outputs ----------------------------------------------------------------------------
+
+    def get_logits(self) -> np.ndarray:
+        """f32 [n_outputs, n_vocab]: the output rows of the last decode, in batch order."""
+        return self._logits[:self._n_outputs]
+
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """f32 [n_vocab]: logits of batch token i (must be an output); i < 0 counts from the
+        end of the outputs (-1 = last output)."""
+        if i < 0:
+            j = self._n_outputs + i
+            if j < 0:
+                raise IndexError(f"output index {i} out of range ({self._n_outputs} outputs)")
+            return self._logits[j]
+        if i >= self._out_row.shape[0]:
+            raise IndexError(f"token index {i} out of range ({self._out_row.shape[0]} tokens)")
+        j = int(self._out_row[i])
+        if j < 0 or j >= self._n_outputs:
+            raise IndexError(f"token {i} has no logits (it was not flagged as an output)")
+        return self._logits[j]
+
+    @property
+    def n_outputs(self) -> int:
+        return self._n_outputs
+
+    # ---- memory reporting -------------------------------------------------------------------
+
+    def memory_breakdown(self) -> dict:
+        """Bytes per buffer: the memory's K/V (per cache) plus the logits output buffer."""
+        mem = self.memory.memory_breakdown()
+        out_bytes = int(self._logits.nbytes)
+        return {"memory": mem, "output_bytes": out_bytes,
+                "total_bytes": int(mem["total_bytes"]) + out_bytes}
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_get_data(self) -> bytes:
+        """The whole memory state: model arch, then every stream's cells and K/V rows."""
+        from runtime.state import StateWriter
+        io = StateWriter()
+        io.write_string(str(self.hparams.arch))
+        self.memory.state_write(io, -1)
+        return io.getvalue()
+
+    def state_set_data(self, blob: bytes) -> int:
+        """Restore a state_get_data blob; bytes read, or 0 if refused (memory unchanged)."""
+        from runtime.state import StateError, StateReader
+        io = StateReader(blob)
+        try:
+            arch = io.read_string()
+            if arch != str(self.hparams.arch):
+                raise StateError(f"wrong model arch: '{arch}' instead of '{self.hparams.arch}'")
+            parsed = self.memory.state_parse(io, -1)
+            io.expect_end()  # all checks pass before anything changes
+            self.memory.state_apply(parsed, -1)
+        except StateError as e:
+            self.last_error = f"error loading state: {e}"
+            log.error("%s", self.last_error)
+            return 0
+        return io.n_read
+
+    def state_seq_get_data(self, seq_id: int) -> bytes:
+        """One sequence's state (its SWA-visible cells and their K/V rows)."""
+        from runtime.state import StateWriter
+        io = StateWriter()
+        io.write_u32(STATE_SEQ_MAGIC)
+        io.write_i32(seq_id)
+        self.memory.state_write(io, seq_id)
+        return io.getvalue()
+
+    def state_seq_set_data(self, blob: bytes, seq_id: int) -> int:
+        """Restore a sequence state into seq_id; bytes read, or 0 if refused (memory unchanged)."""
+        from runtime.state import StateError, StateReader
+        io = StateReader(blob)
+        try:
+            if not 0 <= seq_id < self.cparams.n_seq_max:
+                raise StateError(f"seq_id {seq_id} out of range [0, {self.cparams.n_seq_max})")
+            if io.read_u32() != STATE_SEQ_MAGIC:
+                raise StateError("wrong sequence state magic")
+            io.read_i32()  # the saved seq id: restored into seq_id instead
+            parsed = self.memory.state_parse(io, seq_id)
+            io.expect_end()
+            self.memory.state_apply(parsed, seq_id)
+        except StateError as e:
+            self.last_error = f"error loading sequence state: {e}"
+            log.error("%s", self.last_error)
+            return 0
+        return io.n_read

@@ -1,0 +1,135 @@
+"""The memory abstraction (llama-memory.h): what a Context needs of "the model's memory".
+
+A `Memory` turns a validated batch into a `MemoryContext` (init_batch): the ubatches plus where
+each goes, decided by a dry run that leaves the memory untouched. Only `MemoryContext.apply()`
+mutates memory - one ubatch at a time, right before its forward pass - so a decode that fails
+to find room changes nothing, and one that fails mid-way can be undone precisely.
+
+`create_memory` picks the implementation as llama_model::create_memory does for the
+architectures kvchat runs: a sliding-window model (n_swa > 0 and some SWA layers) gets the
+base + SWA cache pair, every other causal decoder a plain KV cache.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class MemoryStatus(IntEnum):
+    SUCCESS = 0
+    NO_UPDATE = 1
+    FAILED_PREPARE = 2
+    FAILED_COMPUTE = 3
+
+
+def status_is_fail(status: MemoryStatus) -> bool:
+    return status in (MemoryStatus.FAILED_PREPARE, MemoryStatus.FAILED_COMPUTE)
+
+
+def status_combine(s0: MemoryStatus, s1: MemoryStatus) -> MemoryStatus:
+    """Combined status of two memory contexts (iSWA): any failure wins, then any update."""
+    has_update = False
+    for s in (s0, s1):
+        if s == MemoryStatus.SUCCESS:
+            has_update = True
+        elif s != MemoryStatus.NO_UPDATE:
+            return s
+    return MemoryStatus.SUCCESS if has_update else MemoryStatus.NO_UPDATE
+
+
+class MemoryOpError(RuntimeError):
+    """A memory operation that cannot be done with this configuration (e.g. K-shift refused)."""
+
+
+class MemoryContext:
+    """The state needed to process one batch (or one memory update). Interface."""
+
+    def next(self) -> bool:  # consume the current ubatch; False when done
+        raise NotImplementedError
+
+    def apply(self) -> bool:  # apply the current ubatch (or the update) to memory
+        raise NotImplementedError
+
+    def get_ubatch(self):
+        raise NotImplementedError
+
+    def get_status(self) -> MemoryStatus:
+        raise NotImplementedError
+
+
+class Memory:
+    """Interface of a model's memory (llama_memory_i)."""
+
+    def init_batch(self, balloc, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        raise NotImplementedError
+
+    def init_full(self) -> MemoryContext:
+        raise NotImplementedError
+
+    def init_update(self, optimize: bool = False) -> MemoryContext:
+        raise NotImplementedError
+
+    def get_can_shift(self) -> bool:
+        raise NotImplementedError
+
+    def clear(self, data: bool = True) -> None:
+        raise NotImplementedError
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        raise NotImplementedError
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:
+        raise NotImplementedError
+
+    def seq_keep(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        raise NotImplementedError
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        raise NotImplementedError
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        raise NotImplementedError
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        raise NotImplementedError
+
+    def memory_breakdown(self) -> dict:
+        raise NotImplementedError
+
+    def state_write(self, io, seq_id: int = -1) -> None:
+        raise NotImplementedError
+
+    def state_read(self, io, seq_id: int = -1) -> None:
+        raise NotImplementedError
+
+    def state_parse(self, io, seq_id: int = -1):
+        """Read and validate a state without changing anything (first half of state_read)."""
+        raise NotImplementedError
+
+    def state_apply(self, parsed, seq_id: int = -1) -> None:
+        """Install a parsed state; raises (with memory unchanged) if it cannot be placed."""
+        raise NotImplementedError
+
+
+def model_uses_iswa(hparams) -> bool:
+    """True when the model interleaves sliding-window layers (llama.cpp: swa_type != NONE)."""
+    n_swa = int(getattr(hparams, "n_swa", 0) or 0)
+    layers = getattr(hparams, "swa_layers", None) or []
+    return n_swa > 0 and any(bool(x) for x in layers)
+
+
+def create_memory(hparams, cparams) -> Memory:
+    """The memory for a model: KVCacheISWA for SWA models, else KVCache (n_ctx_seq cells)."""
+    from runtime.kv_cache import KVCache
+    from runtime.kv_cache_iswa import KVCacheISWA
+
+    if model_uses_iswa(hparams):
+        return KVCacheISWA(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
+                           swa_full=cparams.swa_full, unified=cparams.kv_unified,
+                           kv_size=cparams.n_ctx_seq, n_seq_max=cparams.n_seq_max,
+                           n_ubatch=cparams.n_ubatch)
+    return KVCache(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
+                   unified=cparams.kv_unified, kv_size=cparams.n_ctx_seq,
+                   n_seq_max=cparams.n_seq_max, n_swa=0)
