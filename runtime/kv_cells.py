@@ -315,7 +315,7 @@ class KVCells:
 
     def pos_in(self, i: int, p0: int, p1: int) -> bool:
         p = self.pos[i]
-        return p >= p0 and p < p1
+        return bool(p >= 0 and p >= p0 and p < p1)
 
     def pos_set(self, i: int, p: int) -> None:
         """Give empty cell i position p (sequences are added with seq_add)."""
