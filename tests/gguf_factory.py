@@ -126,7 +126,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
             scores += [-1000.0] * pad
     head = opts["head_dim"] or n_embd // n_head
 
-    w = gguf.GGUFWriter(str(path), arch)
+    meta = dict(opts["metadata"] or {})
+    w = gguf.GGUFWriter(str(path), meta.pop("general.architecture", None) or arch)  # writes that key
     kv = {
         "general.name": f"tiny-{arch}",
         f"{arch}.block_count": n_layer,
@@ -163,7 +164,7 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
             kv["gemma3.attention.sliding_window_pattern"] = opts["swa_pattern"]
     if opts["chat_template"] is not None:
         kv["tokenizer.chat_template"] = opts["chat_template"]
-    for key, value in (opts["metadata"] or {}).items():
+    for key, value in meta.items():
         if value is None:
             kv.pop(key, None)
         else:
