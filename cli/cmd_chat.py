@@ -1,5 +1,194 @@
-"""Placeholder until the module's owner lands it (registers no command yet)."""
+"""`kvchat chat` (the interactive default) and `kvchat run` (one-shot), on one shared setup.
+
+Setup = resolve the model name, load it, make a Context from the flags, warm the kernels up
+(numba compiles them on first use; the spinner says so), pick the chat template and build a
+Conversation. `run` then answers one prompt, streaming only the answer to stdout.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.conversation import Conversation, ConversationConfig, Interrupted
+from cli.options import ChatSettings, with_settings
+from cli.render import Renderer
+from runtime.errors import KvchatError
+from runtime.sampling import Sampler, SamplingParams
 
 
-def register(app):
-    pass
+@dataclass
+class Engine:
+    model: object
+    ctx: object
+    template: object          # ChatTemplate, or None when the model has none and none was given
+    has_template: bool        # the model (or --chat-template-file) provides one
+    identity: dict            # session.model_identity
+    cache: dict               # session.cache_config
+
+    @property
+    def vocab(self):
+        return self.model.vocab
+
+
+def open_engine(settings: ChatSettings, renderer: Renderer, stop_event) -> Engine:
+    """Model + Context + template from the flags; KvchatError (one line) for bad input."""
+    from cli.models import resolve_model
+    from cli.session import cache_config, model_identity
+    from runtime.chat_template import ChatTemplate
+    from runtime.context import Context
+    from runtime.cparams import ContextParams
+    from runtime.model import Model
+
+    path = resolve_model(settings.model, renderer.err)
+    with renderer.spinner(f"loading {Path(path).name}"):
+        model = Model.load(path)
+    params = ContextParams(n_ctx=settings.ctx_size, n_batch=settings.batch_size,
+                           n_ubatch=settings.ubatch_size, type_k=settings.cache_type_k,
+                           type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
+                           swa_full=settings.swa_full, n_threads=settings.threads)
+    ctx = Context(model, params, abort_callback=stop_event.is_set)
+    for w in getattr(ctx.cparams, "warnings", []):
+        renderer.warn(w)
+    with renderer.spinner("compiling kernels (first use only; cached afterwards)"):
+        warm_up(ctx, model.vocab)
+    if settings.chat_template_file is not None:
+        template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
+    else:
+        has = isinstance(model.gguf.get("tokenizer.chat_template"), str)
+        template = ChatTemplate.from_gguf(model.gguf, model.vocab)
+    identity = model_identity(path, getattr(model.gguf, "data_offset", None))
+    return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
+
+
+def warm_up(ctx, vocab) -> None:
+    """Run the prompt path (2 tokens) and the generation path (1 token) once, then forget them,
+    so numba's compilation happens here under a spinner instead of inside the first answer."""
+    from runtime.batch import Batch
+    t = vocab.bos if getattr(vocab, "bos", None) is not None and vocab.bos >= 0 else 0
+    try:
+        if ctx.decode(Batch.one_seq([t, t], 0, 0)) == 0:
+            ctx.decode(Batch.one_seq([t], 2, 0))
+    finally:
+        ctx.memory.seq_rm(0, -1, -1)
+
+
+def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event,
+                      raw: bool = False) -> Conversation:
+    config = ConversationConfig(n_predict=settings.n_predict, context_shift=settings.context_shift,
+                                keep=settings.keep, ignore_eos=settings.ignore_eos, raw=raw,
+                                system_prompt=None if raw else settings.system_prompt)
+    try:
+        sampler = Sampler(settings.sampling())
+    except ValueError as e:
+        raise KvchatError(str(e)) from None
+    conv = Conversation(engine.ctx, engine.vocab, None if raw else engine.template, sampler, config,
+                        notify=renderer.notice, stop_event=stop_event)
+    if settings.verbose_prompt:
+        conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
+    return conv
+
+
+@contextmanager
+def sigint_sets(event):
+    """While generating, Ctrl-C sets `event` (stop at the next token) instead of raising."""
+    if not hasattr(signal, "SIGINT"):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if event.is_set():  # a second Ctrl-C while stopping: give up the normal way
+            raise KeyboardInterrupt
+        event.set()
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def read_prompt(prompt: str | None, file: Path | None) -> str:
+    if prompt is not None and file is not None:
+        raise KvchatError("give the prompt with -p or -f, not both")
+    if prompt is not None:
+        return prompt
+    if file is not None:
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise KvchatError(f"cannot read prompt file {file}: {getattr(e, 'strerror', None) or e}") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise KvchatError("no prompt: give -p TEXT, -f FILE, or pipe it on stdin")
+    return sys.stdin.read()
+
+
+def apply_saved_sampling(conv: Conversation, saved: dict, settings: ChatSettings | None) -> None:
+    """Sampling settings from a session, except those given explicitly on the command line."""
+    defaults = ChatSettings()
+    merged = conv.sampler.params.to_dict()
+    for key, value in SamplingParams.from_dict(saved).to_dict().items():
+        if settings is None or getattr(settings, key) == getattr(defaults, key):
+            merged[key] = value
+    try:
+        conv.sampler = Sampler(SamplingParams.from_dict(merged))
+    except ValueError as e:
+        raise KvchatError(f"session sampling settings: {e}") from None
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("chat")
+    @with_settings
+    def chat(settings: ChatSettings = None):
+        """Chat with a model in the terminal (the default command). /help inside lists commands."""
+        from cli.repl import Repl
+        import threading
+        renderer = Renderer(markdown=settings.markdown)
+        stop = threading.Event()
+        engine = open_engine(settings, renderer, stop)
+        conv = make_conversation(engine, settings, renderer, stop)
+        repl = Repl(engine, conv, settings, renderer)
+        if settings.session is not None and settings.session.exists():
+            repl.resume(settings.session)  # SessionError → exit 1, file untouched
+        repl.run()
+
+    @app.command("run")
+    @with_settings
+    def run(prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="the prompt text",
+                                                          rich_help_panel="Input")] = None,
+            file: Annotated[Optional[Path], typer.Option("-f", "--file", help="read the prompt from FILE",
+                                                         rich_help_panel="Input")] = None,
+            raw: Annotated[bool, typer.Option("--raw", help="plain completion: no chat template",
+                                              rich_help_panel="Input")] = False,
+            settings: ChatSettings = None):
+        """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
+        import threading
+        text = read_prompt(prompt, file)
+        renderer = Renderer(markdown=settings.markdown)
+        stop = threading.Event()
+        engine = open_engine(settings, renderer, stop)
+        raw = raw or not engine.has_template
+        conv = make_conversation(engine, settings, renderer, stop, raw=raw)
+        renderer.begin_answer()
+        try:
+            with sigint_sets(stop):
+                stats = conv.ask(text, on_text=renderer.piece)
+        except Interrupted:  # Ctrl-C while the prompt was being evaluated
+            renderer.end_answer()
+            renderer.notice("interrupted")
+            raise typer.Exit(130)
+        renderer.end_answer()
+        if settings.show_timings:
+            renderer.timings(stats)
+        if stats.stop == "interrupted":
+            raise typer.Exit(130)

@@ -113,6 +113,7 @@ class Conversation:
         self._first_prompt_len = 0
         self._n_keep_cache = None  # (system text, n_keep)
         self.last_stats = TurnStats()
+        self.on_prompt = None  # called with the token ids about to be decoded (--verbose-prompt)
         eog = sorted(int(t) for t in getattr(vocab, "eog", ()) or ())
         self._eog_ids = np.asarray(eog, dtype=np.int64)
 
@@ -265,6 +266,8 @@ class Conversation:
             raise PromptTooLong(f"the prompt needs {n_new} new tokens but only {room} fit in the "
                                 f"context of {self.n_ctx} tokens; shorten it, /clear, or raise -c")
         self._rewind(p)
+        if self.on_prompt is not None:
+            self.on_prompt(desired[p:])
         if self.n_cached + n_new > self.n_ctx:
             self.last_stats.n_shifted += self.context_shift(n_new)
         self._decode(desired[p:])

@@ -139,7 +139,7 @@ def _parameter(name, typ, decls, help_, panel, extra) -> inspect.Parameter:
 
 def with_settings(func):
     """Give a typer command every shared flag; it receives them as `settings: ChatSettings`."""
-    own = [p for p in inspect.signature(func).parameters.values() if p.name != "settings"]
+    own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "settings"]
     shared = [_parameter(*o) for o in OPTIONS]
     names = [o[0] for o in OPTIONS]
 

@@ -224,3 +224,22 @@ def load_session(path, model: dict, cache: dict, n_vocab: int | None = None) -> 
     data = read_session(path)
     check_compatible(data, model, cache, str(path), n_vocab)
     return data
+
+
+# ---- a live conversation ↔ a file ----------------------------------------------------------------
+
+def save_conversation(path, conv, model: dict, cache: dict) -> int:
+    """Snapshot a Conversation (messages, tokens, sampling, memory state) into a session file."""
+    st = conv.session_state()
+    data = SessionData(model=model, cache=cache, messages=st["messages"],
+                       sampling=conv.sampler.params.to_dict() | {"seed": conv.sampler.seed},
+                       tokens=st["tokens"], n_dropped=st["n_dropped"], n_keep=st["n_keep"],
+                       state=st["state"])
+    return save_session(path, data)
+
+
+def load_conversation(path, conv, model: dict, cache: dict, n_vocab: int | None = None) -> SessionData:
+    """Validate a session file, then replace the conversation with it (all or nothing)."""
+    data = load_session(path, model, cache, n_vocab)
+    conv.restore(data.messages, data.tokens, data.n_dropped, data.n_keep, data.state)
+    return data

@@ -1,0 +1,208 @@
+"""Terminal output: streamed answers, notices, timings, memory tables and the KV cell map.
+
+Answers go to `out` (stdout) as raw text, flushed per piece, so pipes and terminals see tokens
+as they are produced; everything else (notices, timings, tables, spinners) goes to `err`
+(stderr) through rich, so `kvchat run ... > answer.txt` captures only the answer.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from rich.console import Console
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.table import Table
+from rich.text import Text
+
+MIB = 1024.0 * 1024.0
+
+
+def timings_line(stats) -> str:
+    """llama.cpp's one-line speed summary."""
+    return f"[ Prompt: {stats.prompt_tps:.1f} t/s | Generation: {stats.gen_tps:.1f} t/s ]"
+
+
+class Renderer:
+    def __init__(self, out=None, err: Console | None = None, markdown: bool = False):
+        self.out = out or sys.stdout
+        self.err = err or Console(stderr=True, highlight=False)
+        self.markdown = markdown
+        self._live: Live | None = None
+        self._text: list[str] = []
+        self._open_line = False
+
+    # ---- the answer -------------------------------------------------------------------------
+
+    def begin_answer(self) -> None:
+        self._text = []
+        self._open_line = False
+
+    def piece(self, text: str) -> None:
+        if not text:
+            return
+        self._text.append(text)
+        if self.markdown and self.err.is_terminal:
+            if self._live is None:
+                self._live = Live(Text(""), console=Console(file=self.out, highlight=False),
+                                  auto_refresh=False, vertical_overflow="visible")
+                self._live.start()
+            self._live.update(Text("".join(self._text)), refresh=True)
+        else:
+            self.out.write(text)
+            self.out.flush()
+            self._open_line = not text.endswith("\n")
+
+    def end_answer(self) -> None:
+        """Finish the answer line (and render Markdown); nothing at all if nothing was streamed."""
+        text = "".join(self._text)
+        self._text = []
+        if not text and self._live is None:
+            return
+        if self._live is not None:
+            self._live.update(Markdown(text), refresh=True)
+            self._live.stop()
+            self._live = None
+        elif self.markdown:  # not a terminal: the plain stream is already out; add the rendering
+            self.out.write("\n")
+            Console(file=self.out, highlight=False).print(Markdown(text))
+        else:
+            self.out.write("\n")
+        self.out.flush()
+
+    # ---- diagnostics ------------------------------------------------------------------------
+
+    def _break_line(self) -> None:
+        """A notice in the middle of a streamed answer starts on a line of its own."""
+        if getattr(self, "_open_line", False):
+            self.out.write("\n")
+            self.out.flush()
+            self._open_line = False
+
+    def notice(self, text: str) -> None:
+        """One dim line (context shifts, stops, saves)."""
+        self._break_line()
+        self.err.print(Text(text, style="dim"))
+
+    def warn(self, text: str) -> None:
+        self.err.print(Text(text, style="yellow"))
+
+    def error(self, text: str) -> None:
+        self.err.print(Text(f"error: {text}", style="bold red"))
+
+    def timings(self, stats) -> None:
+        self.err.print(Text(timings_line(stats), style="dim"))
+
+    @contextlib.contextmanager
+    def spinner(self, text: str):
+        """A spinner on stderr while something slow happens (model load, kernel compilation)."""
+        if self.err.is_terminal:
+            with self.err.status(text, spinner="dots"):
+                yield
+        else:
+            yield
+
+    def verbose_prompt(self, vocab, ids) -> None:
+        self.err.print(Text(f"prompt: {len(ids)} new tokens", style="dim"))
+        for t in ids:
+            piece = vocab.token_to_piece(int(t), True).decode("utf-8", errors="replace")
+            self.err.print(Text(f"{int(t):6d} -> {piece!r}", style="dim"))
+
+    # ---- tables -----------------------------------------------------------------------------
+
+    def stats(self, conv) -> None:
+        s = conv.last_stats
+        t = Table(title="last turn", show_header=False, box=None, pad_edge=False)
+        t.add_row("prompt tokens decoded", str(s.n_prompt), f"{s.t_prompt * 1000:.0f} ms",
+                  f"{s.prompt_tps:.1f} t/s")
+        t.add_row("answer tokens", str(s.n_gen), f"{s.t_gen * 1000:.0f} ms", f"{s.gen_tps:.1f} t/s")
+        t.add_row("stopped by", s.stop or "-", "", "")
+        t.add_row("dropped by context shift", str(s.n_shifted), "", "")
+        t.add_row("context", f"{conv.n_cached}/{conv.n_ctx}", f"{len(conv.tokens)} in total",
+                  f"{conv.n_dropped} dropped")
+        t.add_row("messages", str(len(conv.messages)), "", "")
+        self.err.print(t)
+
+    def memory(self, breakdown: dict, weights_bytes: int | None = None) -> None:
+        """/mem: weights, KV caches (per layer kind and type), outputs."""
+        t = Table(title="memory", box=None, pad_edge=False)
+        t.add_column("buffer")
+        t.add_column("detail")
+        t.add_column("MiB", justify="right")
+        if weights_bytes is not None:
+            t.add_row("weights", "mmap of the GGUF (quantized blocks)", f"{weights_bytes / MIB:.2f}")
+        for name, mem in kv_breakdowns(breakdown.get("memory", breakdown)):
+            detail = (f"{mem.get('kv_size', '?')} cells × {mem.get('n_layer', '?')} layers, "
+                      f"K {mem.get('type_k', '?')} {mem.get('k_bytes', 0) / MIB:.2f} MiB, "
+                      f"V {mem.get('type_v', '?')} {mem.get('v_bytes', 0) / MIB:.2f} MiB")
+            t.add_row(f"KV cache{(' (' + name + ')') if name else ''}", detail,
+                      f"{mem.get('total_bytes', 0) / MIB:.2f}")
+        if "output_bytes" in breakdown:
+            t.add_row("compute: logits", "output buffer", f"{breakdown['output_bytes'] / MIB:.2f}")
+        total = breakdown.get("total_bytes", 0) + (weights_bytes or 0)
+        t.add_row("total", "", f"{total / MIB:.2f}")
+        self.err.print(t)
+
+    def kv_map(self, memory, seq_names=None, max_cells: int = 512) -> None:
+        """/kv: every cell of each cache — sequence and position, empty cells, the head."""
+        for name, cache in kv_caches(memory):
+            for strm, cells in enumerate(cache.cells):
+                size = int(cells.pos.shape[0])
+                head = cache.heads[strm] if hasattr(cache, "heads") else -1
+                used = int((cells.pos >= 0).sum())
+                shown = size
+                if size > max_cells:
+                    last = int(cells.used_max_p1()) if hasattr(cells, "used_max_p1") else size
+                    shown = min(size, max(64, (max(last, head + 1) + 63) // 64 * 64))
+                title = (f"KV cache{(' ' + name) if name else ''}, stream {strm}: {used}/{size} cells "
+                         f"used, head {head}")
+                self.err.print(Text(title, style="bold"))
+                self.err.print(kv_grid(cells.pos[:shown], cells.seq[:shown], head))
+                if shown < size:
+                    self.err.print(Text(f"… {size - shown} more cells, all empty", style="dim"))
+        self.err.print(Text("cell = s<seq>:<pos> · '····' empty · reverse = head", style="dim"))
+
+
+SEQ_STYLES = ["cyan", "green", "magenta", "yellow", "blue", "red"]
+
+
+def kv_grid(pos, seq, head: int, per_row: int = 8) -> Text:
+    """pos i32 [n], seq bool [n, n_seq_max] → rows of cells like `s0:12`."""
+    out = Text()
+    n = int(pos.shape[0])
+    for i in range(n):
+        if i % per_row == 0:
+            if i:
+                out.append("\n")
+            out.append(f"{i:5d} ", style="dim")
+        p = int(pos[i])
+        if p < 0:
+            label, style = "  ····  ", "dim"
+        else:
+            seqs = [int(s) for s in seq[i].nonzero()[0]]
+            who = ",".join(str(s) for s in seqs) or "-"
+            label = f"s{who}:{p}".center(8)[:8]
+            style = SEQ_STYLES[seqs[0] % len(SEQ_STYLES)] if seqs else "white"
+        if i == head:
+            style += " reverse"
+        out.append(label, style=style)
+        out.append(" ")
+    return out
+
+
+def kv_caches(memory):
+    """(name, KVCache) pairs of a memory: itself, or the caches an iSWA pair holds."""
+    if hasattr(memory, "cells") and hasattr(memory, "kv_size"):
+        return [(getattr(memory, "name", "") or "", memory)]
+    found = []
+    for attr, value in vars(memory).items():
+        if hasattr(value, "cells") and hasattr(value, "kv_size"):
+            found.append((getattr(value, "name", "") or attr.lstrip("_"), value))
+    return found
+
+
+def kv_breakdowns(mem: dict):
+    """(name, per-cache dict) pairs from a memory breakdown (flat, or nested for iSWA)."""
+    if "k_bytes" in mem:
+        return [("", mem)]
+    return [(k, v) for k, v in mem.items() if isinstance(v, dict) and "k_bytes" in v]
