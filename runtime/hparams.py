@@ -55,11 +55,18 @@ class HParams:
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
     embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(n_embd))
-    kq_scale: float = 0.0  # attention scale (1/sqrt(head size) unless the arch says otherwise)
+    kq_scale: float = 0.0  # attention scale; 0 = 1/sqrt(n_embd_head_k) (set in __post_init__)
     rope_freq_scale_swa: float = 1.0
     rope_scaling_type: str = "linear"
     n_ctx_orig: int = 0  # rope.scaling.original_context_length (default n_ctx_train)
     swa_pattern: int = 0  # n of "every n-th layer is global" when given that way (0 = none)
+
+    def __post_init__(self) -> None:
+        # hand-built HParams (tests, stubs) get the same defaults as the loader
+        if not self.kq_scale:
+            self.kq_scale = 1.0 / math.sqrt(self.n_embd_head_k)
+        if not self.n_ctx_orig:
+            self.n_ctx_orig = self.n_ctx_train
 
     # ------------------------------------------------------------------ per layer
     def is_swa(self, il: int) -> bool:
