@@ -57,6 +57,7 @@ def gemv_i8(q, d, mn, x, y):
     """q i8 [G, nb, B, R], d/mn f32 [G, nb, R], x f32 [n, k] -> y f32 [n, m]."""
     G, nb, B = q.shape[0], q.shape[1], q.shape[2]
     n, m = y.shape
+    h = B // 2
     for g in prange(G):
         acc = np.empty(R, np.float32)
         blk = np.empty(R, np.float32)
@@ -70,10 +71,12 @@ def gemv_i8(q, d, mn, x, y):
                     xs += x[t, x0 + j]
                 for r in range(R):
                     blk[r] = 0.0
-                for j in range(B):
-                    xv = x[t, x0 + j]
+                # two values per step: with one, LLVM unrolls the 32 rows into scalars
+                for j in range(h):
+                    xa = x[t, x0 + j]
+                    xb = x[t, x0 + h + j]
                     for r in range(R):
-                        blk[r] += np.float32(q[g, b, j, r]) * xv
+                        blk[r] += np.float32(q[g, b, j, r]) * xa + np.float32(q[g, b, h + j, r]) * xb
                 for r in range(R):
                     acc[r] += d[g, b, r] * blk[r] + mn[g, b, r] * xs
             r1 = min(R, m - g * R)
@@ -91,10 +94,15 @@ def gemv_f32(w, x, y):
         for t in range(n):
             for r in range(R):
                 acc[r] = 0.0
-            for i in range(k):
-                xv = x[t, i]
+            for i in range(0, k - 1, 2):  # pairs, as in gemv_i8
+                xa = x[t, i]
+                xb = x[t, i + 1]
                 for r in range(R):
-                    acc[r] += w[g, i, r] * xv
+                    acc[r] += w[g, i, r] * xa + w[g, i + 1, r] * xb
+            if k % 2 == 1:
+                xa = x[t, k - 1]
+                for r in range(R):
+                    acc[r] += w[g, k - 1, r] * xa
             r1 = min(R, m - g * R)
             for r in range(r1):
                 y[t, g * R + r] = acc[r]
