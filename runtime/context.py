@@ -3,8 +3,8 @@
 decode(batch) either fully succeeds or leaves memory as it was:
   1. BatchAllocator.init validates and completes the batch            (invalid -> -1)
   2. pending memory updates (K-shift, stream copies) are applied
-  3. memory.init_batch splits it and finds slots in a dry run; on FAILED_PREPARE one
-     optimize pass (compaction) and a retry                           (no room -> 1, untouched)
+  3. memory.init_batch splits it and finds slots in a dry run; on FAILED_PREPARE one retry
+     after pending updates                                            (no room -> 1, untouched)
   4. per ubatch: mctx.apply() (the only mutation), abort check, model.forward(ubatch, mctx)
      -> logits rows of the ubatch's outputs, mctx.next()
   5. any failure after an apply() rolls back everything this call placed   (2 / -2 / -3)
@@ -113,9 +113,13 @@ class Context:
             if st == MemoryStatus.SUCCESS:
                 break
             if st == MemoryStatus.FAILED_PREPARE:
+                # llama.cpp retries once after a memory "optimize" update. Compaction only
+                # permutes cells - the number of usable cells, and so whether the batch fits,
+                # cannot change - so the retry applies pending updates only, and a refused
+                # batch leaves every cell where it was.
                 if not did_optimize:
                     did_optimize = True
-                    if self.memory_update(True):
+                    if self.memory_update(False):
                         continue
                 return self._fail(1, f"failed to find a memory slot for batch of size "
                                      f"{balloc.get_n_tokens()}")

@@ -130,6 +130,9 @@ class KVCache(Memory):
                 if src not in self.map_layer_ids:
                     raise ValueError(f"layer {il} reuses layer {src}, which has no cache here")
                 self.map_layer_ids[il] = self.map_layer_ids[src]
+        # il -> KVLayer (None for layers this cache does not hold): the forward pass's lookup
+        self.layer_of = [self.layers[self.map_layer_ids[il]] if il in self.map_layer_ids else None
+                         for il in range(hparams.n_layer)]
         log.info("%s", self.log_line())
 
     # ---- geometry / reporting ---------------------------------------------------------------
@@ -597,16 +600,20 @@ class KVCacheContext(MemoryContext):
 
     def cpy_k(self, il: int, k_cur: np.ndarray) -> None:
         """Store k_cur f32 [n_tokens, n_embd_k_gqa] into the slot cells (cache type_k)."""
-        layer = self.kv.layer(il)
-        x = np.ascontiguousarray(k_cur, dtype=np.float32).reshape(k_cur.shape[0], layer.n_embd_k)
+        layer = self.kv.layer_of[il]
+        x = k_cur
+        if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], layer.n_embd_k)
         fn = scatter_rows_par if x.shape[0] >= PAR_ROWS_MIN else scatter_rows
-        fn(layer.k, x, self._dst_strm, self._dst_cell, self.kv.type_k)
+        fn(layer.k, x, self._dst_strm, self._dst_cell, self.type_k)
 
     def cpy_v(self, il: int, v_cur: np.ndarray) -> None:
         """Store v_cur f32 [n_tokens, n_embd_v_gqa] (transposed when flash attention is off)."""
-        layer = self.kv.layer(il)
-        x = np.ascontiguousarray(v_cur, dtype=np.float32).reshape(v_cur.shape[0], layer.n_embd_v)
-        if self.kv.v_trans:
+        layer = self.kv.layer_of[il]
+        x = v_cur
+        if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], layer.n_embd_v)
+        if self.v_trans:
             scatter_rows_trans(layer.v, x, self._dst_strm, self._dst_cell, self.kv.type_v,
                                _elem_bytes(self.kv.type_v))
         else:
@@ -615,16 +622,16 @@ class KVCacheContext(MemoryContext):
 
     def get_k(self, il: int):
         """(u8 [n_stream, n_kv, row_bytes_k], type_k) - a view, no copy."""
-        return self.kv.layer(il).k[:, :self.n_kv], self.kv.type_k
+        return self.kv.layer_of[il].k[:, :self.n_kv], self.type_k
 
     def get_v(self, il: int):
         """(u8 [n_stream, n_kv, row_bytes_v], type_v); transposed (flash off):
         (u8 [n_stream, n_embd_v_gqa, kv_size * elem_bytes], type_v) - only the first n_kv
         elements of each row are meaningful."""
-        layer = self.kv.layer(il)
-        if self.kv.v_trans:
-            return layer.v, self.kv.type_v
-        return layer.v[:, :self.n_kv], self.kv.type_v
+        layer = self.kv.layer_of[il]
+        if self.v_trans:
+            return layer.v, self.type_v
+        return layer.v[:, :self.n_kv], self.type_v
 
     def kq_mask(self, il: int | None = None):
         """(mask f32 [n_tokens, n_kv] of 0 / -inf, tok_stream i32 [n_tokens]) for this ubatch;
