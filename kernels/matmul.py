@@ -9,15 +9,18 @@ so that the SIMD lanes run over output rows (kernels/matmul_kernels.py).
 - prefill (n >= GEMM_MIN_TOKENS): panels of rows are decoded to float once per call and shared
   by all n tokens through one BLAS sgemm; a panel is at most PANEL_BYTES, never the matrix.
 
-Measured choices (2 cores, SmolLM2 shapes, one thread unless said; machine shared, ±30 %):
-- q4_1 1536x576, n=1: lanes over k with a float dot per 32-block: 1.7-2.7 GFLOP/s; the same
-  with activations quantized to int8 per block and an int32 dot (llama.cpp's q8_1 scheme):
-  2.3-3.5 GFLOP/s; lanes over 32 interleaved rows, float, this module: 12 GFLOP/s (16 rows:
-  6.5, 64 rows: 10). numba cannot emit the VNNI/maddubs instructions that make llama.cpp's
-  integer dot fast, and the per-block horizontal sums of the lanes-over-k layout dominate;
-  so the float, rows-interleaved kernel is kept. q8_0 (expanded i8 layout) behaves the same:
-  9-10 GFLOP/s interleaved vs ~3.5 GFLOP/s integer lanes-over-k.
-- end-to-end numbers: see benchmarks/bench_matmul.py and its output in the commit log.
+Measured choices (single thread, process time, this machine shared with ~6 busy processes, so
+±30 %; GFLOP/s = 2·m·k per token):
+- q4_1 1536x576, n=1: lanes over k with a float dot per 32-block 1.7-2.7 GFLOP/s; the same with
+  activations quantized to int8 per block and an int32 dot per block (llama.cpp's q8_1 scheme)
+  2.3-3.5 GFLOP/s; lanes over R interleaved rows, float FMA, decode in registers (this module)
+  12-18 GFLOP/s (R=16: 6.5, R=64: 10). numba cannot emit the VNNI/maddubs instructions that make
+  llama.cpp's integer dot fast, and the per-block horizontal sums of the lanes-over-k layout
+  dominate, so the float rows-interleaved kernel is kept.
+- q8_0 (i8 layout) n=1: 19-21 GFLOP/s in cache, 12.5 GFLOP/s streaming the 49152x576 output
+  matrix (7.8 GB/s); the integer lanes-over-k variant ~3.5 GFLOP/s.
+- whole SmolLM2 token (210 q4_1 + output q8_0): 22 ms cpu single thread under contention;
+  prefill 512 tokens: 4.3-5.2 s wall (26-32 GFLOP/s, sgemm). benchmarks/bench_matmul.py.
 """
 from __future__ import annotations
 

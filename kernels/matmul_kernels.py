@@ -8,7 +8,12 @@ Two kinds of kernel per layout (nib, i8, f32):
   is applied once per (block, row) — no horizontal sums anywhere.
 - ``decode_*``: dequantize the row groups [g0, g1) into a float panel ``f32 [k, cols]``
   (transposed, so the 32 rows of a group are contiguous). Used for prefill: a panel is
-  decoded once per call and shared by all n tokens through one BLAS sgemm.
+  decoded once per call and shared by all n tokens through one BLAS sgemm. Decoding is
+  serial on purpose: OpenBLAS's threads and numba's OpenMP threads both spin-wait after
+  their work, and alternating the two pools on 2 cores measured 2x slower than letting
+  OpenBLAS alone run threaded (decode is ~10 % of the prefill time).
+- the innermost loop always handles two values per row and step: with one (a tiny body)
+  LLVM fully unrolls the 32 rows into scalar registers and gives up vectorizing (5x slower).
 """
 from __future__ import annotations
 
@@ -108,12 +113,12 @@ def gemv_f32(w, x, y):
                 y[t, g * R + r] = acc[r]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def decode_nib(qs, d, mn, g0, out):
     """Row groups g0 .. g0 + out.shape[1] / R of the nib layout -> out f32 [k, cols]."""
     nb = qs.shape[1]
     ng = out.shape[1] // R
-    for gg in prange(ng):
+    for gg in range(ng):
         g = g0 + gg
         c0 = gg * R
         for b in range(nb):
@@ -124,12 +129,12 @@ def decode_nib(qs, d, mn, g0, out):
                     out[b * 32 + 16 + j, c0 + r] = d[g, b, r] * np.float32(np.uint8(v >> _U4)) + mn[g, b, r]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def decode_i8(q, d, mn, g0, out):
     """Row groups of the i8 layout -> out f32 [k, cols]."""
     nb, B = q.shape[1], q.shape[2]
     ng = out.shape[1] // R
-    for gg in prange(ng):
+    for gg in range(ng):
         g = g0 + gg
         c0 = gg * R
         for b in range(nb):
@@ -138,12 +143,12 @@ def decode_i8(q, d, mn, g0, out):
                     out[b * B + j, c0 + r] = d[g, b, r] * np.float32(q[g, b, j, r]) + mn[g, b, r]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def decode_f32(w, g0, out):
     """Row groups of the f32 layout -> out f32 [k, cols]."""
     k = w.shape[1]
     ng = out.shape[1] // R
-    for gg in prange(ng):
+    for gg in range(ng):
         g = g0 + gg
         c0 = gg * R
         for i in range(k):
