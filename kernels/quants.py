@@ -146,13 +146,22 @@ def _quant_rows(x, t, out):
         quant_row_any(t, x[r], out[r])
 
 
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: numba types read-only and writable arrays apart, so feeding the
+    drivers one kind (model weights are read-only mmaps) keeps one compiled version each."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def dequantize(raw: np.ndarray, t: int, n_cols: int) -> np.ndarray:
     """raw u8 [n_rows, row_bytes] of type t -> f32 [n_rows, n_cols] (rows in parallel)."""
     t = int(t)
     if t not in QUANT_TABLE:
         type_info(t)  # raises the "not supported" message naming the format
         raise ValueError(f"no dequantizer for ggml type {t}")
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    raw = _readonly(np.ascontiguousarray(raw, dtype=np.uint8))
     if raw.ndim == 1:
         raw = raw.reshape(1, -1)
     rb = row_bytes(t, n_cols)
@@ -169,7 +178,7 @@ def quantize(x: np.ndarray, t: int) -> np.ndarray:
     t = int(t)
     if t not in QUANT_TABLE or QUANT_TABLE[t].quant_row is None:
         raise ValueError(f"cannot quantize to {type_info(t).name}: not a cache type")
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = _readonly(np.ascontiguousarray(x, dtype=np.float32))
     if x.ndim == 1:
         x = x.reshape(1, -1)
     if x.ndim != 2:
