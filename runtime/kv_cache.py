@@ -190,6 +190,8 @@ class KVCache(Memory):
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         """Remove positions [p0, p1) of seq_id (-1 = every sequence; p < 0 = open end)."""
+        if seq_id < -1:
+            raise ValueError(f"seq_id {seq_id} out of range (-1 = every sequence)")
         p0 = max(p0, 0)
         p1 = INT_MAX if p1 < 0 else p1
         if seq_id >= 0:

@@ -300,6 +300,27 @@ def test_seq_cp_across_streams_copies_buffers_at_update():
         kv.seq_cp(0, 1, 2, 4)
 
 
+def test_streams_each_sequence_in_its_own_cells_and_mask():
+    ctx, _ = make_ctx(n_ctx=512, n_seq_max=2, unified=False)
+    kv = ctx.memory
+    b = Batch([1, 2, 3, 4, 5], pos=[0, 0, 1, 1, 2], seq_ids=[[0], [1], [0], [1], [0]])
+    ba = BatchAllocator()
+    assert ba.init(b, 64, 2, kv)
+    mctx = kv.init_batch(ba, 512)
+    # equal split per stream: 2 tokens of each sequence, then seq 0's third token alone
+    assert [u.seq0.tolist() for u in mctx.ubatches] == [[0, 0, 1, 1], [0]]
+    mctx.apply()
+    assert [i.tolist() for i in mctx.get_sinfo().idxs] == [[0, 1], [0, 1]]
+    assert mctx.get_sinfo().strm == [0, 1]
+    mask, strm = mctx.kq_mask(0)
+    assert strm.tolist() == [0, 0, 1, 1]
+    assert np.isfinite(mask[:, :3]).astype(int).tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0]]
+    assert kv.cells[0].pos[:2].tolist() == [0, 1] and kv.cells[1].pos[:2].tolist() == [0, 1]
+    assert kv.cells[0].seq[:2, 0].all() and kv.cells[1].seq[:2, 1].all()
+    mctx.rollback()
+    assert kv.seq_pos_max(0) == -1 and kv.seq_pos_max(1) == -1
+
+
 def test_optimize_compacts_cells_and_rows():
     ctx, model = make_ctx(n_seq_max=2)
     assert ctx.decode(interleaved([0, 1], 5)) == 0
