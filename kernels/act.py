@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+PARALLEL_MIN_ROWS = 8  # fewer rows: serial (a parallel launch costs more than the work)
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_COEF_A = np.float32(0.044715)
 
@@ -33,15 +34,25 @@ def silu_f32(x):
     return x / (np.float32(1.0) + np.float32(math.exp(-x)))
 
 
+@njit(cache=True, fastmath=True, inline="always")
+def _glu_row(gu, n_ff, use_gelu, out):
+    for i in range(n_ff):
+        g = gu[i]
+        a = gelu_f32(g) if use_gelu else silu_f32(g)
+        out[i] = a * gu[n_ff + i]
+
+
 @njit(cache=True, fastmath=True, parallel=True)
-def _glu_rows(gu, n_ff, use_gelu, out):
+def _glu_rows_par(gu, n_ff, use_gelu, out):
     """gu: [n, 2*n_ff] f32 = [gate | up] per row; out: [n, n_ff] f32."""
-    n = gu.shape[0]
-    for r in prange(n):
-        for i in range(n_ff):
-            g = gu[r, i]
-            a = gelu_f32(g) if use_gelu else silu_f32(g)
-            out[r, i] = a * gu[r, n_ff + i]
+    for r in prange(gu.shape[0]):
+        _glu_row(gu[r], n_ff, use_gelu, out[r])
+
+
+@njit(cache=True, fastmath=True)
+def _glu_rows_ser(gu, n_ff, use_gelu, out):
+    for r in range(gu.shape[0]):
+        _glu_row(gu[r], n_ff, use_gelu, out[r])
 
 
 @njit(cache=True, fastmath=True, parallel=True)
@@ -72,7 +83,8 @@ def geglu(gate, up):
 def glu_fused(gate_up, n_ff, use_gelu):
     """The same on one [n, 2*n_ff] f32 array holding gate then up (a fused gate+up matmul)."""
     out = np.empty((gate_up.shape[0], n_ff), dtype=np.float32)
-    _glu_rows(gate_up, n_ff, use_gelu, out)
+    fn = _glu_rows_par if gate_up.shape[0] >= PARALLEL_MIN_ROWS else _glu_rows_ser
+    fn(gate_up, n_ff, use_gelu, out)
     return out
 
 

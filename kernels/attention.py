@@ -21,9 +21,9 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.ggml_types import GGMLType, type_info
+from kernels.quants_fp import bits_to_f32, f32_to_bits
 from kernels.quants import (
     dequant_row_bf16,
-    dequant_row_f16,
     dequant_row_f32,
     dequant_row_iq4_nl,
     dequant_row_q4_0,
@@ -37,6 +37,9 @@ from kernels.quants import (
 
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}  # fast math, but keep inf/nan semantics
 KT = 32  # cache rows per tile
+# below this many multiply-adds of K·Q a parallel launch costs more than it saves (a generated
+# token at a few hundred cells of context runs serially; long contexts and prompts in parallel)
+PARALLEL_MIN_WORK = 1 << 20
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 _Q4_0, _Q4_1, _Q5_0 = int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0)
@@ -44,11 +47,26 @@ _Q5_1, _Q8_0, _IQ4_NL = int(GGMLType.Q5_1), int(GGMLType.Q8_0), int(GGMLType.IQ4
 CACHE_TYPES = (_F32, _F16, _BF16, _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _IQ4_NL)
 
 
+@njit(cache=True, fastmath=True)
+def _f16_row_fast(src, dst):
+    """f16 bytes -> f32, branch-free so LLVM vectorizes it (the K/V hot loop of f16 caches).
+    Exact for every half: the 15 magnitude bits shifted into a float and scaled by 2^112 give
+    normals and subnormals alike; exponent 31 (inf/NaN) is patched by a select."""
+    for i in range(dst.shape[0]):
+        h = np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << np.uint32(8))
+        mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
+        f = bits_to_f32(mag) * np.float32(5.192296858534828e33)  # 2^112
+        fb = f32_to_bits(f)
+        fb = (np.uint32(0x7F800000) | mag) if (h & np.uint32(0x7C00)) == np.uint32(0x7C00) else fb
+        dst[i] = bits_to_f32(fb | ((h & np.uint32(0x8000)) << np.uint32(16)))
+
+
 @njit(cache=True)
 def dequant_cache_row(t, src, dst):
-    """Dequantize one cache row fragment src (u8) of format t into dst (f32)."""
+    """Dequantize one cache row fragment src (u8) of format t into dst (f32).
+    Only the cache formats are dispatched (smaller than quants.dequant_row_any: shorter compile)."""
     if t == _F16:
-        dequant_row_f16(src, dst)
+        _f16_row_fast(src, dst)
     elif t == _Q8_0:
         dequant_row_q8_0(src, dst)
     elif t == _Q4_0:
@@ -101,10 +119,9 @@ def _score(q, t, h, kt, j, dk, scale, softcap, mv):
     return d + mv
 
 
-@njit(cache=True, fastmath=_FM, parallel=True)
-def _flash_attn(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
-    """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
-    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32."""
+@njit(cache=True, fastmath=_FM, inline="always")
+def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
+    """One work unit of the flash path (see the module docstring)."""
     n_tokens, n_head, dk = q.shape
     dv = out.shape[2]
     n_kv = mask.shape[1]
@@ -113,71 +130,70 @@ def _flash_attn(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, sof
     n_tb = (n_tokens + tb - 1) // tb
     kb = k.shape[2] // n_head_kv  # bytes of one kv head in a K row
     vb = v.shape[2] // n_head_kv
-    for u in prange(n_head_kv * n_sub * n_tb):
-        tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
-        t0 = tbi * tb
-        t1 = min(t0 + tb, n_tokens)
-        nq = (t1 - t0) * hpg
-        h0 = hk * gq + sg * hpg
-        st = tok_stream[t0]
-        kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
-        vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
-        sc = np.empty(KT, dtype=np.float32)  # scores of one query against the tile
-        acc = np.zeros((nq, dv), dtype=np.float32)  # running sum of p * v
-        mx = np.full(nq, -np.inf, dtype=np.float32)  # running max score
-        sm = np.zeros(nq, dtype=np.float32)  # running sum of p
-        for j0 in range(0, n_kv, KT):
-            j1 = min(j0 + KT, n_kv)
-            nj = j1 - j0
-            if not _tile_live(mask, t0, t1, j0, j1):
-                continue
-            for j in range(nj):
-                dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
-                dequant_cache_row(type_v, v[st, j0 + j, hk * vb:(hk + 1) * vb], vt[j])
-            for t in range(t0, t1):
-                for hi in range(hpg):
-                    h = h0 + hi
-                    qi = (t - t0) * hpg + hi
-                    m_tile = np.float32(-np.inf)
-                    for j in range(nj):
-                        mv = mask[t, j0 + j]
-                        if mv == -np.inf:
-                            sc[j] = -np.inf
-                            continue
-                        s = _score(q, t, h, kt, j, dk, scale, softcap, mv)
-                        sc[j] = s
-                        if s > m_tile:
-                            m_tile = s
-                    if m_tile == -np.inf:
-                        continue
-                    m_old = mx[qi]
-                    if m_tile > m_old:
-                        if m_old != -np.inf:
-                            r = np.float32(math.exp(m_old - m_tile))
-                            sm[qi] *= r
-                            for c in range(dv):
-                                acc[qi, c] *= r
-                        mx[qi] = m_tile
-                    m_new = mx[qi]
-                    for j in range(nj):
-                        if sc[j] == -np.inf:
-                            continue
-                        p = np.float32(math.exp(sc[j] - m_new))
-                        sm[qi] += p
-                        for c in range(dv):
-                            acc[qi, c] += p * vt[j, c]
+    tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
+    t0 = tbi * tb
+    t1 = min(t0 + tb, n_tokens)
+    nq = (t1 - t0) * hpg
+    h0 = hk * gq + sg * hpg
+    st = tok_stream[t0]
+    kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
+    vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
+    sc = np.empty(KT, dtype=np.float32)  # scores of one query against the tile
+    acc = np.zeros((nq, dv), dtype=np.float32)  # running sum of p * v
+    mx = np.full(nq, -np.inf, dtype=np.float32)  # running max score
+    sm = np.zeros(nq, dtype=np.float32)  # running sum of p
+    for j0 in range(0, n_kv, KT):
+        j1 = min(j0 + KT, n_kv)
+        nj = j1 - j0
+        if not _tile_live(mask, t0, t1, j0, j1):
+            continue
+        for j in range(nj):
+            dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
+            dequant_cache_row(type_v, v[st, j0 + j, hk * vb:(hk + 1) * vb], vt[j])
         for t in range(t0, t1):
             for hi in range(hpg):
+                h = h0 + hi
                 qi = (t - t0) * hpg + hi
-                inv = np.float32(1.0 / sm[qi]) if sm[qi] > 0.0 else np.float32(0.0)
-                for c in range(dv):
-                    out[t, h0 + hi, c] = acc[qi, c] * inv
+                m_tile = np.float32(-np.inf)
+                for j in range(nj):
+                    mv = mask[t, j0 + j]
+                    if mv == -np.inf:
+                        sc[j] = -np.inf
+                        continue
+                    s = _score(q, t, h, kt, j, dk, scale, softcap, mv)
+                    sc[j] = s
+                    if s > m_tile:
+                        m_tile = s
+                if m_tile == -np.inf:
+                    continue
+                m_old = mx[qi]
+                if m_tile > m_old:
+                    if m_old != -np.inf:
+                        r = np.float32(math.exp(m_old - m_tile))
+                        sm[qi] *= r
+                        for c in range(dv):
+                            acc[qi, c] *= r
+                    mx[qi] = m_tile
+                m_new = mx[qi]
+                for j in range(nj):
+                    if sc[j] == -np.inf:
+                        continue
+                    p = np.float32(math.exp(sc[j] - m_new))
+                    sm[qi] += p
+                    for c in range(dv):
+                        acc[qi, c] += p * vt[j, c]
+    for t in range(t0, t1):
+        for hi in range(hpg):
+            qi = (t - t0) * hpg + hi
+            inv = np.float32(1.0 / sm[qi]) if sm[qi] > 0.0 else np.float32(0.0)
+            for c in range(dv):
+                out[t, h0 + hi, c] = acc[qi, c] * inv
 
 
-@njit(cache=True, fastmath=_FM, parallel=True)
-def _classic_attn(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
-    """As _flash_attn but V is transposed: vt [n_stream, n_embd_v_gqa, >= n_kv * elem] u8.
-    KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]."""
+@njit(cache=True, fastmath=_FM, inline="always")
+def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
+    """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
+    u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]."""
     n_tokens, n_head, dk = q.shape
     dv = out.shape[2]
     n_kv = mask.shape[1]
@@ -186,51 +202,81 @@ def _classic_attn(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, 
     n_tb = (n_tokens + tb - 1) // tb
     kb = k.shape[2] // n_head_kv
     eb = 4 if type_v == _F32 else 2  # bytes per V element (f32, f16, bf16)
-    for u in prange(n_head_kv * n_sub * n_tb):
-        tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
-        t0 = tbi * tb
-        t1 = min(t0 + tb, n_tokens)
-        nq = (t1 - t0) * hpg
-        h0 = hk * gq + sg * hpg
-        st = tok_stream[t0]
-        kt = np.empty((KT, dk), dtype=np.float32)
-        p = np.full((nq, n_kv), -np.inf, dtype=np.float32)  # scores, then probabilities
-        for j0 in range(0, n_kv, KT):
-            j1 = min(j0 + KT, n_kv)
-            if not _tile_live(mask, t0, t1, j0, j1):
-                continue
-            for j in range(j1 - j0):
-                dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
-            for t in range(t0, t1):
-                for hi in range(hpg):
-                    qi = (t - t0) * hpg + hi
-                    for j in range(j1 - j0):
-                        mv = mask[t, j0 + j]
-                        if mv != -np.inf:
-                            p[qi, j0 + j] = _score(q, t, h0 + hi, kt, j, dk, scale, softcap, mv)
-        for qi in range(nq):  # masked softmax per query row
-            m = np.float32(-np.inf)
-            for j in range(n_kv):
-                if p[qi, j] > m:
-                    m = p[qi, j]
-            s = np.float32(0.0)
-            for j in range(n_kv):
-                e = np.float32(0.0) if p[qi, j] == -np.inf else np.float32(math.exp(p[qi, j] - m))
-                p[qi, j] = e
-                s += e
-            inv = np.float32(1.0 / s) if s > 0.0 else np.float32(0.0)
-            for j in range(n_kv):
-                p[qi, j] *= inv
-        vrow = np.empty(n_kv, dtype=np.float32)  # one row of V^T: component c of every cell
-        for c in range(dv):
-            dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow)
-            for t in range(t0, t1):
-                for hi in range(hpg):
-                    qi = (t - t0) * hpg + hi
-                    a = np.float32(0.0)
-                    for j in range(n_kv):
-                        a += p[qi, j] * vrow[j]
-                    out[t, h0 + hi, c] = a
+    tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
+    t0 = tbi * tb
+    t1 = min(t0 + tb, n_tokens)
+    nq = (t1 - t0) * hpg
+    h0 = hk * gq + sg * hpg
+    st = tok_stream[t0]
+    kt = np.empty((KT, dk), dtype=np.float32)
+    p = np.full((nq, n_kv), -np.inf, dtype=np.float32)  # scores, then probabilities
+    for j0 in range(0, n_kv, KT):
+        j1 = min(j0 + KT, n_kv)
+        if not _tile_live(mask, t0, t1, j0, j1):
+            continue
+        for j in range(j1 - j0):
+            dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
+        for t in range(t0, t1):
+            for hi in range(hpg):
+                qi = (t - t0) * hpg + hi
+                for j in range(j1 - j0):
+                    mv = mask[t, j0 + j]
+                    if mv != -np.inf:
+                        p[qi, j0 + j] = _score(q, t, h0 + hi, kt, j, dk, scale, softcap, mv)
+    for qi in range(nq):  # masked softmax per query row
+        m = np.float32(-np.inf)
+        for j in range(n_kv):
+            if p[qi, j] > m:
+                m = p[qi, j]
+        s = np.float32(0.0)
+        for j in range(n_kv):
+            e = np.float32(0.0) if p[qi, j] == -np.inf else np.float32(math.exp(p[qi, j] - m))
+            p[qi, j] = e
+            s += e
+        inv = np.float32(1.0 / s) if s > 0.0 else np.float32(0.0)
+        for j in range(n_kv):
+            p[qi, j] *= inv
+    vrow = np.empty(n_kv, dtype=np.float32)  # one row of V^T: component c of every cell
+    for c in range(dv):
+        dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow)
+        for t in range(t0, t1):
+            for hi in range(hpg):
+                qi = (t - t0) * hpg + hi
+                a = np.float32(0.0)
+                for j in range(n_kv):
+                    a += p[qi, j] * vrow[j]
+                out[t, h0 + hi, c] = a
+
+
+def _n_units(q, n_head_kv, tb, hpg):
+    n_tokens, n_head = q.shape[0], q.shape[1]
+    return n_head_kv * ((n_head // n_head_kv) // hpg) * ((n_tokens + tb - 1) // tb)
+
+
+@njit(cache=True, fastmath=_FM, parallel=True)
+def _flash_attn_par(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+    """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
+    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32."""
+    for u in prange(n_units):
+        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+
+
+@njit(cache=True, fastmath=_FM)
+def _flash_attn_ser(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+    for u in range(n_units):
+        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+
+
+@njit(cache=True, fastmath=_FM, parallel=True)
+def _classic_attn_par(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+    for u in prange(n_units):
+        _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+
+
+@njit(cache=True, fastmath=_FM)
+def _classic_attn_ser(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+    for u in range(n_units):
+        _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
 
 
 def round_q_like_ggml(q, type_k):
@@ -251,12 +297,12 @@ def round_q_like_ggml(q, type_k):
 
 def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
     """Choose (token block, heads per unit): share tiles across tokens and GQA heads, yet keep
-    at least a few units per thread."""
+    at least a few units per thread (n_threads 1: serial, maximal sharing)."""
     gq = n_head // n_head_kv
     tb = 1 if n_stream > 1 else min(32, max(1, n_tokens))
     n_tb = -(-n_tokens // tb)
     hpg = gq
-    while hpg > 1 and n_head_kv * (gq // hpg) * n_tb < 2 * n_threads:
+    while n_threads > 1 and hpg > 1 and n_head_kv * (gq // hpg) * n_tb < 2 * n_threads:
         hpg -= 1
         while gq % hpg:
             hpg -= 1
@@ -280,12 +326,17 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     qr = round_q_like_ggml(q, int(type_k)) if round_q else q
     qr = np.ascontiguousarray(qr, dtype=np.float32)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
-    tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads)
+    par = n_threads > 1 and n_tokens * n_head * mask.shape[1] * dk >= PARALLEL_MIN_WORK
+    tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
     mask = np.ascontiguousarray(mask, dtype=np.float32)
     ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
-    fn = _flash_attn if flash else _classic_attn
+    n_units = _n_units(q, n_head_kv, tb, hpg)
+    if flash:
+        fn = _flash_attn_par if par else _flash_attn_ser
+    else:
+        fn = _classic_attn_par if par else _classic_attn_ser
     fn(qr, k, int(type_k), v, int(type_v), mask, ts, int(n_head_kv), np.float32(scale),
-       np.float32(softcap), int(tb), int(hpg), out)
+       np.float32(softcap), int(tb), int(hpg), int(n_units), out)
     return out.reshape(n_tokens, n_head * dv)
 
 

@@ -7,6 +7,8 @@ which re-rotates cached keys by a position delta (rotation by a then by b == rot
 import numpy as np
 from numba import njit, prange
 
+from kernels.norm import rms_norm_row
+
 
 @njit(cache=True, fastmath=True, parallel=True)
 def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox):
@@ -39,3 +41,96 @@ def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox):
                     b = x[t, h, 2 * i + 1]
                     x[t, h, 2 * i] = a * c - b * s
                     x[t, h, 2 * i + 1] = a * s + b * c
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _rope_cache(p, half, theta_scale, fs, cs):
+    """cs [half, 2] f32 <- (cos, sin) of position p, theta recurrence as ggml's rope cache."""
+    theta = np.float32(p)
+    for i in range(half):
+        th = fs * theta
+        cs[i, 0] = np.float32(np.cos(th))
+        cs[i, 1] = np.float32(np.sin(th))
+        theta = np.float32(theta * theta_scale)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _rotate(xh, cs, half, neox):
+    """Rotate one head xh [head_dim] f32 in place by the cached angles."""
+    for i in range(half):
+        c = cs[i, 0]
+        s = cs[i, 1]
+        if neox:
+            a = xh[i]
+            b = xh[i + half]
+            xh[i] = a * c - b * s
+            xh[i + half] = a * s + b * c
+        else:
+            a = xh[2 * i]
+            b = xh[2 * i + 1]
+            xh[2 * i] = a * c - b * s
+            xh[2 * i + 1] = a * s + b * c
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
+                neox, q_out, k_out, v_out, cs):
+    n_head, dk = q_out.shape[1], q_out.shape[2]
+    n_head_kv = k_out.shape[1]
+    half = n_rot // 2
+    _rope_cache(pos[t], half, theta_scale, fs, cs)
+    for h in range(n_head):
+        for c in range(dk):
+            q_out[t, h, c] = q_in[t, h * dk + c]
+        if has_norm:
+            rms_norm_row(q_out[t, h], q_norm, True, eps, q_out[t, h])
+        _rotate(q_out[t, h], cs, half, neox)
+    for h in range(n_head_kv):
+        for c in range(dk):
+            k_out[t, h, c] = k_in[t, h * dk + c]
+        if has_norm:
+            rms_norm_row(k_out[t, h], k_norm, True, eps, k_out[t, h])
+        _rotate(k_out[t, h], cs, half, neox)
+    for c in range(v_out.shape[1]):
+        v_out[t, c] = v_in[t, c]
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def _prep_qkv_par(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
+                  neox, q_out, k_out, v_out):
+    for t in prange(q_out.shape[0]):
+        cs = np.empty((n_rot // 2, 2), dtype=np.float32)
+        _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
+                    fs, neox, q_out, k_out, v_out, cs)
+
+
+@njit(cache=True, fastmath=True)
+def _prep_qkv_ser(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
+                  neox, q_out, k_out, v_out):
+    cs = np.empty((n_rot // 2, 2), dtype=np.float32)
+    for t in range(q_out.shape[0]):
+        _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
+                    fs, neox, q_out, k_out, v_out, cs)
+
+
+_ONE = np.ones(1, dtype=np.float32)
+
+
+def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_base, freq_scale,
+                neox, q_norm=None, k_norm=None, eps=1e-6):
+    """Fresh Q/K/V of one layer in one launch: split (q_in/k_in/v_in may be column views of a
+    fused QKV product, [n, width] f32), optional per-head RMSNorm of Q and K (QK-norm), RoPE.
+
+    Returns q [n, n_head, head_dim], k [n, n_head_kv, head_dim], v [n, v_width] (f32, contiguous).
+    """
+    n = q_in.shape[0]
+    q = np.empty((n, n_head, head_dim), dtype=np.float32)
+    k = np.empty((n, n_head_kv, head_dim), dtype=np.float32)
+    v = np.empty((n, v_in.shape[1]), dtype=np.float32)
+    has_norm = q_norm is not None
+    theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
+    fn = _prep_qkv_par if n >= 16 else _prep_qkv_ser
+    fn(q_in, k_in, v_in, q_norm if has_norm else _ONE, k_norm if has_norm else _ONE, has_norm,
+       np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), int(n_rot), theta_scale,
+       np.float32(freq_scale), bool(neox), q, k, v)
+    return q, k, v

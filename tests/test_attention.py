@@ -140,3 +140,13 @@ def test_q_rounding_follows_ggml_vec_dot_type(type_k):
     else:
         rel = np.abs(r - q).max() / np.abs(q).max()
         assert 0 < rel < (1 / 127 if type_k != "bf16" else 1 / 128)
+
+
+def test_fast_f16_row_is_exact_for_every_half():
+    from kernels.attention import _f16_row_fast
+    h = np.arange(65536, dtype=np.uint16)
+    got = np.empty(65536, dtype=np.float32)
+    _f16_row_fast(h.view(np.uint8), got)
+    ref = h.view(np.float16).astype(np.float32)
+    same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
+    assert same.all()

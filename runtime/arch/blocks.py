@@ -1,0 +1,114 @@
+"""Building blocks shared by the architecture forwards (llama.cpp's llm_graph_context helpers).
+
+Every function takes and returns plain f32 arrays; K/V go to and come from the cache only
+through the memory context of the ubatch (cpy_k / cpy_v / get_k / get_v / kq_mask).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kernels.act import geglu, glu_fused, swiglu
+from kernels.attention import attention
+from kernels.norm import rms_norm
+from kernels.rope import prepare_qkv
+
+
+def embed(model, tokens) -> np.ndarray:
+    """Token embeddings [n_tokens, n_embd] f32, scaled by hparams.embed_scale (gemma)."""
+    x = model.weights.tok_embd.get_rows(np.ascontiguousarray(tokens, dtype=np.int32))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    scale = model.hparams.embed_scale
+    if scale != 1.0:
+        x *= np.float32(scale)
+    return x
+
+
+def qkv_projection(L, h, sizes):
+    """Q, K, V rows of h ([n, n_embd] f32) -> three [n, size] f32 arrays (column views of one
+    fused product when the layer has a fused QKV matrix)."""
+    if L.wqkv is not None:
+        qkv = L.wqkv.matmul(h)  # [n, q + k + v] f32
+        if L.bqkv is not None:
+            qkv += L.bqkv
+        a, b = sizes[0], sizes[0] + sizes[1]
+        return qkv[:, :a], qkv[:, a:b], qkv[:, b:]
+    q, k, v = L.wq.matmul(h), L.wk.matmul(h), L.wv.matmul(h)
+    if L.bqkv is not None:
+        a, b = sizes[0], sizes[0] + sizes[1]
+        q += L.bqkv[:a]
+        k += L.bqkv[a:b]
+        v += L.bqkv[b:]
+    return q, k, v
+
+
+def self_attention(model, il, L, h, pos, mctx, kq_scale):
+    """Multi-head attention of layer il for the ubatch: returns [n_tokens, n_head * head_dim_v] f32
+    (before the output projection). QK-norm is applied when the layer has q_norm / k_norm."""
+    hp = model.hparams
+    n = h.shape[0]
+    dk = hp.n_embd_head_k
+    sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
+    q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos, hp.n_rot,
+                          hp.rope_base(il), hp.rope_scale(il), hp.rope_type == "neox",
+                          L.q_norm, L.k_norm, hp.norm_eps)
+    mctx.cpy_k(il, k.reshape(n, -1))
+    mctx.cpy_v(il, v)
+    k_cache, type_k = mctx.get_k(il)
+    v_cache, type_v = mctx.get_v(il)
+    mask, tok_stream = mctx.kq_mask(il)
+    return attention(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, hp.n_head_kv,
+                     kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
+                     n_threads=numba.get_num_threads())
+
+
+def _v_trans(mctx, il) -> bool:
+    """Whether the V cache of layer il is stored transposed (flash attention off)."""
+    f = getattr(mctx, "v_trans", None)
+    if callable(f):
+        return bool(f(il))
+    return bool(f)
+
+
+def output_projection(L, attn):
+    out = L.wo.matmul(attn)  # [n, n_embd] f32
+    if L.bo is not None:
+        out += L.bo
+    return out
+
+
+def feed_forward(L, h, n_ff, use_gelu):
+    """Gated FFN: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU."""
+    if L.w_gate_up is not None:
+        a = glu_fused(L.w_gate_up.matmul(h), n_ff, use_gelu)
+    else:
+        g, u = L.w_gate.matmul(h), L.w_up.matmul(h)
+        if L.b_gate is not None:
+            g += L.b_gate
+        if L.b_up is not None:
+            u += L.b_up
+        a = geglu(g, u) if use_gelu else swiglu(g, u)
+    out = L.w_down.matmul(a)
+    if L.b_down is not None:
+        out += L.b_down
+    return out
+
+
+def output_ids(ubatch) -> np.ndarray | None:
+    """Indices of the ubatch tokens whose logits are wanted; None when all of them are."""
+    flags = np.asarray(ubatch.output, dtype=bool)
+    if flags.all():
+        return None
+    return np.flatnonzero(flags)
+
+
+def logits(model, x) -> np.ndarray:
+    """Final norm + lm head (+ final soft-cap): x [n_out, n_embd] -> [n_out, n_vocab] f32."""
+    hp = model.hparams
+    w = model.weights
+    x = rms_norm(x, w.output_norm, hp.norm_eps)
+    out = w.output.matmul(x)
+    cap = hp.final_logit_softcap
+    if cap:
+        out = (np.tanh(out * np.float32(1.0 / cap)) * np.float32(cap)).astype(np.float32)
+    return out
