@@ -1,0 +1,131 @@
+"""`kvchat run` as a subprocess on SmolLM2: stdout carries only the answer, errors are one line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.real_model
+TIMEOUT = 900  # numba compiles the kernels on the first run; the machine may be shared
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+               "<|im_end|>\n<|im_start|>user\nWhat is a KV cache in a transformer?<|im_end|>\n"
+               "<|im_start|>assistant\n")
+
+
+def kvchat(*args, input=None, timeout=TIMEOUT, env=None):
+    cmd = [sys.executable, "-c", "from cli.app import main; main()", *map(str, args)]
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=e)
+
+
+@pytest.fixture(scope="module")
+def greedy(reference_dir):
+    return json.loads((reference_dir / "greedy.json").read_text())
+
+
+def smollm2_reference(greedy, prompt):
+    """The f16 greedy.json entry of SmolLM2 (its ids fit its 49152-token vocabulary)."""
+    return next(g for g in greedy if g["prompt"] == prompt and g["kv_type"] == "f16"
+                and max(g["ids"]) < 49152)
+
+
+def prefix_text(smollm2_path, ids):
+    from runtime.gguf_file import GGUFFile
+    from runtime.vocab import Vocab
+    gf = GGUFFile(smollm2_path)
+    try:
+        return Vocab.from_gguf(gf).detokenize(ids)
+    finally:
+        gf.close()
+
+
+def test_greedy_chat_answer_matches_llama_cpp(smollm2_path, greedy):
+    """The template adds SmolLM2's default system prompt, giving greedy.json's chat prompt."""
+    ref = smollm2_reference(greedy, CHAT_PROMPT)
+    r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "24", "-c", "256",
+               "-p", "What is a KV cache in a transformer?")
+    assert r.returncode == 0, r.stderr
+    expected = prefix_text(smollm2_path, ref["ids"][:8])
+    assert r.stdout.startswith(expected), (r.stdout, expected)
+
+
+def test_raw_completion_matches_llama_cpp(smollm2_path, greedy):
+    ref = smollm2_reference(greedy, "Once upon a time")
+    r = kvchat("run", "-m", smollm2_path, "--raw", "--temp", "0", "-n", "4", "-c", "256",
+               "-p", "Once upon a time")
+    assert r.returncode == 0, r.stderr
+    # no template: the text continues the prompt itself (", the city of")
+    assert r.stdout == prefix_text(smollm2_path, ref["ids"][:4]) + "\n"
+
+
+def test_stdout_is_only_the_answer_and_timings_go_to_stderr(smollm2_path, tmp_path):
+    prompt_file = tmp_path / "q.txt"
+    prompt_file.write_text("Name a colour.", encoding="utf-8")
+    r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "6", "-c", "256", "-f", prompt_file,
+               "--show-timings", "--verbose-prompt")
+    assert r.returncode == 0, r.stderr
+    assert "t/s" not in r.stdout and "Prompt:" not in r.stdout and "->" not in r.stdout
+    assert "[ Prompt: " in r.stderr and " t/s | Generation: " in r.stderr and " t/s ]" in r.stderr
+    assert "'<|im_start|>'" in r.stderr  # --verbose-prompt lists the prompt tokens
+    # the same prompt on stdin gives the same (greedy) answer
+    r2 = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "6", "-c", "256",
+                input="Name a colour.")
+    assert r2.returncode == 0 and r2.stdout == r.stdout
+    assert len(r.stdout.strip()) > 0
+
+
+def test_seeded_sampling_is_reproducible(smollm2_path):
+    args = ("run", "-m", smollm2_path, "--temp", "1.0", "-s", "1234", "-n", "8", "-c", "256", "-p", "Tell me a joke.")
+    a, b = kvchat(*args), kvchat(*args)
+    assert a.returncode == 0 and b.returncode == 0
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_prompt_longer_than_context_is_refused(smollm2_path):
+    long = "word " * 400
+    r = kvchat("run", "-m", smollm2_path, "-c", "256", "-n", "4", "-p", long)
+    assert r.returncode == 1
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: the prompt needs ") and "context of 256 tokens" in lines[-1]
+    assert "Traceback" not in r.stderr
+
+
+def test_no_prompt_and_bad_flags_are_one_line_errors(smollm2_path, tmp_path):
+    r = kvchat("run", "-m", smollm2_path, "-f", tmp_path / "missing.txt")
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: cannot read prompt file")
+    r = kvchat("run", "-m", smollm2_path, "-ctk", "q7_0", "-p", "hi", "-c", "256")
+    assert r.returncode == 1 and "invalid cache type 'q7_0'" in r.stderr and "Traceback" not in r.stderr
+    r = kvchat("run", "-m", smollm2_path, "-ctv", "q8_0", "-fa", "off", "-p", "hi", "-c", "256")
+    assert r.returncode == 1 and "Flash Attention" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_groups_flags_with_defaults():
+    r = kvchat("run", "--help", env={"COLUMNS": "160"})
+    assert r.returncode == 0
+    out = r.stdout
+    for panel in ("Model", "Context and KV cache", "Sampling", "Conversation", "Output", "Input"):
+        assert panel in out
+    for flag in ("--ctx-size", "-ctk", "--cache-type-v", "-fa", "--swa-full", "--keep", "--no-context-shift",
+                 "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
+                 "--seed", "-sys", "--chat-template-file", "--threads", "--ignore-eos", "--session",
+                 "--show-timings", "--verbose-prompt", "--markdown", "-ub", "--batch-size", "--n-predict",
+                 "--raw", "--prompt", "--file"):
+        assert flag in out, flag
+    for default in ("4096", "0.8", "0.95", "0.05", "40", "64", "f16", "auto"):
+        assert default in out
+
+
+def test_corrupt_session_at_startup_exits_1_and_leaves_file(smollm2_path, tmp_path):
+    bad = tmp_path / "bad.kvs"
+    bad.write_bytes(b"KVCHATSS" + b"\x01\x00\x00\x00" + b"garbage" * 10)
+    before = bad.read_bytes()
+    r = kvchat("chat", "-m", smollm2_path, "-c", "256", "--session", bad, input="hello\n")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: ")
+    assert bad.read_bytes() == before
