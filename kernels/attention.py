@@ -11,8 +11,11 @@ buffer, and reuses it for every query of the unit — GQA heads and a block of p
 so dequantization is amortized in prefill and parallel in decode. Tiles that the mask hides
 for every token of the block are skipped (causal prefill touches only the lower triangle).
 
-Numerics: like ggml's CPU kernels, Q is first rounded to the vec-dot type of K (f16 for f16 K,
-bf16 for bf16, 8-bit blocks for the quantized formats), so scores match llama.cpp closely.
+Numerics: ggml's one-row CPU kernel first rounds Q to the vec-dot type of K (f16 for f16 K,
+8-bit blocks for quantized K); its tiled prompt kernel does not. ``round_q=True`` emulates the
+former, but it is off by default: the rounding is a step function that turns the 1e-7
+differences between batched and one-token matmuls into 5e-4 jumps, and it did not bring the
+logits measurably closer to llama.cpp's (docs/performance.md).
 The -inf mask needs IEEE infinities: these kernels use fastmath flags without ``ninf``/``nnan``.
 """
 import math
@@ -310,7 +313,7 @@ def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
 
 
 def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap=0.0,
-              flash=True, n_threads=2, round_q=True):
+              flash=True, n_threads=2, round_q=False):
     """Attention of fresh queries over the cache.
 
     q: [n_tokens, n_head, dk] f32; k: (u8 [n_stream, n_kv, row_k], type_k) cache view;
