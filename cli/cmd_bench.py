@@ -1,5 +1,111 @@
-"""Placeholder until the module's owner lands it (registers no command yet)."""
+"""`kvchat bench`: prompt-processing and generation speed in the manner of llama-bench.
+
+Tests: `pp N` decodes N random tokens as batches of n_batch (only the last token's logits),
+`tg N` generates N tokens one at a time; with `-d DEPTH` the cache first holds DEPTH tokens
+(filled before the clock starts). Every test runs once untimed (kernel compilation, first-touch
+of the weights) and then `-r` timed repetitions on a cleared memory; t/s is reported as mean ±
+standard deviation over the repetitions, in llama-bench's markdown table or as --json.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import typer
+
+from runtime.errors import KvchatError
 
 
-def register(app):
-    pass
+def _fill(ctx, tokens, n_batch, pos0=0):
+    from runtime.batch import Batch
+    for j in range(0, len(tokens), n_batch):
+        part = tokens[j:j + n_batch]
+        rc = ctx.decode(Batch.one_seq(part, pos0 + j))  # logits for the last token only
+        if rc != 0:
+            raise KvchatError(f"decode failed (code {rc}: {ctx.last_error}); try a larger context")
+
+
+def run_test(ctx, kind: str, n: int, depth: int, n_batch: int, rng) -> float:
+    """One timed repetition; returns tokens per second."""
+    n_vocab = ctx.model.hparams.n_vocab
+    ctx.memory.clear(True)
+    if depth:
+        _fill(ctx, list(rng.integers(0, n_vocab, depth)), n_batch)
+    toks = list(rng.integers(0, n_vocab, n))
+    t0 = time.perf_counter()
+    if kind == "pp":
+        _fill(ctx, toks, n_batch, depth)
+    else:
+        _fill(ctx, toks[:1], n_batch, depth)
+        for i in range(1, n):
+            _fill(ctx, toks[i:i + 1], n_batch, depth + i)
+    return n / (time.perf_counter() - t0)
+
+
+def model_desc(model) -> str:
+    label = model.gguf.get("general.size_label") or f"{model.n_params / 1e6:.0f}M"
+    return f"{model.hparams.arch} {label} {model.ftype_name}"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bench")
+    def bench(
+        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a .gguf path"),
+        n_prompt: int = typer.Option(512, "-p", "--n-prompt", min=0, help="prompt tokens (0: skip pp)"),
+        n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, help="generated tokens (0: skip tg)"),
+        reps: int = typer.Option(3, "-r", "--repetitions", min=1, help="timed repetitions per test"),
+        depth: int = typer.Option(0, "-d", "--n-depth", min=0, help="tokens already in the cache"),
+        batch_size: int = typer.Option(2048, "-b", "--batch-size", min=1),
+        ubatch_size: int = typer.Option(512, "-ub", "--ubatch-size", min=1),
+        cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k"),
+        cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v"),
+        flash_attn: str = typer.Option("auto", "-fa", "--flash-attn", help="on, off or auto"),
+        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    ):
+        """Measure pp (prompt) and tg (generation) speed, llama-bench style."""
+        from cli.models import resolve_model
+        from runtime.context import Context
+        from runtime.cparams import ContextParams
+        from runtime.model import Model
+
+        m = Model.load(resolve_model(model))
+        n_ctx = depth + max(n_prompt, n_gen) + 1
+        ctx = Context(m, ContextParams(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+                                       type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn,
+                                       n_threads=threads))
+        n_batch = ctx.cparams.n_batch
+        import numba
+        n_threads = threads or numba.get_num_threads()
+        rows = []
+        rng = np.random.default_rng(1234)
+        for kind, n in (("pp", n_prompt), ("tg", n_gen)):
+            if n <= 0:
+                continue
+            print(f"bench: {kind}{n} warm-up ...", file=sys.stderr)
+            t0 = time.perf_counter()
+            run_test(ctx, kind, n, depth, n_batch, rng)  # warm-up, not counted
+            warm = time.perf_counter() - t0
+            speeds = [run_test(ctx, kind, n, depth, n_batch, rng) for _ in range(reps)]
+            name = f"{kind}{n}" + (f" @ d{depth}" if depth else "")
+            rows.append(dict(model=model_desc(m), model_filename=str(m.path), size_bytes=m.size_bytes,
+                             n_params=m.n_params, n_threads=n_threads, type_k=cache_type_k,
+                             type_v=cache_type_v, flash_attn=bool(ctx.cparams.flash_attn),
+                             n_batch=n_batch, n_ubatch=ctx.cparams.n_ubatch, test=name,
+                             n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
+                             n_depth=depth, avg_ts=statistics.mean(speeds),
+                             stddev_ts=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
+                             samples_ts=speeds, warmup_s=warm))
+        if as_json:
+            print(json.dumps(rows, indent=2))
+            return
+        print("| model | size | params | backend | threads | type_k | type_v | fa | test | t/s |")
+        print("| ----- | ---: | -----: | ------- | ------: | -----: | -----: | -: | ---: | --: |")
+        for r in rows:
+            print(f"| {r['model']} | {r['size_bytes'] / 2**20:.2f} MiB | {r['n_params'] / 1e6:.2f} M | "
+                  f"CPU (numba) | {r['n_threads']} | {r['type_k']} | {r['type_v']} | "
+                  f"{int(r['flash_attn'])} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
