@@ -330,8 +330,11 @@ class Conversation:
                 if self.n_cached + 1 > self.n_ctx:
                     if not self._can_shift():
                         stats.stop = "ctx_full"
-                        self.notify(f"context full ({self.n_cached}/{self.n_ctx} tokens) and context "
-                                    "shift is off: answer stopped (/clear, or restart with a larger -c)")
+                        why = ("context shift is off" if not cfg.context_shift else
+                               "this model's cache cannot shift (sliding-window layers: restart "
+                               "with --swa-full to allow it)")
+                        self.notify(f"context full ({self.n_cached}/{self.n_ctx} tokens) and {why}: "
+                                    "answer stopped (/clear, /undo, or restart with a larger -c)")
                         break
                     stats.n_shifted += self.context_shift(1)
                     if self.n_cached + 1 > self.n_ctx:

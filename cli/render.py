@@ -42,7 +42,9 @@ class Renderer:
         if not text:
             return
         self._text.append(text)
-        if self.markdown and self.err.is_terminal:
+        if self.markdown and not self._out_is_tty():
+            return  # a pipe gets the rendered Markdown once, at the end
+        if self.markdown:
             if self._live is None:
                 self._live = Live(Text(""), console=Console(file=self.out, highlight=False),
                                   auto_refresh=False, vertical_overflow="visible")
@@ -52,6 +54,12 @@ class Renderer:
             self.out.write(text)
             self.out.flush()
             self._open_line = not text.endswith("\n")
+
+    def _out_is_tty(self) -> bool:
+        try:
+            return self.out.isatty()
+        except (AttributeError, ValueError):
+            return False
 
     def end_answer(self) -> None:
         """Finish the answer line (and render Markdown); nothing at all if nothing was streamed."""
@@ -63,8 +71,7 @@ class Renderer:
             self._live.update(Markdown(text), refresh=True)
             self._live.stop()
             self._live = None
-        elif self.markdown:  # not a terminal: the plain stream is already out; add the rendering
-            self.out.write("\n")
+        elif self.markdown:  # not a terminal: nothing was streamed; print the rendering
             Console(file=self.out, highlight=False).print(Markdown(text))
         else:
             self.out.write("\n")
@@ -203,6 +210,7 @@ def kv_caches(memory):
 
 def kv_breakdowns(mem: dict):
     """(name, per-cache dict) pairs from a memory breakdown (flat, or nested for iSWA)."""
-    if "k_bytes" in mem:
-        return [("", mem)]
-    return [(k, v) for k, v in mem.items() if isinstance(v, dict) and "k_bytes" in v]
+    nested = [(k, v) for k, v in mem.items() if isinstance(v, dict) and "k_bytes" in v]
+    if nested:
+        return nested
+    return [("", mem)] if "k_bytes" in mem else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import shlex
+import sys
 from pathlib import Path
 
 from cli.cmd_chat import apply_saved_sampling, sigint_sets
@@ -44,6 +45,13 @@ SAMPLING_PARAMS = {"temp": ("temp", float), "top-k": ("top_k", int), "top-p": ("
 def history_path() -> Path:
     from cli.models import cache_dir
     return cache_dir() / "history"
+
+
+def _read_stdin_line(prompt: str) -> str:
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
 
 
 def parse_bool(value: str) -> bool:
@@ -105,6 +113,8 @@ class Repl:
         """One message (None at end of input). A line starting with \"\"\" opens a block."""
         if self._session_factory is not None:
             read_line = self._session_factory
+        elif not sys.stdin.isatty():  # piped input: one message per line, no line editor
+            read_line = _read_stdin_line
         else:
             if self._prompt is None:
                 self._prompt = self._make_prompt()

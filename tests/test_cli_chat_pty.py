@@ -188,6 +188,24 @@ def test_ctrl_c_stops_answer_then_next_turn(chat_factory):
     assert chat.exit() == 0
 
 
+def test_multiline_input_and_history(chat_factory, tmp_path):
+    from cli.session import read_session
+    chat = chat_factory("-n", "4")
+    chat.say('"""')  # opens a block: the next lines belong to one message
+    chat.say("Line one.")
+    chat.say('Line two."""')
+    chat.child.send("First\x1b\rsecond\r")  # Alt-Enter inserts a new line, Enter sends
+    chat.wait(ACCEPTED)
+    chat.wait(READY)
+    saved = tmp_path / "m.kvs"
+    chat.say(f"/save {saved}")
+    assert chat.exit() == 0
+    users = [m["content"] for m in read_session(saved).messages if m["role"] == "user"]
+    assert users == ["Line one.\nLine two.", "First\nsecond"]
+    history = (tmp_path / "cache" / "history").read_text(encoding="utf-8")
+    assert "+First" in history and "+second" in history  # prompt_toolkit's FileHistory format
+
+
 LONG = ("The history of the bicycle spans more than two centuries. Early designs had no pedals and "
         "riders pushed themselves along with their feet. Later, pedals were attached to the front "
         "wheel, and the wheel grew larger to go faster, which made falls dangerous. The safety "

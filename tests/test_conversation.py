@@ -405,3 +405,12 @@ def test_restore_refused_leaves_conversation_untouched():
     with pytest.raises(SessionError):
         conv.restore([], [1, 2, 3], 0, 0, bad)
     assert ctx.memory.cells == cells and conv.tokens == toks
+
+
+def test_memory_that_cannot_shift_stops_with_reason():
+    conv, ctx, notes = make(n_ctx=64, n_predict=200)
+    ctx.memory.get_can_shift = lambda: False  # e.g. an iSWA cache without --swa-full
+    s = conv.ask("hi")
+    assert s.stop == "ctx_full" and conv.n_cached == 64 and conv.n_dropped == 0
+    assert any("cannot shift" in n and "--swa-full" in n for n in notes)
+    consistent(conv, ctx)
