@@ -371,6 +371,10 @@ class Conversation:
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
         return stats
 
+    def repair(self) -> None:
+        """After an exception escaped mid-decode: drop any cell beyond the tokens we track."""
+        self.ctx.memory.seq_rm(self.seq_id, self.n_cached, -1)
+
     # ---- editing the conversation --------------------------------------------------------------
 
     def _sync_to_messages(self) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cli.cmd_chat import apply_saved_sampling, sigint_sets
 from cli.conversation import Interrupted
-from runtime.errors import KvchatError, SessionError
+from runtime.errors import KvchatError
 from runtime.sampling import Sampler, SamplingParams
 
 TRIPLE = '"""'
@@ -161,10 +161,11 @@ class Repl:
                     self.command(text)
                 else:
                     self.turn(lambda on_text: self.conv.ask(text, on_text=on_text))
-            except SessionError as e:
+            except KvchatError as e:  # SessionError included: the conversation is unchanged
                 self.r.error(str(e))
-            except KvchatError as e:
-                self.r.error(str(e))
+            except KeyboardInterrupt:  # a second Ctrl-C, or one during a slash command
+                self.conv.repair()
+                self.r.notice("interrupted")
         self.autosave()
 
     def turn(self, start) -> None:

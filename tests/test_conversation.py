@@ -414,3 +414,12 @@ def test_memory_that_cannot_shift_stops_with_reason():
     assert s.stop == "ctx_full" and conv.n_cached == 64 and conv.n_dropped == 0
     assert any("cannot shift" in n and "--swa-full" in n for n in notes)
     consistent(conv, ctx)
+
+
+def test_repair_drops_cells_beyond_tracked_tokens():
+    conv, ctx, _ = make(n_predict=3)
+    conv.ask("hi")
+    n = conv.n_cached
+    ctx.memory.cells[n] = 7  # a cell placed by a decode that was cut short by an exception
+    conv.repair()
+    consistent(conv, ctx)
