@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
