@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import SessionError
+from runtime.state import atomic_write  # temp file, fsync, rename, fsync the directory
 
 MAGIC = b"KVCHATSS"
 FORMAT_VERSION = 1
@@ -94,34 +93,6 @@ def encode_session(data: SessionData) -> bytes:
     body = b"".join([MAGIC, struct.pack("<II", FORMAT_VERSION, len(header)), header,
                      struct.pack("<Q", len(data.state)), bytes(data.state)])
     return body + hashlib.sha256(body).digest()
-
-
-def atomic_write(path, blob: bytes) -> None:
-    """Write blob to path so that readers see the old file or the whole new one, never a mix."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        try:  # make the rename itself durable
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def save_session(path, data: SessionData) -> int:
