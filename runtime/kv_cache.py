@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from kernels.ggml_types import GGMLType, row_bytes, type_info
+from runtime.attn_rotation import rotation_sizes
 from runtime.kv_cells import KVCells
 from runtime.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
                                 scatter_rows_trans)
@@ -101,6 +102,9 @@ class KVCache(Memory):
         self.name = name
         if self.v_trans and _elem_bytes(self.type_v) == 0:
             raise MemoryOpError("quantized V cache was requested, but this requires Flash Attention")
+        # Hadamard chunk sizes for Q/K and V (0 = none): the forward pass rotates what it
+        # stores, the K-shift undoes and redoes it, and saved state records it.
+        self.n_rot_k, self.n_rot_v = rotation_sizes(hparams, self.type_k, self.type_v)
 
         self.cells = [KVCells(self.kv_size, self.n_seq_max) for _ in range(self.n_stream)]
         self.heads = [0] * self.n_stream
@@ -550,6 +554,7 @@ class KVCacheContext(MemoryContext):
         self.type_k = kv.type_k
         self.type_v = kv.type_v
         self.v_trans = kv.v_trans
+        self.n_rot_k, self.n_rot_v = kv.n_rot_k, kv.n_rot_v
         self._mask = None
         self._dst_strm = None
         self._dst_cell = None
@@ -625,6 +630,11 @@ class KVCacheContext(MemoryContext):
     def get_k(self, il: int):
         """(u8 [n_stream, n_kv, row_bytes_k], type_k) - a view, no copy."""
         return self.kv.layer_of[il].k[:, :self.n_kv], self.type_k
+
+    def get_rot(self, il: int) -> tuple[int, int]:
+        """(n_rot_k, n_rot_v): Hadamard chunk sizes the forward pass applies to Q/K and V
+        before storing them (runtime/attn_rotation.py); (0, 0) for float caches."""
+        return self.n_rot_k, self.n_rot_v
 
     def get_v(self, il: int):
         """(u8 [n_stream, n_kv, row_bytes_v], type_v); transposed (flash off):

@@ -234,5 +234,8 @@ class KVCacheISWAContext(MemoryContext):
     def get_v(self, il):
         return self._ctx(il).get_v(il)
 
+    def get_rot(self, il):
+        return self._ctx(il).get_rot(il)
+
     def kq_mask(self, il):
         return self._ctx(il).kq_mask(il)

@@ -5,7 +5,8 @@ These run between decodes (Context's memory update), never inside a ubatch:
 - K-shift: seq_add / seq_div change cell positions, but the cached keys were rotated for the
   old ones. RoPE is a rotation, so rotating by the pending delta gives the keys of the new
   position: dequantize -> rope_inplace(delta) -> requantize (exact for f32, within the format's
-  rounding otherwise);
+  rounding otherwise); a quantized cache holds Hadamard-rotated keys (runtime/attn_rotation.py),
+  so those are rotated back before RoPE and forward again after it, as llama.cpp does;
 - compaction (optimize): move the cells above the holes down into them, so used_max_p1 and
   with it n_kv (the attention width) shrink to the number of used cells.
 """
@@ -15,6 +16,7 @@ import numpy as np
 
 from kernels.quants import dequantize, quantize
 from kernels.rope import rope_inplace
+from runtime.attn_rotation import rotate
 from runtime.kv_cells import CellsSnapshot
 
 
@@ -43,9 +45,14 @@ def apply_k_shift(kv) -> None:
             base, scale = rope_params(hp, layer.il)
             n = idxs.size
             x = dequantize(layer.k[strm, idxs], kv.type_k, layer.n_embd_k)  # [n, n_embd_k] f32
+            if kv.n_rot_k:
+                x = rotate(x, kv.n_rot_k)  # back to plain keys
             x = x.reshape(n, layer.n_embd_k // head_k, head_k)  # [n, n_head_kv, head_dim]
             rope_inplace(x, delta, int(hp.n_rot), base, scale, neox)
-            layer.k[strm, idxs] = quantize(x.reshape(n, layer.n_embd_k), kv.type_k)
+            x = x.reshape(n, layer.n_embd_k)
+            if kv.n_rot_k:
+                x = rotate(x, kv.n_rot_k)
+            layer.k[strm, idxs] = quantize(x, kv.type_k)
 
 
 def copy_streams(kv, copies) -> None:

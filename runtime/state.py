@@ -4,7 +4,7 @@ Per KV cache:
   u32 n_stream
   per stream:  u32 cell_count            (0: nothing follows for this stream)
     cells:     per cell i32 pos, u32 n_seq_id, i32 seq_id * n_seq_id
-    data:      u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v   (no attention rotation: 0)
+    data:      u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v   (Hadamard chunk sizes, 0 = none)
                per layer: i32 type_k, u64 k_row_bytes, K rows of the cells in cell order
                V, per layer: i32 type_v, u64 v_row_bytes, rows            (flash attention on)
                          or: i32 type_v, u32 elem_bytes, u32 n_embd_v_gqa, then for each of
@@ -176,8 +176,8 @@ def kv_state_write(kv, io: StateWriter, seq_id: int = -1) -> None:
                 io.write_i32(int(s))
         io.write_u32(1 if kv.v_trans else 0)
         io.write_u32(len(kv.layers))
-        io.write_u32(0)  # n_rot_k: kvchat applies no attention rotation to the cache
-        io.write_u32(0)  # n_rot_v
+        io.write_u32(kv.n_rot_k)  # rows are stored rotated: a reader must rotate alike
+        io.write_u32(kv.n_rot_v)
         for l in kv.layers:
             io.write_i32(kv.type_k)
             io.write_u64(row_bytes(kv.type_k, l.n_embd_k))
@@ -243,8 +243,9 @@ def kv_state_parse(kv, io: StateReader, seq_id: int = -1) -> list[_StreamState]:
             raise StateError(f"{name}: mismatched layer count ({n_layer} instead of {len(kv.layers)})")
         if bool(v_trans) != kv.v_trans or v_trans > 1:
             raise StateError(f"{name}: incompatible V transposition (flash attention setting differs)")
-        if n_rot_k or n_rot_v:
-            raise StateError(f"{name}: incompatible key/value rotation ({n_rot_k}/{n_rot_v})")
+        if (n_rot_k, n_rot_v) != (kv.n_rot_k, kv.n_rot_v):
+            raise StateError(f"{name}: incompatible key/value rotation ({n_rot_k}/{n_rot_v} instead of "
+                             f"{kv.n_rot_k}/{kv.n_rot_v})")
         ks, vs = [], []
         for l in kv.layers:
             t = io.read_i32()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.attn_rotation import rotate
+
 from kernels.quants import dequantize
 from kernels.rope import rope_inplace
 from runtime.hparams import HParams
@@ -60,8 +62,10 @@ class StubModel:
         self.n_calls += 1
         hp = self.hparams
         for il in range(hp.n_layer):
-            mctx.cpy_k(il, roped_k(hp, il, ub.token, ub.pos))
-            mctx.cpy_v(il, v_rows(hp, il, ub.token))
+            rot_k, rot_v = mctx.get_rot(il)  # quantized caches store Hadamard-rotated rows
+            k, v = roped_k(hp, il, ub.token, ub.pos), v_rows(hp, il, ub.token)
+            mctx.cpy_k(il, rotate(k, rot_k) if rot_k else k)
+            mctx.cpy_v(il, rotate(v, rot_v) if rot_v else v)
         if self.fail_at is not None and self.n_calls == self.fail_at:
             raise RuntimeError("forced compute failure")
         mask, _ = mctx.kq_mask(0)

@@ -1,6 +1,8 @@
 """KVCache: storage sizes, slot search into holes, dry-run prepare, masks, K/V writes,
 K-shift, sequence ops, stream copies and compaction - checked cell by cell."""
 import numpy as np
+
+from runtime.attn_rotation import rotate
 import pytest
 
 from kernels.ggml_types import GGMLType, row_bytes
@@ -218,14 +220,19 @@ def test_cpy_k_v_write_quantized_rows_into_slot_cells(type_k, flash):
 
 # ---- K-shift --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("type_k, atol", [("f16", 2e-3), ("q8_0", 3e-2), ("f32", 1e-5)])
+@pytest.mark.parametrize("type_k, atol, head_dim", [("f16", 2e-3, 32), ("q8_0", 3e-2, 32), ("f32", 1e-5, 32),
+                                                  ("q8_0", 5e-2, 64), ("q4_0", 0.6, 128)])
 @pytest.mark.parametrize("rope_type", ["neox", "norm"])
-def test_k_shift_equals_rotating_fresh_keys(type_k, atol, rope_type):
-    ctx, model = make_ctx(n_seq_max=1, type_k=type_k, rope_type=rope_type)
+def test_k_shift_equals_rotating_fresh_keys(type_k, atol, head_dim, rope_type):
+    """Head sizes of 64 and 128 with a quantized K make the cache store Hadamard-rotated keys
+    (n_rot_k 64 / 128): the shift must rotate them back, apply RoPE, and rotate again."""
+    ctx, model = make_ctx(n_seq_max=1, type_k=type_k, rope_type=rope_type, head_dim=head_dim)
     hp = model.hparams
+    kv = ctx.memory
+    assert kv.n_rot_k == (head_dim if (type_k.startswith("q") and head_dim >= 64) else 0)
+    unrot = (lambda x: rotate(x, kv.n_rot_k)) if kv.n_rot_k else (lambda x: x)
     toks = (np.arange(20) * 5) % 64
     assert ctx.decode(Batch.one_seq(toks, 0)) == 0
-    kv = ctx.memory
     # context shift: drop positions 2..7, move 8..19 down by 6
     kv.seq_rm(0, 2, 8)
     kv.seq_add(0, 8, -1, -6)
@@ -235,12 +242,20 @@ def test_k_shift_equals_rotating_fresh_keys(type_k, atol, rope_type):
     assert not c.get_has_shift() and not c.shift.any()
     cells = np.flatnonzero(c.pos >= 0)
     assert c.pos[cells].tolist() == [0, 1] + list(range(2, 14))
+    n_embd_k = hp.n_embd_k_gqa(0)
     for il in range(hp.n_layer):
-        cached = dequantize(kv.layer(il).k[0, cells], kv.type_k, 64)
+        cached = unrot(dequantize(kv.layer(il).k[0, cells], kv.type_k, n_embd_k))
         fresh = roped_k(hp, il, toks[cells], c.pos[cells])
         np.testing.assert_allclose(cached, fresh, atol=atol, rtol=0)
+        if kv.n_rot_k:
+            # shifting requantizes once more: the error may grow like two independent roundings
+            # (about sqrt(2) times one), not more
+            direct = unrot(dequantize(quantize(rotate(fresh, kv.n_rot_k), kv.type_k), kv.type_k, n_embd_k))
+            rms = lambda e: float(np.sqrt(np.mean(e ** 2)))  # noqa: E731
+            assert rms(cached - fresh) <= 1.8 * rms(direct - fresh)
         # unshifted cells 0, 1 are bit-identical to what the forward pass stored
-        np.testing.assert_array_equal(kv.layer(il).k[0, :2], quantize(roped_k(hp, il, toks[:2], np.arange(2)), kv.type_k))
+        stored = unrot(roped_k(hp, il, toks[:2], np.arange(2))) if kv.n_rot_k else roped_k(hp, il, toks[:2], np.arange(2))
+        np.testing.assert_array_equal(kv.layer(il).k[0, :2], quantize(stored, kv.type_k))
 
 
 def test_k_shift_refused_when_model_cannot_shift():
