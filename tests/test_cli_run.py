@@ -27,9 +27,10 @@ def greedy(reference_dir):
     return json.loads((reference_dir / "greedy.json").read_text())
 
 
-def smollm2_reference(greedy, prompt):
-    """The f16 greedy.json entry of SmolLM2 (its ids fit its 49152-token vocabulary)."""
-    return next(g for g in greedy if g["prompt"] == prompt and g["kv_type"] == "f16"
+def smollm2_reference(greedy, prompt, kv_type="f16"):
+    """The greedy.json entry of SmolLM2 for this prompt and cache type (its ids fit its
+    49152-token vocabulary)."""
+    return next(g for g in greedy if g["prompt"] == prompt and g["kv_type"] == kv_type
                 and max(g["ids"]) < 49152)
 
 
@@ -44,13 +45,24 @@ def prefix_text(smollm2_path, ids):
 
 
 def test_greedy_chat_answer_matches_llama_cpp(smollm2_path, greedy):
-    """The template adds SmolLM2's default system prompt, giving greedy.json's chat prompt."""
-    ref = smollm2_reference(greedy, CHAT_PROMPT)
+    """The template adds SmolLM2's default system prompt, giving greedy.json's chat prompt.
+
+    llama.cpp's own greedy answers fork at the second token: after "A" its f16-cache run picks
+    " transformer", its q8_0-cache run " K". That choice is decided below llama.cpp's numeric
+    noise, not by the model: llama.cpp rounds every matmul input to 8-bit blocks, and under an
+    exact numpy emulation of that rounding a 1-ulp change of the inputs moves log-probs by
+    0.06-0.13 on average (measured: tests/test_forward_logits.py docstring). So the
+    strongest true check is: the first token is llama.cpp's, and the first 8 tokens follow one
+    of llama.cpp's two greedy paths exactly (we follow the q8_0 one: " K" -0.70 vs
+    " transformer" -1.31 in float, " K" first under all 13 perturbed q8 emulations tried)."""
     r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "24", "-c", "256",
                "-p", "What is a KV cache in a transformer?")
     assert r.returncode == 0, r.stderr
-    expected = prefix_text(smollm2_path, ref["ids"][:8])
-    assert r.stdout.startswith(expected), (r.stdout, expected)
+    paths = [smollm2_reference(greedy, CHAT_PROMPT, kv)["ids"] for kv in ("f16", "q8_0")]
+    assert paths[0][0] == paths[1][0] and paths[0][1] != paths[1][1]  # the fork is at token 2
+    assert r.stdout.startswith(prefix_text(smollm2_path, paths[0][:1]))
+    expected = [prefix_text(smollm2_path, ids[:8]) for ids in paths]
+    assert any(r.stdout.startswith(e) for e in expected), (r.stdout, expected)
 
 
 def test_raw_completion_matches_llama_cpp(smollm2_path, greedy):
