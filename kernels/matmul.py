@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.ggml_types import GGMLType, row_bytes
+from kernels.quants import dequantize
 from kernels.matmul_kernels import decode_f32, decode_i8, decode_nib, gemv_f32, gemv_i8, gemv_nib
 from kernels.repack import R, repack
 
@@ -35,17 +36,6 @@ PANEL_BYTES = 8 << 20  # f32 bytes of one decoded panel (fits the L2+L3 share of
 
 _GEMV = {"nib": gemv_nib, "i8": gemv_i8, "f32": gemv_f32}
 _DECODE = {"nib": decode_nib, "i8": decode_i8, "f32": decode_f32}
-
-
-def _dequantize_rows(raw: np.ndarray, t: int, k: int) -> np.ndarray:
-    """Exact dequantization of a few raw rows (ggml arithmetic): kernels.quants when present."""
-    try:
-        from kernels.quants import dequantize
-    except ImportError:  # quants.py not written yet: the gguf-py reference is exact too
-        from gguf.quants import dequantize as _gq
-
-        return np.asarray(_gq(raw, GGMLType(t)), np.float32).reshape(raw.shape[0], k)
-    return dequantize(raw, t, k)
 
 
 class QMatrix:
@@ -100,4 +90,4 @@ class QMatrix:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.m):
             raise IndexError(f"QMatrix.get_rows: id out of range 0..{self.m - 1}")
-        return _dequantize_rows(np.ascontiguousarray(self.raw[ids]), self.t, self.k)
+        return dequantize(np.ascontiguousarray(self.raw[ids]), self.t, self.k)

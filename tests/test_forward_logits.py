@@ -214,19 +214,19 @@ def test_real_model_logits_match_llama_cpp(name, request, reference_dir):
 
 def test_hadamard_rotation_of_quantized_caches(tmp_path, monkeypatch):
     """Quantized K/V are stored Hadamard-rotated as llama.cpp does: same math, smaller error."""
-    from runtime.arch import blocks
-    h = blocks.hadamard(64)
+    from runtime import attn_rotation, kv_cache
+    h = attn_rotation.hadamard(64)
     np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
-    assert blocks.rotation_sizes(_hp(64, 64), GGMLType.Q4_0, GGMLType.Q4_0) == (64, 64)
-    assert blocks.rotation_sizes(_hp(256, 256), GGMLType.Q8_0, GGMLType.F16) == (256, 0)
-    assert blocks.rotation_sizes(_hp(64, 64), GGMLType.F16, GGMLType.F16) == (0, 0)
+    assert attn_rotation.rotation_sizes(_hp(64, 64), GGMLType.Q4_0, GGMLType.Q4_0) == (64, 64)
+    assert attn_rotation.rotation_sizes(_hp(256, 256), GGMLType.Q8_0, GGMLType.F16) == (256, 0)
+    assert attn_rotation.rotation_sizes(_hp(64, 64), GGMLType.F16, GGMLType.F16) == (0, 0)
     path = write_tiny_model(tmp_path / "m.gguf", arch="llama", n_layer=2, n_embd=128, n_head=2,
                             n_head_kv=1, n_ff=96)
     model = Model.load(path)
     tokens = np.random.default_rng(1).integers(3, model.hparams.n_vocab, 40)
     ref = reference_forward(path, tokens)
     err_rot = np.abs(decode_all(model, tokens, type_k="q4_0", type_v="q4_0") - ref).mean()
-    monkeypatch.setattr(blocks, "rotation_sizes", lambda hp, tk, tv: (0, 0))
+    monkeypatch.setattr(kv_cache, "rotation_sizes", lambda hp, tk, tv: (0, 0))
     err_plain = np.abs(decode_all(model, tokens, type_k="q4_0", type_v="q4_0") - ref).mean()
     assert err_rot < err_plain
 

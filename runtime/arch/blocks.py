@@ -9,10 +9,10 @@ import numba
 import numpy as np
 
 from kernels.act import geglu, glu_fused, swiglu
-from kernels.ggml_types import GGMLType
 from kernels.attention import attention
 from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv
+from runtime.attn_rotation import rotate
 
 
 def embed(model, tokens) -> np.ndarray:
@@ -43,44 +43,6 @@ def qkv_projection(L, h, sizes):
     return q, k, v
 
 
-_QUANT_FREE = (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16))
-_HADAMARD: dict[int, np.ndarray] = {}
-
-
-def hadamard(n: int) -> np.ndarray:
-    """Orthonormal Sylvester-Hadamard matrix [n, n] f32 (n a power of two); symmetric, H·H = I."""
-    h = _HADAMARD.get(n)
-    if h is None:
-        h = np.ones((1, 1))
-        while h.shape[0] < n:
-            h = np.block([[h, h], [h, -h]])
-        h = (h / np.sqrt(n)).astype(np.float32)
-        _HADAMARD[n] = h
-    return h
-
-
-def rotation_sizes(hp, type_k: int, type_v: int) -> tuple[int, int]:
-    """llama.cpp's attention rotation for quantized caches (llama-kv-cache.cpp, n_rot_k/n_rot_v):
-    Q and K (and V, undone on the output) are multiplied per chunk by a Hadamard matrix before
-    K/V are stored, which spreads outliers across a block and so shrinks the quantization error;
-    scores are unchanged because the rotation is orthonormal. K: the largest power-of-two
-    chunk (from 64) dividing the head size; V: 64. 0 = no rotation (float caches)."""
-    rk = rv = 0
-    if int(type_k) not in _QUANT_FREE and hp.n_embd_head_k % 64 == 0:
-        rk = 64
-        while hp.n_embd_head_k % (2 * rk) == 0:
-            rk *= 2
-    if int(type_v) not in _QUANT_FREE and hp.n_embd_head_v % 64 == 0:
-        rv = 64
-    return rk, rv
-
-
-def _rotate(x: np.ndarray, n: int) -> np.ndarray:
-    """x [..., d] f32 with d % n == 0 -> each n-chunk multiplied by hadamard(n) (a new array)."""
-    shape = x.shape
-    return (np.ascontiguousarray(x).reshape(-1, n) @ hadamard(n)).reshape(shape)
-
-
 def self_attention(model, il, L, h, pos, mctx, kq_scale):
     """Multi-head attention of layer il for the ubatch: returns [n_tokens, n_head * head_dim_v] f32
     (before the output projection). QK-norm is applied when the layer has q_norm / k_norm."""
@@ -91,11 +53,11 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos, hp.n_rot,
                           hp.rope_base(il), hp.rope_scale(il), hp.rope_type == "neox",
                           L.q_norm, L.k_norm, hp.norm_eps)
-    rot_k, rot_v = rotation_sizes(hp, mctx.get_k(il)[1], mctx.get_v(il)[1])
+    rot_k, rot_v = mctx.get_rot(il)  # quantized caches hold Hadamard-rotated K/V
     if rot_k:
-        q, k = _rotate(q, rot_k), _rotate(k, rot_k)
+        q, k = rotate(q, rot_k), rotate(k, rot_k)
     if rot_v:
-        v = _rotate(v, rot_v)
+        v = rotate(v, rot_v)
     mctx.cpy_k(il, k.reshape(n, -1))
     mctx.cpy_v(il, v)
     k_cache, type_k = mctx.get_k(il)
@@ -104,7 +66,7 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     out = attention(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, hp.n_head_kv,
                     kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
                     n_threads=numba.get_num_threads())
-    return _rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
+    return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
 
 
 def _v_trans(mctx, il) -> bool:
