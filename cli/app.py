@@ -24,16 +24,34 @@ for _module in (cmd_chat, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_
     _module.register(app)
 
 
+try:  # typer >= 0.22 vendors click as typer._click; older releases depend on click itself
+    from typer._click import exceptions as _click_exc
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as _click_exc
+
+
 def main(argv=None) -> None:
-    """Entry point: `kvchat` alone means `kvchat chat`."""
+    """Entry point: `kvchat` alone (or with only options) means `kvchat chat`.
+
+    Usage errors (unknown option, bad value) and KvchatError both become one `error:` line on
+    stderr — exit 2 and 1 respectively, as click and llama.cpp's tools do."""
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]
-    elif args[0] not in commands and args[0] not in ("-h", "--help"):
-        pass  # typer reports the unknown command itself
     try:
-        app(args=args, prog_name="kvchat", standalone_mode=True)
+        rc = app(args=args, prog_name="kvchat", standalone_mode=False)
     except KvchatError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except _click_exc.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "kvchat"
+        print(f"error: {e.format_message()} (see `{command} --help`)", file=sys.stderr)
+        sys.exit(2)
+    except _click_exc.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)

@@ -179,6 +179,13 @@ def register(app: typer.Typer) -> None:
         engine = open_engine(settings, renderer, stop)
         raw = raw or not engine.has_template
         conv = make_conversation(engine, settings, renderer, stop, raw=raw)
+        if settings.session is not None and settings.session.exists():
+            # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
+            from cli.session import load_conversation
+            data = load_conversation(settings.session, conv, engine.identity, engine.cache,
+                                     engine.vocab.n_vocab)
+            apply_saved_sampling(conv, data.sampling, settings)
+            renderer.notice(f"resumed {settings.session}: {conv.n_cached} tokens in the cache")
         renderer.begin_answer()
         try:
             with sigint_sets(stop):
@@ -188,6 +195,9 @@ def register(app: typer.Typer) -> None:
             renderer.notice("interrupted")
             raise typer.Exit(130)
         renderer.end_answer()
+        if settings.session is not None:
+            from cli.session import save_conversation
+            save_conversation(settings.session, conv, engine.identity, engine.cache)
         if settings.show_timings:
             renderer.timings(stats)
         if stats.stop == "interrupted":

@@ -140,3 +140,43 @@ def test_corrupt_session_at_startup_exits_1_and_leaves_file(smollm2_path, tmp_pa
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: ")
     assert bad.read_bytes() == before
+
+
+def test_run_with_session_continues_the_conversation(smollm2_path, tmp_path):
+    """`kvchat run --session F` saves after the answer and resumes on the next call: the
+    follow-up sees the first exchange and only its own new tokens are decoded."""
+    from cli.session import decode_session
+    sess = tmp_path / "s.kvs"
+    r1 = kvchat("run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
+                "-p", "My name is Ada.")
+    assert r1.returncode == 0, r1.stderr
+    first = decode_session(sess.read_bytes())
+    assert [m["role"] for m in first.messages] == ["user", "assistant"]
+    assert first.messages[1]["content"].strip() == r1.stdout.strip()
+    r2 = kvchat("run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
+                "--show-timings", "-p", "What is my name?")
+    assert r2.returncode == 0, r2.stderr
+    assert f"resumed {sess}: {len(first.tokens)} tokens in the cache" in " ".join(r2.stderr.split())
+    second = decode_session(sess.read_bytes())
+    assert [m["content"] for m in second.messages[:2]] == [m["content"] for m in first.messages]
+    assert second.messages[2]["content"] == "What is my name?"
+    assert second.tokens[:len(first.tokens)] == first.tokens  # the cached prefix was kept
+
+
+def test_run_session_that_is_a_directory_is_refused(smollm2_path, tmp_path):
+    r = kvchat("run", "-m", smollm2_path, "-c", "256", "-n", "4", "--session", tmp_path, "-p", "hi")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_usage_errors_are_one_line_with_a_hint():
+    """Unknown options, bad values and missing arguments: one `error:` line, exit 2, no box."""
+    for args, needle in ((["run", "-p", "hi", "--temp", "-1"], "'--temp'"),
+                         (["info", "--bogus"], "No such option: --bogus"),
+                         (["frobnicate"], "No such command 'frobnicate'"),
+                         (["pull"], "Missing argument")):
+        r = kvchat(*args, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, r.stderr)
+        assert "--help" in lines[0]
