@@ -43,6 +43,7 @@ KT = 32  # cache rows per tile
 # below this many multiply-adds of K·Q a parallel launch costs more than it saves (a generated
 # token at a few hundred cells of context runs serially; long contexts and prompts in parallel)
 PARALLEL_MIN_WORK = 1 << 20
+CHUNK_MIN = 256  # fewest cells per chunk when a generated token's cells are split across threads
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 _Q4_0, _Q4_1, _Q5_0 = int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0)
@@ -122,75 +123,186 @@ def _score(q, t, h, kt, j, dk, scale, softcap, mv):
     return d + mv
 
 
+@njit(cache=True, fastmath={"nsz", "arcp", "contract", "afn"})
+def _exp_le0(x):
+    """exp(x) for x <= 0 (or -inf -> 0), branch-free so that loops over a tile vectorize (numba has
+    no vector exp here). Cody-Waite reduction x = n*ln2 + r, a degree-6 polynomial on |r| <= ln2/2
+    (about 1 ulp); no reassoc flag so the two-part reduction is kept as written."""
+    xc = max(x, np.float32(-87.0))
+    n = np.float32(math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5)))
+    r = xc - n * np.float32(0.693359375)
+    r = r + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    y = (p * r * r + r) + np.float32(1.0)
+    y = y * bits_to_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+    return y if x > np.float32(-87.0) else np.float32(0.0)
+
+
 @njit(cache=True, fastmath=_FM, inline="always")
-def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
-    """One work unit of the flash path (see the module docstring)."""
+def _f16_bits(h):
+    """f16 bit pattern (u32) -> f32, exact and branch-free (see _f16_row_fast)."""
+    mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
+    fb = f32_to_bits(bits_to_f32(mag) * np.float32(5.192296858534828e33))  # 2^112
+    fb = (np.uint32(0x7F800000) | mag) if (h & np.uint32(0x7C00)) == np.uint32(0x7C00) else fb
+    return bits_to_f32(fb | ((h & np.uint32(0x8000)) << np.uint32(16)))
+
+
+@njit(cache=True, fastmath=True)
+def _dots(qb, qi, kt, nj, sc):
+    """sc[j] = qb[qi]·kt[j] for j < nj. Finite inputs only: full fastmath lets LLVM vectorize the
+    reduction (with the inf-safe flags it stays scalar, 10x slower)."""
+    for j in range(nj):
+        d = np.float32(0.0)
+        for e in range(kt.shape[1]):
+            d += qb[qi, e] * kt[j, e]
+        sc[j] = d
+
+
+@njit(cache=True, fastmath=True)
+def _sum(x, n):
+    """Sum of the finite values x[:n] (vectorized, see _dots)."""
+    s = np.float32(0.0)
+    for i in range(n):
+        s += x[i]
+    return s
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _load_tile(t, raw, st, j0, nj, b0, nb, dst):
+    """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st into dst[:nj] (f32 [KT, d]).
+    f16 and q8_0 (the usual caches) are decoded inline with plain 3-D indexing, which LLVM
+    vectorizes (a per-row slice costs more than the 64 values it holds); other formats per row."""
+    d = dst.shape[1]
+    if t == _F16:
+        r16 = raw.view(np.uint16)  # [n_stream, n_kv, row_bytes / 2] f16 bits (rows are even)
+        o = b0 // 2
+        for j in range(nj):
+            for i in range(d):
+                dst[j, i] = _f16_bits(np.uint32(r16[st, j0 + j, o + i]))
+    elif t == _Q8_0:
+        for j in range(nj):
+            for b in range(d // 32):
+                o = b0 + b * 34  # block: f16 scale, 32 int8
+                sc = _f16_bits(np.uint32(raw[st, j0 + j, o]) | (np.uint32(raw[st, j0 + j, o + 1]) << np.uint32(8)))
+                for i in range(32):
+                    dst[j, b * 32 + i] = np.float32(np.int8(raw[st, j0 + j, o + 2 + i])) * sc
+    else:
+        tmp = np.empty(d, dtype=np.float32)  # [d] one row (dst itself is never handed to a call)
+        for j in range(nj):
+            dequant_cache_row(t, raw[st, j0 + j, b0:b0 + nb], tmp)
+            for i in range(d):
+                dst[j, i] = tmp[i]
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs,
+                pm, ps, pacc):
+    """One work unit of the flash path: (kv head, token block, chunk of cells). Every query head of
+    the kv head's group and every token of the block is computed against each dequantized tile,
+    so a K/V row is decoded once per unit. Writes the chunk's partial online softmax — running max
+    pm, sum ps and unnormalized sum of p*v pacc — for the merge (see _merge_partials)."""
     n_tokens, n_head, dk = q.shape
-    dv = out.shape[2]
+    dv = pacc.shape[3]
     n_kv = mask.shape[1]
     gq = n_head // n_head_kv
-    n_sub = gq // hpg
     n_tb = (n_tokens + tb - 1) // tb
     kb = k.shape[2] // n_head_kv  # bytes of one kv head in a K row
     vb = v.shape[2] // n_head_kv
-    tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
+    c = u % n_ch
+    rest = u // n_ch
+    i = rest % n_tb  # token blocks in zig-zag: each thread's range gets light and heavy causal blocks
+    tbi = i // 2 if i % 2 == 0 else n_tb - 1 - i // 2
+    hk = rest // n_tb
     t0 = tbi * tb
     t1 = min(t0 + tb, n_tokens)
-    nq = (t1 - t0) * hpg
-    h0 = hk * gq + sg * hpg
+    h0 = hk * gq
+    nq = (t1 - t0) * gq  # queries of the unit: query qi = token t0 + qi // gq, head h0 + qi % gq
     st = tok_stream[t0]
+    qb = np.empty((nq, dk), dtype=np.float32)  # the unit's queries, contiguous
+    for qi in range(nq):
+        for e in range(dk):
+            qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
     kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
     vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
-    sc = np.empty(KT, dtype=np.float32)  # scores of one query against the tile
+    sc = np.empty(KT, dtype=np.float32)  # scores, then probabilities, of one query against the tile
     acc = np.zeros((nq, dv), dtype=np.float32)  # running sum of p * v
     mx = np.full(nq, -np.inf, dtype=np.float32)  # running max score
     sm = np.zeros(nq, dtype=np.float32)  # running sum of p
-    for j0 in range(0, n_kv, KT):
-        j1 = min(j0 + KT, n_kv)
-        nj = j1 - j0
-        if not _tile_live(mask, t0, t1, j0, j1):
+    for j0 in range(c * cs, min((c + 1) * cs, n_kv), KT):
+        nj = min(KT, n_kv - j0)
+        if not _tile_live(mask, t0, t1, j0, j0 + nj):
             continue
-        for j in range(nj):
-            dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
-            dequant_cache_row(type_v, v[st, j0 + j, hk * vb:(hk + 1) * vb], vt[j])
-        for t in range(t0, t1):
-            for hi in range(hpg):
-                h = h0 + hi
-                qi = (t - t0) * hpg + hi
-                m_tile = np.float32(-np.inf)
-                for j in range(nj):
-                    mv = mask[t, j0 + j]
-                    if mv == -np.inf:
-                        sc[j] = -np.inf
-                        continue
-                    s = _score(q, t, h, kt, j, dk, scale, softcap, mv)
-                    sc[j] = s
-                    if s > m_tile:
-                        m_tile = s
-                if m_tile == -np.inf:
+        _load_tile(type_k, k, st, j0, nj, hk * kb, kb, kt)
+        _load_tile(type_v, v, st, j0, nj, hk * vb, vb, vt)
+        for qi in range(nq):
+            t = t0 + qi // gq
+            _dots(qb, qi, kt, nj, sc)
+            m_tile = np.float32(-np.inf)
+            for j in range(nj):
+                d = sc[j]
+                if softcap != 0.0:
+                    d = softcap * np.float32(math.tanh(d * (scale / softcap)))
+                else:
+                    d = d * scale
+                s = d + mask[t, j0 + j]
+                sc[j] = s
+                m_tile = max(m_tile, s)
+            if m_tile == -np.inf:
+                continue
+            if m_tile > mx[qi]:
+                r = _exp_le0(mx[qi] - m_tile)  # 0 when the old max is -inf
+                sm[qi] *= r
+                for e in range(dv):
+                    acc[qi, e] *= r
+                mx[qi] = m_tile
+            m_new = mx[qi]
+            for j in range(nj):
+                sc[j] = _exp_le0(sc[j] - m_new)
+            sm[qi] += _sum(sc, nj)
+            for j in range(nj):
+                p = sc[j]
+                if p != 0.0:
+                    for e in range(dv):
+                        acc[qi, e] += p * vt[j, e]
+    for qi in range(nq):
+        t = t0 + qi // gq
+        h = h0 + qi % gq
+        pm[c, t, h] = mx[qi]
+        ps[c, t, h] = sm[qi]
+        for e in range(dv):
+            pacc[c, t, h, e] = acc[qi, e]
+
+
+@njit(cache=True, fastmath=_FM)
+def _merge_partials(pm, ps, pacc, out):
+    """Combine the chunks' partial softmaxes: out = sum_c e^(m_c-M) acc_c / sum_c e^(m_c-M) s_c with
+    M = max_c m_c. A query that sees no cell at all gets zeros (as ggml)."""
+    n_ch, n_tokens, n_head, dv = pacc.shape
+    for t in range(n_tokens):
+        for h in range(n_head):
+            m = np.float32(-np.inf)
+            for c in range(n_ch):
+                m = max(m, pm[c, t, h])
+            for e in range(dv):
+                out[t, h, e] = 0.0
+            if m == -np.inf:
+                continue
+            s = np.float32(0.0)
+            for c in range(n_ch):
+                if pm[c, t, h] == -np.inf:
                     continue
-                m_old = mx[qi]
-                if m_tile > m_old:
-                    if m_old != -np.inf:
-                        r = np.float32(math.exp(m_old - m_tile))
-                        sm[qi] *= r
-                        for c in range(dv):
-                            acc[qi, c] *= r
-                    mx[qi] = m_tile
-                m_new = mx[qi]
-                for j in range(nj):
-                    if sc[j] == -np.inf:
-                        continue
-                    p = np.float32(math.exp(sc[j] - m_new))
-                    sm[qi] += p
-                    for c in range(dv):
-                        acc[qi, c] += p * vt[j, c]
-    for t in range(t0, t1):
-        for hi in range(hpg):
-            qi = (t - t0) * hpg + hi
-            inv = np.float32(1.0 / sm[qi]) if sm[qi] > 0.0 else np.float32(0.0)
-            for c in range(dv):
-                out[t, h0 + hi, c] = acc[qi, c] * inv
+                w = _exp_le0(pm[c, t, h] - m)
+                s += w * ps[c, t, h]
+                for e in range(dv):
+                    out[t, h, e] += w * pacc[c, t, h, e]
+            inv = np.float32(1.0) / s
+            for e in range(dv):
+                out[t, h, e] *= inv
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
@@ -257,17 +369,34 @@ def _n_units(q, n_head_kv, tb, hpg):
 
 
 @njit(cache=True, fastmath=_FM, parallel=True)
-def _flash_attn_par(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+def _flash_attn_par(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs, out):
     """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
-    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32."""
+    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32.
+    One parallel launch over (kv head, token block, chunk of cs cells) units, then the serial merge."""
+    n_tokens, n_head, dk = q.shape
+    dv = out.shape[2]
+    pm = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)  # running max per chunk
+    ps = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)  # sum of p per chunk
+    pacc = np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32)  # sum of p * v per chunk
+    n_units = n_head_kv * ((n_tokens + tb - 1) // tb) * n_ch
     for u in prange(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs,
+                    pm, ps, pacc)
+    _merge_partials(pm, ps, pacc, out)
 
 
 @njit(cache=True, fastmath=_FM)
-def _flash_attn_ser(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+def _flash_attn_ser(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs, out):
+    n_tokens, n_head, dk = q.shape
+    dv = out.shape[2]
+    pm = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)
+    ps = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)
+    pacc = np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32)
+    n_units = n_head_kv * ((n_tokens + tb - 1) // tb) * n_ch
     for u in range(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs,
+                    pm, ps, pacc)
+    _merge_partials(pm, ps, pacc, out)
 
 
 @njit(cache=True, fastmath=_FM, parallel=True)
@@ -299,8 +428,8 @@ def round_q_like_ggml(q, type_k):
 
 
 def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
-    """Choose (token block, heads per unit): share tiles across tokens and GQA heads, yet keep
-    at least a few units per thread (n_threads 1: serial, maximal sharing)."""
+    """Classic path: choose (token block, heads per unit): share tiles across tokens and GQA heads,
+    yet keep at least a few units per thread (n_threads 1: serial, maximal sharing)."""
     gq = n_head // n_head_kv
     tb = 1 if n_stream > 1 else min(32, max(1, n_tokens))
     n_tb = -(-n_tokens // tb)
@@ -310,6 +439,26 @@ def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
         while gq % hpg:
             hpg -= 1
     return tb, hpg
+
+
+def flash_split(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2, chunk_min=None):
+    """Flash path work split -> (token block, number of cell chunks, chunk size in cells).
+
+    A unit is (kv head, token block, chunk). Prompts have many token blocks and need no chunks;
+    a generated token has only n_head_kv units, so the cells are cut into chunks (flash-decoding)
+    until every thread has a few units and their count is a multiple of the thread count —
+    each chunk at least chunk_min cells, so the merge stays negligible."""
+    chunk_min = CHUNK_MIN if chunk_min is None else chunk_min
+    tb = 1 if n_stream > 1 else min(32, max(1, n_tokens))
+    base = n_head_kv * -(-n_tokens // tb)
+    n_ch = 1
+    if n_threads > 1 and base < 4 * n_threads:
+        n_ch = -(-4 * n_threads // base)
+        while (base * n_ch) % n_threads:
+            n_ch += 1
+        n_ch = max(1, min(n_ch, n_kv // chunk_min))
+    cs = -(-(-(-n_kv // n_ch)) // KT) * KT  # cells per chunk, whole tiles
+    return tb, max(1, -(-n_kv // cs)), cs
 
 
 def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap=0.0,
@@ -322,6 +471,7 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     Returns [n_tokens, n_head * dv] f32 (heads concatenated, ready for the output projection).
     """
     n_tokens, n_head, dk = q.shape
+    n_kv = mask.shape[1]
     if flash:
         dv = _values_per_bytes(int(type_v), v.shape[2] // n_head_kv)
     else:
@@ -329,17 +479,18 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     qr = round_q_like_ggml(q, int(type_k)) if round_q else q
     qr = np.ascontiguousarray(qr, dtype=np.float32)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
-    par = n_threads > 1 and n_tokens * n_head * mask.shape[1] * dk >= PARALLEL_MIN_WORK
-    tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
+    par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= PARALLEL_MIN_WORK
     mask = np.ascontiguousarray(mask, dtype=np.float32)
     ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
-    n_units = _n_units(q, n_head_kv, tb, hpg)
+    args = (qr, k, int(type_k), v, int(type_v), mask, ts, int(n_head_kv), np.float32(scale), np.float32(softcap))
     if flash:
+        tb, n_ch, cs = flash_split(n_tokens, n_head_kv, n_kv, k.shape[0], n_threads if par else 1)
         fn = _flash_attn_par if par else _flash_attn_ser
+        fn(*args, int(tb), int(n_ch), int(cs), out)
     else:
+        tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
         fn = _classic_attn_par if par else _classic_attn_ser
-    fn(qr, k, int(type_k), v, int(type_v), mask, ts, int(n_head_kv), np.float32(scale),
-       np.float32(softcap), int(tb), int(hpg), int(n_units), out)
+        fn(*args, int(tb), int(hpg), int(_n_units(q, n_head_kv, tb, hpg)), out)
     return out.reshape(n_tokens, n_head * dv)
 
 
