@@ -8,12 +8,17 @@ representation of the block scales change:
 
 - ``nib``: 4-bit values 0..15, two per byte (byte j of a 32-block holds values j and j+16,
   ggml's q4_0 order), ``qs u8 [G, nb, 16, R]``; value = d * q + mn with per-32-block
-  ``d, mn f32 [G, nb, R]``.  q4_0 (mn = -8 d), q4_1, q4_K (sub-block scales resolved).
+  ``d, mn [G, nb, R]``.  q4_0 (mn = -8 d), q4_1, q4_K (sub-block scales resolved).
 - ``i8``: one signed byte per value, ``q i8 [G, nb, B, R]`` with B = 32 or 16 values per
   scale; value = d * q + mn.  q8_0, q5_0, q5_1, q5_K, q6_K, q3_K, q2_K, iq4_nl (codebook
-  values are int8).  The 5/6/3/2-bit formats cost 8 bits a value here instead of 5.5-6.6:
+  values are int8). The symmetric formats (q8_0, q5_0, iq4_nl, q6_K, q3_K) have no offset:
+  their ``mn`` is an empty [0, 0, 0] array, so no stream of zeros is read per token.  The 5/6/3/2-bit formats cost 8 bits a value here instead of 5.5-6.6:
   splitting their high bits in the inner loop costs more time than the memory is worth.
 - ``f32``: ``w f32 [G, k, R]`` for f32 / f16 / bf16 matrices (already float).
+
+Scales and offsets are stored as f16 bit patterns (u16, 2 bytes instead of 4; the kernels
+widen them exactly with one vcvtph2ps) whenever that is exact — always for the formats whose
+scales are f16 in the file — else as f32 (the K-quants' d * sub-scale products).
 
 G = ceil(m / R) row groups; the rows past m are zero (d = mn = 0) and never written out.
 The arithmetic d * q + mn equals ggml's (q - 8) * d etc. up to float rounding (~1e-7 rel).
@@ -45,6 +50,25 @@ def _interleave(a: np.ndarray, m: int) -> np.ndarray:
     pad[:m] = a
     pad = pad.reshape((g, R) + a.shape[1:])
     return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
+
+
+def _scales(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Interleaved block scales/offsets f32 [m, nb] -> [G, nb, R], stored as f16 bit patterns
+    (u16, decoded in the kernel) when every value of every array is exactly an f16 — q4_0/1,
+    q5_0/1, q8_0, iq4_nl always are — else as f32 (K-quant products d * sc rarely are). Both
+    arrays of a pair get the same dtype, so each kernel has two specializations, not four.
+    An array of size 0 stands for "no offset" and stays empty."""
+    m = arrays[0].shape[0]
+    as_f16 = [a.astype(np.float16) for a in arrays]
+    exact = all(np.array_equal(h.astype(np.float32), a) for h, a in zip(as_f16, arrays))
+    if exact:
+        return tuple(_interleave(h.view(np.uint16), m) for h in as_f16)
+    return tuple(_interleave(a.astype(np.float32), m) for a in arrays)
+
+
+def _no_offset(d: np.ndarray) -> np.ndarray:
+    """The empty offset array of the symmetric formats, with the dtype of their scales."""
+    return np.zeros((0, 0, 0), d.dtype)
 
 
 def _nib_from_values(q: np.ndarray) -> np.ndarray:
@@ -99,14 +123,14 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
         if t in (GGMLType.Q4_0, GGMLType.Q4_1):
             mn = -8.0 * d if t == GGMLType.Q4_0 else _f16(blk[..., 2:4])
             qs = blk[..., bsz - 16:]
-            return "nib", (_interleave(qs, m), _interleave(d, m), _interleave(mn.astype(np.float32), m))
+            return "nib", (_interleave(qs, m), *_scales(d, mn.astype(np.float32)))
         if t == GGMLType.Q8_0:
             q = blk[..., 2:].view(np.int8)
-            mn = np.zeros_like(d)
+            mn = None
         elif t == GGMLType.IQ4_NL:
             qs = blk[..., 2:]
             q = IQ4_NL_VALUES[np.concatenate([qs & 15, qs >> 4], -1)]
-            mn = np.zeros_like(d)
+            mn = None
         else:  # q5_0, q5_1: nibble plus a fifth bit from the 32-bit qh word
             off = 2 if t == GGMLType.Q5_0 else 4
             qh = _bits(_u32(blk[..., off:off + 4]), 32)
@@ -114,11 +138,15 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
             q = np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)
             if t == GGMLType.Q5_0:
                 q = q.astype(np.int8) - np.int8(16)
-                mn = np.zeros_like(d)
+                mn = None
             else:
                 mn = _f16(blk[..., 2:4])
             q = q.astype(np.int8)
-        return "i8", (_interleave(np.ascontiguousarray(q), m), _interleave(d, m), _interleave(mn, m))
+        q = _interleave(np.ascontiguousarray(q), m)
+        if mn is None:
+            (dd,) = _scales(d)
+            return "i8", (q, dd, _no_offset(dd))
+        return "i8", (q, *_scales(d, mn))
 
     nsb = k // 256
     blk = raw.reshape(m, nsb, raw.shape[1] // nsb)
@@ -131,12 +159,12 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
         q = np.stack([qs & 15, qs >> 4], 3)  # [m, nsb, 4, 2, 32]: sub-block 2c, 2c+1
         if t == GGMLType.Q4_K:
             q = q.reshape(m, nsb * 8, 32)
-            return "nib", (_interleave(_nib_from_values(q), m), _interleave(ds, m), _interleave(mn, m))
+            return "nib", (_interleave(_nib_from_values(q), m), *_scales(ds, mn))
         qh = blk[..., 16:48]  # [m, nsb, 32]: bit 2c / 2c+1 -> chunk c low / high
         hb = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
         q = q + (hb.reshape(m, nsb, 4, 2, 32) << 4)
         q = q.reshape(m, nsb * 8, 32).astype(np.int8)
-        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(mn, m))
+        return "i8", (_interleave(q, m), *_scales(ds, mn))
 
     if t == GGMLType.Q6_K:
         ql, qh = blk[..., 0:128].reshape(m, nsb, 2, 64), blk[..., 128:192].reshape(m, nsb, 2, 32)
@@ -148,7 +176,8 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
         q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
         q = q.reshape(m, nsb * 16, 16)
         ds = (d[..., None] * sc).reshape(m, nsb * 16)
-        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(np.zeros_like(ds), m))
+        (dd,) = _scales(ds)
+        return "i8", (_interleave(q, m), dd, _no_offset(dd))
 
     if t == GGMLType.Q3_K:
         hm, qs = blk[..., 0:32], blk[..., 32:96].reshape(m, nsb, 2, 32)
@@ -160,7 +189,8 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
         q = low.astype(np.int8) - (4 * (1 - hbit)).astype(np.int8)
         q = q.reshape(m, nsb * 16, 16)
         ds = (d[..., None] * sc).reshape(m, nsb * 16)
-        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(np.zeros_like(ds), m))
+        (dd,) = _scales(ds)
+        return "i8", (_interleave(q, m), dd, _no_offset(dd))
 
     if t == GGMLType.Q2_K:
         sc, qs = blk[..., 0:16], blk[..., 16:80].reshape(m, nsb, 2, 32)
@@ -169,6 +199,6 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
         q = q.reshape(m, nsb * 16, 16)
         ds = (d[..., None] * (sc & 15)).reshape(m, nsb * 16)
         mn = -(dmin[..., None] * (sc >> 4)).reshape(m, nsb * 16)
-        return "i8", (_interleave(q, m), _interleave(ds, m), _interleave(mn, m))
+        return "i8", (_interleave(q, m), *_scales(ds, mn))
 
     raise ValueError(f"matmul: ggml type {t.name} is not supported for weights")

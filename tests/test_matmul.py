@@ -147,3 +147,51 @@ def test_real_model_tensors(model, request):
             assert_matmul_close(qm, w, x)
         ids = np.array([0, raw.shape[0] - 1, 5], np.int32)
         np.testing.assert_array_equal(qm.get_rows(ids), w[ids].astype(np.float32), err_msg=name)
+
+
+def test_f16_scale_decode_is_exact_for_every_half():
+    """scale_f32 widens f16 bit patterns inside the kernels: all 65536 of them, bit for bit."""
+    from numba import njit
+
+    from kernels.matmul_kernels import scale_f32
+
+    @njit(cache=False)
+    def widen(a, out):
+        for i in range(a.shape[0]):
+            out[i] = scale_f32(a[i])
+
+    h = np.arange(65536, dtype=np.uint16)
+    got = np.empty(65536, np.float32)
+    widen(h, got)
+    want = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+    assert np.isnan(got[nan]).all()
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q3_K,
+                               GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_1],
+                         ids=lambda t: t.name)
+def test_packed_layout_streams_no_zero_offsets_and_f16_scales(t):
+    """Symmetric formats keep no offset array; formats with f16 scales in the file keep 2-byte scales."""
+    k = 512 if type_info(t).block_size == 256 else 64
+    m = 64
+    qm = QMatrix(random_raw(t, m, k, seed=7), t, k)
+    q, d, mn = qm._packed
+    symmetric = t in (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q3_K)
+    assert (mn.size == 0) == symmetric
+    if type_info(t).block_size == 32:
+        assert d.dtype == np.uint16 and (mn.size == 0 or mn.dtype == np.uint16)
+        values_bytes = m * k if qm.kind == "i8" else m * k // 2
+        assert qm.packed_nbytes == values_bytes + (2 if symmetric else 4) * m * (k // 32)
+
+
+def test_scale_overflowing_f16_falls_back_to_f32():
+    """q4_0's offset -8 d overflows f16 for d > 8188: the repack keeps f32 scales and stays exact."""
+    raw = random_raw(GGMLType.Q4_0, 33, 64, seed=8)
+    raw[5, 0:2] = np.array([30000.0], np.float16).view(np.uint8)  # d = 30000, -8 d = -240000
+    qm = QMatrix(raw, GGMLType.Q4_0, 64)
+    assert qm._packed[1].dtype == np.float32
+    x = np.random.default_rng(9).standard_normal((2, 64)).astype(np.float32)
+    assert_matmul_close(qm, reference(raw, GGMLType.Q4_0, 64), x)
+    assert_matmul_close(qm, reference(raw, GGMLType.Q4_0, 64), np.tile(x, (6, 1)))
