@@ -150,3 +150,102 @@ def test_fast_f16_row_is_exact_for_every_half():
     ref = h.view(np.float16).astype(np.float32)
     same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
     assert same.all()
+
+
+# --- flash-decoding: the cells split into chunks across threads, partial softmaxes merged ---
+
+def _flash_chunked(q, k, tk, v, tv, mask, ts, n_head_kv, scale, n_ch, cs, parallel=True, softcap=0.0):
+    """Run the flash kernel with an explicit chunking: n_ch chunks of cs cells (n_ch * cs >= n_kv)."""
+    from kernels.attention import _flash_attn_par, _flash_attn_ser, _values_per_bytes
+    dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
+    out = np.empty((q.shape[0], q.shape[1], dv), dtype=np.float32)
+    fn = _flash_attn_par if parallel else _flash_attn_ser
+    fn(np.ascontiguousarray(q), k, int(tk), v, int(tv), np.ascontiguousarray(mask), ts.astype(np.int32),
+       int(n_head_kv), np.float32(scale), np.float32(softcap), 1 if k.shape[0] > 1 else min(32, q.shape[0]),
+       int(n_ch), int(cs), out)
+    return out.reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("type_k", CACHE_TYPES)
+@pytest.mark.parametrize("n_ch,cs", [(4, 64), (2, 128), (7, 32), (8, 32)])
+def test_split_cells_match_reference_for_every_type(type_k, n_ch, cs):
+    """n_kv = 199 is not a multiple of any chunk size; the last chunk holds the masked padding
+    cells only (7 x 32) or nothing at all (8 x 32)."""
+    n_kv = 199
+    q, kraw, kval, vraw, vval, mask, ts = _setup(type_k, type_k, 2, 9, 3, 64, n_kv, 256, 1, seed=11)
+    tk = GGMLType[type_k.upper()]
+    got = _flash_chunked(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, n_ch, cs)
+    ref = _reference(q, kval, vval, mask, ts, 3, 0.125, 0.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    one = _flash_chunked(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, 1, 224, parallel=False)
+    np.testing.assert_allclose(got, one, rtol=2e-6, atol=2e-6)  # same sums, only merged differently
+
+
+def test_split_with_fully_masked_chunks_and_a_single_visible_cell():
+    """Chunks that the mask hides entirely contribute nothing; a query that sees one cell returns
+    exactly that cell's V row (per head), wherever the cell lies among the chunks."""
+    n_kv = 300
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", 3, 4, 2, 64, n_kv, 320, 1, seed=13)
+    mask[:] = -np.inf
+    mask[0, 250:290] = 0.0  # a sliding window: chunks 0..6 (of 32 cells) fully masked for token 0
+    mask[1, 77] = 0.0  # token 1 sees a single cell in the middle of a chunk
+    mask[2, :] = -np.inf  # token 2 sees nothing -> zeros
+    got = _flash_chunked(q, kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16, mask, ts, 2, 0.125, 10, 32)
+    ref = _reference(q, kval, vval, mask, ts, 2, 0.125, 0.0)
+    np.testing.assert_allclose(got[:2], ref[:2], rtol=1e-5, atol=1e-5)
+    one_cell = vval[0, 77].reshape(-1).astype(np.float32)  # [n_head_kv * dv]: heads 0,1 -> kv 0; 2,3 -> kv 1
+    np.testing.assert_array_equal(got[1].reshape(4, 64), one_cell.reshape(2, 64)[[0, 0, 1, 1]])
+    assert np.all(got[2] == 0.0)
+
+
+def test_split_two_streams_and_softcap():
+    q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q4_1", 4, 4, 2, 64, 160, 160, n_stream=2, seed=17)
+    got = _flash_chunked(q * 4, kraw, GGMLType.Q8_0, vraw, GGMLType.Q4_1, mask, ts, 2, 0.125, 5, 32, softcap=2.0)
+    ref = _reference(q * 4, kval, vval, mask, ts, 2, 0.125, 2.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_tokens,n_kv,n_threads", [(1, 4352, 2), (1, 4352, 4), (2, 1000, 2), (1, 300, 2),
+                                                     (512, 4608, 2), (3, 4100, 1)])
+def test_flash_split_covers_the_cells_in_whole_tiles(n_tokens, n_kv, n_threads):
+    from kernels.attention import CHUNK_MIN, KT, flash_split
+    tb, n_ch, cs = flash_split(n_tokens, 3, n_kv, 1, n_threads)
+    assert cs % KT == 0 and n_ch * cs >= n_kv > (n_ch - 1) * cs  # every cell in exactly one chunk
+    units = 3 * -(-n_tokens // tb) * n_ch
+    if n_threads == 1 or n_kv < 2 * CHUNK_MIN:
+        assert n_ch == 1
+    elif n_tokens == 1 and n_kv >= 4 * n_threads * CHUNK_MIN:
+        assert units >= 4 * n_threads and units % n_threads == 0  # a few equal units per thread
+    if n_tokens == 512:
+        assert n_ch == 1  # prompts are split by token blocks, not cells
+
+
+def test_attention_splits_long_decode_and_matches_reference():
+    """Through the public entry: one token over 1200 cells with 2 threads takes the chunked path."""
+    from kernels.attention import flash_split
+    assert flash_split(1, 3, 1200, 1, 2)[1] > 1
+    q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q8_0", 1, 9, 3, 64, 1200, 1280, 1, seed=19)
+    got = attention(q, kraw[:, :1200], GGMLType.Q8_0, vraw[:, :1200], GGMLType.Q8_0, mask, ts, 3, 0.125,
+                    n_threads=2)
+    ref = _reference(q, kval, vval, mask, ts, 3, 0.125, 0.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fast_exp_matches_numpy_and_maps_minus_inf_to_zero():
+    from numba import njit
+
+    from kernels.attention import _exp_le0
+
+    @njit
+    def run(x, y):
+        for i in range(x.shape[0]):
+            y[i] = _exp_le0(x[i])
+
+    x = np.concatenate([-np.logspace(-8, np.log10(86.9), 20001), [0.0, -0.0]]).astype(np.float32)
+    y = np.empty_like(x)
+    run(x, y)
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(y - ref) / ref) < 3e-7
+    z = np.array([-np.inf, -87.0, -88.0, -1e30], dtype=np.float32)  # below e^-87 (~1.6e-38): flushed
+    run(z, y[:4])
+    assert np.all(y[:4] == 0.0)
