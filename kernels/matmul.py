@@ -21,6 +21,20 @@ Measured choices (single thread, process time, this machine shared with ~6 busy 
   matrix (7.8 GB/s); the integer lanes-over-k variant ~3.5 GFLOP/s.
 - whole SmolLM2 token (210 q4_1 + output q8_0): 22 ms cpu single thread under contention;
   prefill 512 tokens: 4.3-5.2 s wall (26-32 GFLOP/s, sgemm). benchmarks/bench_matmul.py.
+- where the gemv time goes (q8_0, k = 640, one thread): 10-14 GMAC/s while the packed matrix
+  sits in L2, 5-7 GMAC/s streaming a 40-170 MB matrix (6-7.5 GB/s). Big matrices (Gemma's
+  262144-row output, q5_0 weights) are bound by memory, so f16 scales and no offset stream for
+  the symmetric formats (repack.py) cut their time with their bytes (Gemma q8_0 output
+  25.7-28.2 -> 24.0-25.0 ms); SmolLM2's small q4_1 matrices are bound by the decode + FMA
+  work and did not move. Tried without gain (within the ±15 % noise): four accumulators per
+  row to break the FMA chain (LLVM then keeps them in memory and uses ymm), 1-D x slices per
+  block (drops the index wrap-around code), prange over chunks of 16 groups (one scratch
+  allocation per chunk), widening the nibble byte to i16/i32 before masking (1.5x slower).
+- vector width: the i8 inner loop already runs on zmm (vpmovsxbd + vcvtdq2ps + vfmadd over
+  2 x 16 lanes); the nib loop gets ymm only, because LLVM's tuning for this CPU prefers 256-bit
+  vectors. With ``NUMBA_CPU_FEATURES="<host features>,-prefer-256-bit"`` (process-wide, must be
+  set before numba starts, e.g. in kernels/__init__.py) the nib loop runs on zmm: 14 -> 18
+  GMAC/s in cache, i8 unchanged.
 """
 from __future__ import annotations
 
