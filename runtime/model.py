@@ -18,6 +18,15 @@ from runtime.gguf_file import GGUFFile
 from runtime.hparams import HParams
 
 
+# llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
+LLAMA_FTYPE_NAMES = {
+    0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K - Medium", 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large",
+    14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium",
+    18: "Q6_K", 25: "IQ4_NL", 32: "BF16",
+}
+
+
 @dataclass
 class Layer:
     """The weights of one transformer block. Optional ones are None when the file has none."""
@@ -99,7 +108,11 @@ class Model:
 
     @property
     def ftype_name(self) -> str:
-        """The dominant weight format, as llama-bench prints it (e.g. Q4_1, Q4_K - Medium → Q4_K)."""
+        """The file's quantization mix as llama.cpp names it (general.file_type, e.g. "Q4_K - Medium");
+        for a file without that key, the format holding most weight bytes."""
+        ftype = self.gguf.metadata.get("general.file_type")
+        if isinstance(ftype, int) and ftype in LLAMA_FTYPE_NAMES:
+            return LLAMA_FTYPE_NAMES[ftype]
         counts: dict[str, int] = {}
         for t in self.gguf.tensors.values():
             if len(t.shape) >= 2:
