@@ -213,18 +213,23 @@ class KVCells:
     def is_empty(self, i: int) -> bool:
         return self.pos[i] == -1
 
-    def rm(self, i: int) -> None:
-        """Clear a non-empty cell."""
-        self._check(i)
-        if self.pos[i] == -1:
-            raise KVCellsError(f"rm: cell {i} is already empty")
-        self._seq_pos_rm(i)
+    def _make_empty(self, i: int) -> None:
+        """Reset cell i to the empty state and drop it from `used`. The caller has already
+        removed i's positions from the per-sequence multisets (they key on the old pos)."""
         self.seq[i] = False
         self.nseq[i] = 0
         self.pos[i] = -1
         self.ext[i] = -1
         self.shift[i] = 0
         self._used_erase(i)
+
+    def rm(self, i: int) -> None:
+        """Clear a non-empty cell."""
+        self._check(i)
+        if self.pos[i] == -1:
+            raise KVCellsError(f"rm: cell {i} is already empty")
+        self._seq_pos_rm(i)
+        self._make_empty(i)
 
     def seq_rm(self, i: int, s: int) -> bool:
         """Remove sequence s from cell i (which must hold it); True if the cell is now free."""
@@ -236,10 +241,7 @@ class KVCells:
         self.seq_pos[s].remove(int(self.pos[i]))
         self.nseq[i] -= 1
         if self.nseq[i] == 0:
-            self.pos[i] = -1
-            self.ext[i] = -1
-            self.shift[i] = 0
-            self._used_erase(i)
+            self._make_empty(i)
             return True
         return False
 
@@ -257,12 +259,7 @@ class KVCells:
             return False
         if self.nseq[i] > 0:
             self._seq_pos_rm(i)
-            self.seq[i] = False
-            self.nseq[i] = 0
-            self.pos[i] = -1
-            self.ext[i] = -1
-            self.shift[i] = 0
-            self._used_erase(i)
+            self._make_empty(i)
             return True
         if self.pos[i] != -1:
             raise KVCellsError(f"seq_keep: cell {i} has a position but no sequence")
@@ -341,12 +338,7 @@ class KVCells:
         self.shift[i] += d
         self.has_shift = True
         if self.pos[i] < 0:
-            self.seq[i] = False
-            self.nseq[i] = 0
-            self.pos[i] = -1
-            self.ext[i] = -1
-            self.shift[i] = 0
-            self._used_erase(i)
+            self._make_empty(i)
             return True
         self._seq_pos_add(i)
         return False
