@@ -59,7 +59,8 @@ def _scales(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     arrays of a pair get the same dtype, so each kernel has two specializations, not four.
     An array of size 0 stands for "no offset" and stays empty."""
     m = arrays[0].shape[0]
-    as_f16 = [a.astype(np.float16) for a in arrays]
+    with np.errstate(over="ignore"):  # an overflow to inf is caught by the exactness test below
+        as_f16 = [a.astype(np.float16) for a in arrays]
     exact = all(np.array_equal(h.astype(np.float32), a) for h, a in zip(as_f16, arrays))
     if exact:
         return tuple(_interleave(h.view(np.uint16), m) for h in as_f16)
