@@ -79,6 +79,11 @@ class KVLayer:
         self.il, self.k, self.v, self.n_embd_k, self.n_embd_v = il, k, v, n_embd_k, n_embd_v
 
 
+def _pos_range(p0: int, p1: int) -> tuple[int, int]:
+    """llama.cpp's seq_* convention: p0 < 0 means from 0, p1 < 0 means to the end."""
+    return max(p0, 0), (INT_MAX if p1 < 0 else p1)
+
+
 def _elem_bytes(t: int) -> int:
     return type_info(t).type_size if type_info(t).block_size == 1 else 0
 
@@ -196,8 +201,7 @@ class KVCache(Memory):
         """Remove positions [p0, p1) of seq_id (-1 = every sequence; p < 0 = open end)."""
         if seq_id < -1:
             raise ValueError(f"seq_id {seq_id} out of range (-1 = every sequence)")
-        p0 = max(p0, 0)
-        p1 = INT_MAX if p1 < 0 else p1
+        p0, p1 = _pos_range(p0, p1)
         if seq_id >= 0:
             self._check_seq(seq_id)
             strm = self.seq_to_stream[seq_id]
@@ -226,8 +230,7 @@ class KVCache(Memory):
         if s0 == s1:
             if seq_id_src == seq_id_dst:
                 return
-            p0 = max(p0, 0)
-            p1 = INT_MAX if p1 < 0 else p1
+            p0, p1 = _pos_range(p0, p1)
             cells = self.cells[s0]
             for i in cells.cells_of_seq(seq_id_src, p0, p1).tolist():
                 if not cells.seq_has(i, seq_id_dst):
@@ -264,8 +267,7 @@ class KVCache(Memory):
         self._check_seq(seq_id)
         if shift == 0:
             return
-        p0 = max(p0, 0)
-        p1 = INT_MAX if p1 < 0 else p1
+        p0, p1 = _pos_range(p0, p1)
         if p0 == p1:
             return
         strm = self.seq_to_stream[seq_id]
@@ -282,8 +284,7 @@ class KVCache(Memory):
             return
         if d <= 0:
             raise ValueError(f"seq_div: divisor must be positive, got {d}")
-        p0 = max(p0, 0)
-        p1 = INT_MAX if p1 < 0 else p1
+        p0, p1 = _pos_range(p0, p1)
         if p0 == p1:
             return
         cells = self.cells[self.seq_to_stream[seq_id]]
