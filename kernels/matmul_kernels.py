@@ -1,201 +1,223 @@
-"""numba kernels behind kernels/matmul.py, on the row-interleaved layouts of kernels/repack.py.
+"""The numba kernel behind kernels/matmul.py, on the row-interleaved layouts of kernels/repack.py.
 
-Two kinds of kernel per layout (nib, i8, f32):
+One kernel, ``matmul_blocks``, for every layout (nib, i8, f32) and every number of tokens, so
+that each output element ``y[t, r]`` is computed by the same operations in the same order
+whatever n is, whatever the other rows of x are and whatever the thread count — the property
+that makes decoding token by token give the logits of decoding in one batch (an f16 KV cache
+turns a last-bit difference of a K/V value into a half-ulp step that grows over the layers).
 
-- ``gemv_*``: y = x @ W.T for a few tokens. One parallel launch; prange over groups of R = 32
-  rows. The innermost loop runs over the 32 rows of a group, so it vectorizes into plain
-  loads + int->float converts + FMAs with the activation broadcast, and the per-block scale
-  is applied once per (block, row) — no horizontal sums anywhere. Scales come as f32 or as
-  f16 bits (u16, widened by ``scale_f32``); numba compiles one specialization per dtype.
-- ``decode_*``: dequantize the row groups [g0, g1) into a float panel ``f32 [k, cols]``
-  (transposed, so the 32 rows of a group are contiguous). Used for prefill: a panel is
-  decoded once per call and shared by all n tokens through one BLAS sgemm. Decoding is
-  serial on purpose: OpenBLAS's threads and numba's OpenMP threads both spin-wait after
-  their work, and alternating the two pools on 2 cores measured 2x slower than letting
-  OpenBLAS alone run threaded (decode is ~10 % of the prefill time).
-- the innermost loop always handles two values per row and step: with one (a tiny body)
-  LLVM fully unrolls the 32 rows into scalar registers and gives up vectorizing (5x slower).
+Per output element, for each block b of B values (B = 32, or 16 for q2_K/q3_K/q6_K, 32 for the
+float layout):
+    s_a = sum over j < B/2 of q[j] * x[j]          (fma chain, j ascending, from +0)
+    s_b = sum over j < B/2 of q[B/2 + j] * x[B/2 + j]
+    acc = fma(d, s_a + s_b, acc)                     (acc + (s_a + s_b) when there is no scale)
+    acc = fma(mn, xsum_b, acc)                       (only the formats with an offset)
+with q the block's integer values (exact in f32) and xsum_b the sum of the block's 32 x values
+in a fixed tree (``block_sums``). All arithmetic is the explicit vector operations of
+kernels/simd.py, which LLVM may not reorder or fuse differently; so the three code paths below
+(several tokens from a decoded block, one token from that block, one token decoding in
+registers) give bit-identical results, and the tests assert it with array_equal.
+
+Work split: prange over (row group of R = 32 rows, chunk of TOKEN_CHUNK tokens) items; an item
+computes its 32 x chunk outputs alone, so threads never share an element. Within an item, for
+each block: with >= 4 tokens the block is decoded once to a small f32 scratch [B, R] and the
+tokens go through it four at a time — 16 accumulators (4 tokens x 2 halves of the 32 rows x
+s_a/s_b) stay in zmm registers, each weight vector load feeds 4 FMAs; the leftover tokens go
+one at a time through the same scratch. With fewer than 4 tokens (generation) the block is
+decoded in registers, no scratch.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from llvmlite import ir
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from kernels.repack import R
+from kernels.simd import vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
 
-_U15 = np.uint8(15)
-_U4 = np.uint8(4)
-
-
-@intrinsic
-def f16_bits_to_f32(typingctx, u):
-    """An f16 bit pattern (any integer type, low 16 bits) -> float32, exactly (LLVM's fpext from
-    half: one vcvtph2ps for 8 or 16 lanes with F16C). numba has no float16 type on the CPU."""
-    if not isinstance(u, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        if v.type.width != 16:
-            v = builder.trunc(v, ir.IntType(16)) if v.type.width > 16 else builder.zext(v, ir.IntType(16))
-        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-
-    return types.float32(u), codegen
+MAX_ITEMS_PER_LAUNCH = 64  # prange bodies; each allocates its scratch once and runs a run of items
 
 
-def scale_f32(v):
-    """A block scale as float32: f32 as is, u16 as an f16 bit pattern (see the overload)."""
-    raise NotImplementedError("only callable inside numba kernels")
+def _pair(q, base, j, h):
+    """Values j and j + h of the block starting at flat index base of q, as four f32 vectors
+    (value j rows 0-15, rows 16-31, value j + h rows 0-15, rows 16-31). Only inside kernels."""
+    raise NotImplementedError
 
 
-@overload(scale_f32, inline="always")
-def _scale_f32_impl(v):
-    if isinstance(v, types.Float):
-        return lambda v: np.float32(v)
-    if isinstance(v, types.Integer):
-        return lambda v: f16_bits_to_f32(v)
-    return None
+@overload(_pair, inline="always")
+def _pair_impl(q, base, j, h):
+    if q.dtype == types.uint8:  # nib: byte j holds value j (low nibble) and value j + 16 (high)
+        def nib(q, base, j, h):
+            o = base + j * R
+            return vload_lo(q, o), vload_lo(q, o + 16), vload_hi(q, o), vload_hi(q, o + 16)
+        return nib
+
+    def one_per_element(q, base, j, h):  # i8 values or f32 weights
+        o = base + j * R
+        p = o + h * R
+        return vload(q, o), vload(q, o + 16), vload(q, p), vload(q, p + 16)
+    return one_per_element
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def gemv_nib(qs, d, mn, x, y):
-    """qs u8 [G, nb, 16, R]; d, mn [G, nb, R] f32 or u16 (f16 bits); x f32 [n, k] -> y f32 [n, m]."""
-    G, nb = qs.shape[0], qs.shape[1]
-    n, m = y.shape
-    for g in prange(G):
-        acc = np.empty(R, np.float32)  # [R] row sums
-        blk = np.empty(R, np.float32)  # [R] integer-valued block dot, before the scale
-        for t in range(n):
-            for r in range(R):
-                acc[r] = 0.0
-            for b in range(nb):
-                x0 = b * 32
-                xs = np.float32(0.0)
-                for j in range(32):
-                    xs += x[t, x0 + j]
-                for r in range(R):
-                    blk[r] = 0.0
-                for j in range(16):
-                    xl = x[t, x0 + j]
-                    xh = x[t, x0 + 16 + j]
-                    for r in range(R):
-                        v = qs[g, b, j, r]
-                        blk[r] += np.float32(np.uint8(v & _U15)) * xl + np.float32(np.uint8(v >> _U4)) * xh
-                for r in range(R):
-                    acc[r] += scale_f32(d[g, b, r]) * blk[r] + scale_f32(mn[g, b, r]) * xs
-            r1 = min(R, m - g * R)
-            for r in range(r1):
-                y[t, g * R + r] = acc[r]
+def _block_values(q):
+    """Values per block (per scale) of a packed array: nib holds two per byte."""
+    raise NotImplementedError
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def gemv_i8(q, d, mn, x, y):
-    """q i8 [G, nb, B, R]; d [G, nb, R] f32 or u16 (f16 bits); mn like d, or an empty
-    [0, 0, 0] array for the formats without an offset (no offset stream to read, no block
-    sums of x); x f32 [n, k] -> y f32 [n, m]."""
-    G, nb, B = q.shape[0], q.shape[1], q.shape[2]
-    n, m = y.shape
+@overload(_block_values, inline="always")
+def _block_values_impl(q):
+    if q.dtype == types.uint8:
+        return lambda q: 2 * q.shape[2]
+    return lambda q: q.shape[2]
+
+
+@njit(inline="always")
+def _dot_step(s, wa0, wa1, wb0, wb1, xa, xb):
+    """One step of the block dot: s = (s_a rows 0-15, s_a rows 16-31, s_b rows 0-15, s_b rows 16-31)."""
+    ba = vbcast(xa)
+    bb = vbcast(xb)
+    return vfma(wa0, ba, s[0]), vfma(wa1, ba, s[1]), vfma(wb0, bb, s[2]), vfma(wb1, bb, s[3])
+
+
+@njit(inline="always")
+def _block_into_acc(a0, a1, s, d0, d1, m0, m1, xsum, has_d, has_mn):
+    """acc (rows 0-15, 16-31) += d * (s_a + s_b) [+ mn * xsum]: the block's scale and offset."""
+    t0 = vadd(s[0], s[2])
+    t1 = vadd(s[1], s[3])
+    if has_d:
+        a0 = vfma(d0, t0, a0)
+        a1 = vfma(d1, t1, a1)
+    else:
+        a0 = vadd(a0, t0)
+        a1 = vadd(a1, t1)
+    if has_mn:
+        bx = vbcast(xsum)
+        a0 = vfma(m0, bx, a0)
+        a1 = vfma(m1, bx, a1)
+    return a0, a1
+
+
+@njit(cache=True)
+def block_sums(x, B):
+    """x f32 [n, k] -> f32 [n, k // B]: each block's sum, by the same tree for every row."""
+    n, k = x.shape
+    nb = k // B
+    xs = np.empty((n, nb), np.float32)
+    for t in range(n):
+        for b in range(nb):
+            o = t * k + b * B
+            v = vload(x, o)
+            for i in range(16, B, 16):
+                v = vadd(v, vload(x, o + i))
+            xs[t, b] = vhsum(v)
+    return xs
+
+
+@njit(parallel=True, cache=True)
+def matmul_blocks(q, d, mn, x, y, token_chunk):
+    """y = x @ W.T for a packed matrix. q [G, nb, QB, R]: u8 nibble pairs (QB = 16 bytes for 32
+    values), i8 values or f32 weights (QB = B values); d, mn [G, nb, R] f32 or u16 (f16 bits),
+    each possibly empty [0, 0, 0] (no scale: float weights; no offset: symmetric formats);
+    x f32 [n, nb * B] C-contiguous -> y f32 [n, m], m <= G * R."""
+    G = q.shape[0]
+    n = y.shape[0]
+    xs = block_sums(x, _block_values(q)) if mn.size > 0 else np.zeros((0, 0), np.float32)  # [n, nb]
+    n_tc = (n + token_chunk - 1) // token_chunk
+    n_items = G * n_tc
+    n_par = min(n_items, MAX_ITEMS_PER_LAUNCH)
+    for p in prange(n_par):
+        # consecutive items: a row group's token chunks follow each other, its weights stay in cache
+        _run_items(q, d, mn, x, xs, y, token_chunk, p * n_items // n_par, (p + 1) * n_items // n_par)
+
+
+@njit(cache=True)
+def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
+    """Work items i0 .. i1 - 1 of matmul_blocks (item = row group * n_chunks + token chunk).
+    A separate serial function, so that the parallel kernel's body stays small: numba's parfor
+    passes on the whole body took 7 of the 9.5 s of compiling one specialization."""
+    nb, QB = q.shape[1], q.shape[2]
+    B = _block_values(q)
     h = B // 2
-    has_mn = mn.shape[0] > 0
-    for g in prange(G):
-        acc = np.empty(R, np.float32)
-        blk = np.empty(R, np.float32)
-        for t in range(n):
-            for r in range(R):
-                acc[r] = 0.0
-            for b in range(nb):
-                x0 = b * B
-                for r in range(R):
-                    blk[r] = 0.0
-                # two values per step: with one, LLVM unrolls the 32 rows into scalars
-                for j in range(h):
-                    xa = x[t, x0 + j]
-                    xb = x[t, x0 + h + j]
-                    for r in range(R):
-                        blk[r] += np.float32(q[g, b, j, r]) * xa + np.float32(q[g, b, h + j, r]) * xb
-                if has_mn:
-                    xs = np.float32(0.0)
-                    for j in range(B):
-                        xs += x[t, x0 + j]
-                    for r in range(R):
-                        acc[r] += scale_f32(d[g, b, r]) * blk[r] + scale_f32(mn[g, b, r]) * xs
-                else:
-                    for r in range(R):
-                        acc[r] += scale_f32(d[g, b, r]) * blk[r]
-            r1 = min(R, m - g * R)
-            for r in range(r1):
-                y[t, g * R + r] = acc[r]
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def gemv_f32(w, x, y):
-    """w f32 [G, k, R], x f32 [n, k] -> y f32 [n, m]."""
-    G, k = w.shape[0], w.shape[1]
     n, m = y.shape
-    for g in prange(G):
-        acc = np.empty(R, np.float32)
-        for t in range(n):
-            for r in range(R):
-                acc[r] = 0.0
-            for i in range(0, k - 1, 2):  # pairs, as in gemv_i8
-                xa = x[t, i]
-                xb = x[t, i + 1]
-                for r in range(R):
-                    acc[r] += w[g, i, r] * xa + w[g, i + 1, r] * xb
-            if k % 2 == 1:
-                xa = x[t, k - 1]
-                for r in range(R):
-                    acc[r] += w[g, k - 1, r] * xa
-            r1 = min(R, m - g * R)
-            for r in range(r1):
-                y[t, g * R + r] = acc[r]
-
-
-@njit(fastmath=True, cache=True)
-def decode_nib(qs, d, mn, g0, out):
-    """Row groups g0 .. g0 + out.shape[1] / R of the nib layout -> out f32 [k, cols]."""
-    nb = qs.shape[1]
-    ng = out.shape[1] // R
-    for gg in range(ng):
-        g = g0 + gg
-        c0 = gg * R
+    has_d = d.size > 0
+    has_mn = mn.size > 0
+    n_tc = (n + token_chunk - 1) // token_chunk
+    acc = np.empty(token_chunk * R, np.float32)  # [tokens of the chunk, R] row sums
+    w = np.empty(B * R, np.float32)  # [B, R] one decoded block
+    z = vzero()
+    for it in range(i0, i1):
+        g = it // n_tc
+        t0 = (it - g * n_tc) * token_chunk
+        t1 = min(n, t0 + token_chunk)
+        nt = t1 - t0
+        for i in range(0, nt * R, 16):
+            vstore(acc, i, z)
         for b in range(nb):
-            for j in range(16):
-                for r in range(R):
-                    v = qs[g, b, j, r]
-                    out[b * 32 + j, c0 + r] = scale_f32(d[g, b, r]) * np.float32(np.uint8(v & _U15)) + scale_f32(mn[g, b, r])
-                    out[b * 32 + 16 + j, c0 + r] = scale_f32(d[g, b, r]) * np.float32(np.uint8(v >> _U4)) + scale_f32(mn[g, b, r])
-
-
-@njit(fastmath=True, cache=True)
-def decode_i8(q, d, mn, g0, out):
-    """Row groups of the i8 layout -> out f32 [k, cols]."""
-    nb, B = q.shape[1], q.shape[2]
-    ng = out.shape[1] // R
-    has_mn = mn.shape[0] > 0
-    for gg in range(ng):
-        g = g0 + gg
-        c0 = gg * R
-        for b in range(nb):
-            for j in range(B):
-                if has_mn:
-                    for r in range(R):
-                        out[b * B + j, c0 + r] = scale_f32(d[g, b, r]) * np.float32(q[g, b, j, r]) + scale_f32(mn[g, b, r])
-                else:
-                    for r in range(R):
-                        out[b * B + j, c0 + r] = scale_f32(d[g, b, r]) * np.float32(q[g, b, j, r])
-
-
-@njit(fastmath=True, cache=True)
-def decode_f32(w, g0, out):
-    """Row groups of the f32 layout -> out f32 [k, cols]."""
-    k = w.shape[1]
-    ng = out.shape[1] // R
-    for gg in range(ng):
-        g = g0 + gg
-        c0 = gg * R
-        for i in range(k):
-            for r in range(R):
-                out[i, c0 + r] = w[g, i, r]
+            x0 = b * B
+            base = (g * nb + b) * QB * R  # flat index of q[g, b, 0, 0]
+            sb = (g * nb + b) * R  # flat index of d[g, b, 0]
+            d0, d1, m0, m1 = z, z, z, z
+            if has_d:
+                d0, d1 = vload(d, sb), vload(d, sb + 16)
+            if has_mn:
+                m0, m1 = vload(mn, sb), vload(mn, sb + 16)
+            t = t0
+            if nt >= 4:  # decode the block once for the whole chunk
+                for j in range(h):
+                    wa0, wa1, wb0, wb1 = _pair(q, base, j, h)
+                    vstore(w, j * R, wa0)
+                    vstore(w, j * R + 16, wa1)
+                    vstore(w, (h + j) * R, wb0)
+                    vstore(w, (h + j) * R + 16, wb1)
+                while t + 4 <= t1:  # four tokens per pass over the block
+                    s0 = (z, z, z, z)
+                    s1 = (z, z, z, z)
+                    s2 = (z, z, z, z)
+                    s3 = (z, z, z, z)
+                    for j in range(h):
+                        wa0, wa1 = vload(w, j * R), vload(w, j * R + 16)
+                        wb0, wb1 = vload(w, (h + j) * R), vload(w, (h + j) * R + 16)
+                        s0 = _dot_step(s0, wa0, wa1, wb0, wb1, x[t, x0 + j], x[t, x0 + h + j])
+                        s1 = _dot_step(s1, wa0, wa1, wb0, wb1, x[t + 1, x0 + j], x[t + 1, x0 + h + j])
+                        s2 = _dot_step(s2, wa0, wa1, wb0, wb1, x[t + 2, x0 + j], x[t + 2, x0 + h + j])
+                        s3 = _dot_step(s3, wa0, wa1, wb0, wb1, x[t + 3, x0 + j], x[t + 3, x0 + h + j])
+                    for u in range(4):
+                        s = s0 if u == 0 else (s1 if u == 1 else (s2 if u == 2 else s3))
+                        ia = (t + u - t0) * R
+                        a0, a1 = _block_into_acc(vload(acc, ia), vload(acc, ia + 16), s, d0, d1, m0, m1,
+                                                 xs[t + u, b] if has_mn else np.float32(0.0), has_d, has_mn)
+                        vstore(acc, ia, a0)
+                        vstore(acc, ia + 16, a1)
+                    t += 4
+                while t < t1:  # the chunk's last tokens, one at a time, same scratch
+                    s0 = (z, z, z, z)
+                    for j in range(h):
+                        s0 = _dot_step(s0, vload(w, j * R), vload(w, j * R + 16), vload(w, (h + j) * R),
+                                       vload(w, (h + j) * R + 16), x[t, x0 + j], x[t, x0 + h + j])
+                    ia = (t - t0) * R
+                    a0, a1 = _block_into_acc(vload(acc, ia), vload(acc, ia + 16), s0, d0, d1, m0, m1,
+                                             xs[t, b] if has_mn else np.float32(0.0), has_d, has_mn)
+                    vstore(acc, ia, a0)
+                    vstore(acc, ia + 16, a1)
+                    t += 1
+            else:  # 1-3 tokens: decode in registers, no scratch round trip
+                while t < t1:
+                    s0 = (z, z, z, z)
+                    for j in range(h):
+                        wa0, wa1, wb0, wb1 = _pair(q, base, j, h)
+                        s0 = _dot_step(s0, wa0, wa1, wb0, wb1, x[t, x0 + j], x[t, x0 + h + j])
+                    ia = (t - t0) * R
+                    a0, a1 = _block_into_acc(vload(acc, ia), vload(acc, ia + 16), s0, d0, d1, m0, m1,
+                                             xs[t, b] if has_mn else np.float32(0.0), has_d, has_mn)
+                    vstore(acc, ia, a0)
+                    vstore(acc, ia + 16, a1)
+                    t += 1
+        r1 = min(R, m - g * R)  # the last group's padding rows are not written
+        for t in range(t0, t1):
+            ia = (t - t0) * R
+            if r1 == R:
+                vstore(y, t * m + g * R, vload(acc, ia))
+                vstore(y, t * m + g * R + 16, vload(acc, ia + 16))
+            else:
+                for r in range(r1):
+                    y[t, g * R + r] = acc[ia + r]

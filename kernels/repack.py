@@ -1,4 +1,4 @@
-"""Load-time repack of ggml weight blocks into the row-interleaved layout of kernels/matmul_kernels.py.
+"""Load-time repack of ggml weight blocks into the row-interleaved layouts of kernels/matmul_kernels.py.
 
 Why: a matrix-vector product is fastest here when the SIMD lanes run over *rows* (R = 32
 output rows side by side): every weight byte is loaded once, the activation is a broadcast,
@@ -12,16 +12,20 @@ representation of the block scales change:
 - ``i8``: one signed byte per value, ``q i8 [G, nb, B, R]`` with B = 32 or 16 values per
   scale; value = d * q + mn.  q8_0, q5_0, q5_1, q5_K, q6_K, q3_K, q2_K, iq4_nl (codebook
   values are int8). The symmetric formats (q8_0, q5_0, iq4_nl, q6_K, q3_K) have no offset:
-  their ``mn`` is an empty [0, 0, 0] array, so no stream of zeros is read per token.  The 5/6/3/2-bit formats cost 8 bits a value here instead of 5.5-6.6:
-  splitting their high bits in the inner loop costs more time than the memory is worth.
-- ``f32``: ``w f32 [G, k, R]`` for f32 / f16 / bf16 matrices (already float).
+  their ``mn`` is an empty [0, 0, 0] array, so no stream of zeros is read per token. The
+  5/6/3/2-bit formats cost 8 bits a value here instead of 5.5-6.6: splitting their high bits
+  in the inner loop costs more time than the memory is worth.
+- ``f32``: ``w f32 [G, kp / 32, 32, R]`` for f32 / f16 / bf16 matrices (already float), k
+  padded with zero columns to kp, a multiple of 32, so they run through the same block loop;
+  ``d`` and ``mn`` are empty (no scale, no offset).
 
 Scales and offsets are stored as f16 bit patterns (u16, 2 bytes instead of 4; the kernels
 widen them exactly with one vcvtph2ps) whenever that is exact — always for the formats whose
 scales are f16 in the file — else as f32 (the K-quants' d * sub-scale products).
 
 G = ceil(m / R) row groups; the rows past m are zero (d = mn = 0) and never written out.
-The arithmetic d * q + mn equals ggml's (q - 8) * d etc. up to float rounding (~1e-7 rel).
+The kernels compute a block's share of a dot product as d * (q . x) + mn * sum(x), which
+equals ggml's sum of (q - 8) * d * x etc. up to float rounding.
 """
 from __future__ import annotations
 
@@ -103,8 +107,16 @@ def _q3k_scales(sc: np.ndarray) -> np.ndarray:
     return out
 
 
-def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]]:
-    """raw u8 [m, row_bytes] of type t -> (kind, arrays) for the matmul kernels."""
+def padded_k(t: int, k: int) -> int:
+    """Row length the packed matrix of type t has: float rows are padded with zeros to whole
+    32-value blocks (the caller pads x alike), block formats already are whole blocks."""
+    if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        return -(-k // 32) * 32
+    return k
+
+
+def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """raw u8 [m, row_bytes] of type t -> (kind, (q, d, mn)) for kernels.matmul_kernels.matmul_blocks."""
     m = raw.shape[0]
     t = GGMLType(t)
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
@@ -114,7 +126,11 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, ...]
             w = raw.view(np.float16).astype(np.float32)
         else:
             w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return "f32", (_interleave(w.reshape(m, k), m),)
+        kp = padded_k(t, k)
+        wp = np.zeros((m, kp), np.float32)
+        wp[:, :k] = w.reshape(m, k)
+        no_scale = np.zeros((0, 0, 0), np.float32)
+        return "f32", (_interleave(wp.reshape(m, kp // 32, 32), m), no_scale, no_scale)
 
     if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
         nb = k // 32

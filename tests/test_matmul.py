@@ -1,4 +1,6 @@
-"""QMatrix.matmul / get_rows against gguf-py's reference dequantization, every weight type.
+"""QMatrix.matmul / get_rows against gguf-py's reference dequantization, every weight type, and
+the batch invariance of matmul: row t of W.matmul(x) is bit-identical to W.matmul(x[t:t+1])[0]
+whatever n, the other rows of x, the token chunk and the thread count.
 
 Tolerance: the kernels compute in float32 (values decoded as d * q + mn, dot products
 accumulated in float32 in any order, fastmath). The classic bound for a float sum of k
@@ -9,12 +11,13 @@ computed in float64 — a proven bound, not a fitted one (typical errors are ~10
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
 from kernels.ggml_types import GGMLType, row_bytes, type_info
-from kernels.matmul import GEMM_MIN_TOKENS, QMatrix
+from kernels.matmul import QMatrix
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -71,10 +74,9 @@ def test_matmul_matches_dequantized_reference(t):
     w = reference(raw, t, k)
     assert (qm.m, qm.k, qm.t, qm.nbytes) == (m, k, int(t), raw.nbytes)
     rng = np.random.default_rng(1)
-    for n in (1, 3, 17, 64):  # gemv path below GEMM_MIN_TOKENS, panel + sgemm above
+    for n in (1, 3, 17, 64):  # decode in registers below 4 tokens, a decoded block shared above
         x = rng.standard_normal((n, k)).astype(np.float32)
         assert_matmul_close(qm, w, x)
-    assert GEMM_MIN_TOKENS <= 17
 
 
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
@@ -97,15 +99,20 @@ def test_one_dimensional_x_and_tiny_matrix():
     assert_matmul_close(qm, reference(raw, GGMLType.Q4_1, 32), x[None, :])
 
 
-def test_panels_cover_every_row(monkeypatch):
-    """Prefill splits the rows into several panels; the last one is partial."""
+def test_token_chunks_cover_every_row_and_do_not_change_results(monkeypatch):
+    """Work items are (32-row group, token chunk) pairs; the last of each is partial. The chunk
+    size decides only which items compute a row, never its value."""
     import kernels.matmul as mm
 
-    monkeypatch.setattr(mm, "PANEL_BYTES", 4 * 64 * 32 * 2)  # two row groups per panel
     raw = random_raw(GGMLType.Q8_0, 32 * 5 + 3, 64, seed=4)
     qm = QMatrix(raw, GGMLType.Q8_0, 64)
-    x = np.random.default_rng(5).standard_normal((20, 64)).astype(np.float32)
-    assert_matmul_close(qm, reference(raw, GGMLType.Q8_0, 64), x)
+    x = np.random.default_rng(5).standard_normal((21, 64)).astype(np.float32)
+    want = qm.matmul(x)
+    for chunk in (1, 4, 5, 8):
+        monkeypatch.setattr(mm, "TOKEN_CHUNK", chunk)
+        got = qm.matmul(x)
+        assert_matmul_close(qm, reference(raw, GGMLType.Q8_0, 64), x)
+        assert np.array_equal(got, want), f"token chunk {chunk} changed the result"
 
 
 def test_bad_input_is_rejected():
@@ -145,20 +152,21 @@ def test_real_model_tensors(model, request):
         for n in (1, 17):
             x = rng.standard_normal((n, k)).astype(np.float32)
             assert_matmul_close(qm, w, x)
+        _assert_rows_equal(qm.matmul(x), np.stack([qm.matmul(r) for r in x]), name)  # batch invariant
         ids = np.array([0, raw.shape[0] - 1, 5], np.int32)
         np.testing.assert_array_equal(qm.get_rows(ids), w[ids].astype(np.float32), err_msg=name)
 
 
 def test_f16_scale_decode_is_exact_for_every_half():
-    """scale_f32 widens f16 bit patterns inside the kernels: all 65536 of them, bit for bit."""
+    """The kernels widen f16 block scales with simd.vload on u16 bits: all 65536 of them, bit for bit."""
     from numba import njit
 
-    from kernels.matmul_kernels import scale_f32
+    from kernels.simd import vload, vstore
 
     @njit(cache=False)
     def widen(a, out):
-        for i in range(a.shape[0]):
-            out[i] = scale_f32(a[i])
+        for i in range(0, a.shape[0], 16):
+            vstore(out, i, vload(a, i))
 
     h = np.arange(65536, dtype=np.uint16)
     got = np.empty(65536, np.float32)
@@ -195,3 +203,81 @@ def test_scale_overflowing_f16_falls_back_to_f32():
     x = np.random.default_rng(9).standard_normal((2, 64)).astype(np.float32)
     assert_matmul_close(qm, reference(raw, GGMLType.Q4_0, 64), x)
     assert_matmul_close(qm, reference(raw, GGMLType.Q4_0, 64), np.tile(x, (6, 1)))
+
+
+# ---- batch invariance: every output element computed the same way whatever the batch ----------
+
+INVARIANCE_NS = (1, 2, 3, 7, 8, 9, 64, 513)
+MODEL_KS = (576, 1536, 640, 2048)  # SmolLM2 n_embd / n_ff, Gemma-3 n_embd / n_ff
+
+
+def _thread_counts():
+    return sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)})
+
+
+def _with_threads(n_threads, f):
+    old = numba.get_num_threads()
+    numba.set_num_threads(n_threads)
+    try:
+        return f()
+    finally:
+        numba.set_num_threads(old)
+
+
+def _assert_rows_equal(got, want, what):
+    same = np.all(got == want, axis=1) | np.all(np.isnan(got) & np.isnan(want), axis=1)
+    bad = np.flatnonzero(~same)
+    assert bad.size == 0, f"{what}: {bad.size} rows differ, first row {bad[0]}, max |diff| " \
+                          f"{np.max(np.abs(got[bad[0]] - want[bad[0]])):.3g}"
+
+
+def _invariance_cases():
+    for t in ALL_TYPES:
+        for k in MODEL_KS:
+            if k % type_info(t).block_size == 0:
+                yield pytest.param(t, k, id=f"{t.name}-k{k}")
+
+
+def test_invariance_cases_cover_every_layout():
+    """nib, i8 with and without offsets (f16 and f32 scales), and the float layout are all tested."""
+    seen = set()
+    for p in _invariance_cases():
+        t, k = p.values
+        qm = QMatrix(random_raw(t, 33, k), t, k)
+        q, d, mn = qm._packed
+        seen.add((qm.kind, mn.size > 0, d.dtype.name if d.size else "none"))
+    assert {("nib", True, "uint16"), ("nib", True, "float32"), ("i8", True, "uint16"), ("i8", True, "float32"),
+            ("i8", False, "uint16"), ("i8", False, "float32"), ("f32", False, "none")} <= seen
+
+
+@pytest.mark.parametrize("t,k", list(_invariance_cases()))
+def test_matmul_rows_are_batch_invariant(t, k):
+    """array_equal, not allclose: W.matmul(x)[i] == W.matmul(x[i:i+1])[0] for every row i, for
+    n in INVARIANCE_NS, with 1 and 2 threads, and whatever the other rows are."""
+    m = 75  # not a multiple of the 32-row groups
+    qm = QMatrix(random_raw(t, m, k, seed=k), t, k)
+    rng = np.random.default_rng(k + int(t))
+    n_max = max(INVARIANCE_NS)
+    x = (rng.standard_normal((n_max, k)) * rng.uniform(0.05, 30.0, (n_max, 1))).astype(np.float32)
+    single = _with_threads(1, lambda: np.stack([qm.matmul(x[i:i + 1])[0] for i in range(n_max)]))  # [513, m]
+    for n_threads in _thread_counts():
+        for n in INVARIANCE_NS:
+            got = _with_threads(n_threads, lambda: qm.matmul(x[:n]))
+            _assert_rows_equal(got, single[:n], f"{t.name} k={k} n={n} threads={n_threads}")
+        idx = rng.integers(0, n_max, 9)  # other neighbours, repeats, another order
+        got = _with_threads(n_threads, lambda: qm.matmul(x[idx]))
+        _assert_rows_equal(got, single[idx], f"{t.name} k={k} shuffled rows threads={n_threads}")
+    np.testing.assert_array_equal(qm.matmul(x[7]), single[7])  # 1-D x
+    w = reference(qm.raw, t, k)
+    assert_matmul_close(qm, w, x[:9])
+
+
+@pytest.mark.parametrize("t", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_rows_not_a_multiple_of_32(t):
+    """Float weights with k = 45 are padded to whole 32-blocks (weights and x): exact and invariant."""
+    k, m = 45, 40
+    raw = random_raw(t, m, k, seed=11)
+    qm = QMatrix(raw, t, k)
+    x = np.random.default_rng(12).standard_normal((9, k)).astype(np.float32)
+    assert_matmul_close(qm, reference(raw, t, k), x)
+    _assert_rows_equal(qm.matmul(x), np.stack([qm.matmul(r) for r in x]), f"{t.name} k=45")

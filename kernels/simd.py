@@ -1,0 +1,181 @@
+"""Explicit 16-lane float32 vectors for numba kernels: one LLVM instruction per call, in the order written.
+
+Why: numba leaves vectorization to LLVM's loop vectorizer, which (a) only vectorizes innermost
+loops, so a register-blocked matmul (several tokens' accumulators held in registers over a
+loop) cannot be expressed, and (b) with ``fastmath`` may reassociate sums differently in
+different loop nests, so the same dot product can round differently depending on which loop
+computed it. These intrinsics make both explicit: a ``F32Vec`` value is an LLVM
+``<16 x float>`` (one zmm register with AVX-512, two ymm otherwise), ``vfma`` is ``llvm.fma``
+(one rounding, always fused), ``vadd`` a plain ``fadd`` without fast-math flags. LLVM may
+schedule and allocate registers freely but cannot change any result, so a kernel built from
+them computes every output element with the operation sequence its source spells out.
+
+All loads/stores take an array and a flat element index (the array must be C-contiguous; no
+bounds check: the caller keeps ``i + 16 <= a.size``).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 16
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_VF = ir.VectorType(_F32, LANES)
+
+
+class F32Vec(types.Type):
+    """numba type of a <16 x float> register value."""
+
+    def __init__(self):
+        super().__init__(name=f"f32x{LANES}")
+
+
+f32vec = F32Vec()
+
+
+@register_model(F32Vec)
+class _F32VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF)
+
+
+def _vec_ptr(context, builder, aryty, ary, idxty, idx):
+    """Pointer to elements idx .. idx + 15 of a contiguous array, typed as a vector pointer."""
+    a = context.make_array(aryty)(context, builder, ary)
+    i = context.cast(builder, idx, idxty, types.intp)
+    elt = context.get_data_type(aryty.dtype)
+    return builder.bitcast(builder.gep(a.data, [i]), ir.VectorType(elt, LANES).as_pointer())
+
+
+@intrinsic
+def vzero(typingctx):
+    """All lanes +0.0."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF, None)
+
+    return f32vec(), codegen
+
+
+@intrinsic
+def vbcast(typingctx, x):
+    """A scalar (converted to float32) in all lanes."""
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        vec = builder.insert_element(ir.Constant(_VF, ir.Undefined), v, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(vec, ir.Constant(_VF, ir.Undefined),
+                                      ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    return f32vec(x), codegen
+
+
+@intrinsic
+def vload(typingctx, a, i):
+    """Elements i .. i+15 of a as float32, exactly: f32 as is, u16 as f16 bit patterns (one
+    vcvtph2ps), i8 / u8 converted from the integer."""
+    if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
+        return None
+    dt = a.dtype
+    if dt not in (types.float32, types.uint16, types.int8, types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=1)
+        if dt == types.float32:
+            return v
+        if dt == types.uint16:
+            return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
+        if dt == types.int8:
+            return builder.sitofp(v, _VF)
+        return builder.uitofp(v, _VF)
+
+    return f32vec(a, i), codegen
+
+
+def _nibble_loader(high: bool):
+    @intrinsic
+    def load(typingctx, a, i):
+        if not (isinstance(a, types.Array) and a.dtype == types.uint8 and isinstance(i, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=1)
+            vt = ir.VectorType(ir.IntType(8), LANES)
+            if high:
+                v = builder.lshr(v, ir.Constant(vt, [4] * LANES))
+            else:
+                v = builder.and_(v, ir.Constant(vt, [15] * LANES))
+            return builder.uitofp(v, _VF)
+
+        return f32vec(a, i), codegen
+
+    return load
+
+
+vload_lo = _nibble_loader(False)
+vload_lo.__doc__ = "Low nibbles of bytes i .. i+15 of a u8 array, as float32 0..15."
+vload_hi = _nibble_loader(True)
+vload_hi.__doc__ = "High nibbles of bytes i .. i+15 of a u8 array, as float32 0..15."
+
+
+@intrinsic
+def vstore(typingctx, a, i, v):
+    """a[i .. i+15] = v (a float32 array)."""
+    if not (isinstance(a, types.Array) and a.dtype == types.float32 and isinstance(i, types.Integer)
+            and v == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=4)
+        return context.get_dummy_value()
+
+    return types.none(a, i, v), codegen
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """a * b + c with one rounding (llvm.fma: always fused, never split or reordered)."""
+    if not (a == b == c == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
+                                            f"llvm.fma.v{LANES}f32")
+        return builder.call(fn, args)
+
+    return f32vec(a, b, c), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    """a + b lane by lane."""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+
+    return f32vec(a, b), codegen
+
+
+@intrinsic
+def vhsum(typingctx, v):
+    """The sum of the 16 lanes, always in the same tree: lanes i + (i + 8), then i + (i + 4), ..."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, n = args[0], LANES
+        while n > 1:
+            h = n // 2
+            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+            x, n = builder.fadd(lo, hi), h
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+
+    return types.float32(v), codegen
