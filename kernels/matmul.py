@@ -32,6 +32,7 @@ machine is shared with other busy sessions, so ±30 %; GMAC/s = m·k·n / time):
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from kernels.ggml_types import GGMLType, row_bytes
@@ -40,6 +41,7 @@ from kernels.quants import dequantize
 from kernels.repack import padded_k, repack
 
 TOKEN_CHUNK = 64  # tokens per work item: a decoded block is reused by up to this many tokens
+RUNS_PER_THREAD = 4  # prange iterations per (possible) thread, each a run of consecutive work items
 
 
 class QMatrix:
@@ -83,7 +85,7 @@ class QMatrix:
             x = xp
         y = np.empty((n, self.m), np.float32)  # [n, m]
         if n:
-            matmul_blocks(*self._packed, x, y, TOKEN_CHUNK)
+            matmul_blocks(*self._packed, x, y, TOKEN_CHUNK, RUNS_PER_THREAD * numba.config.NUMBA_NUM_THREADS)
         return y
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:

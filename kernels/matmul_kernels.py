@@ -35,9 +35,6 @@ from numba.extending import overload
 from kernels.repack import R
 from kernels.simd import vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
 
-MAX_ITEMS_PER_LAUNCH = 64  # prange bodies; each allocates its scratch once and runs a run of items
-
-
 def _pair(q, base, j, h):
     """Values j and j + h of the block starting at flat index base of q, as four f32 vectors
     (value j rows 0-15, rows 16-31, value j + h rows 0-15, rows 16-31). Only inside kernels."""
@@ -114,17 +111,19 @@ def block_sums(x, B):
 
 
 @njit(parallel=True, cache=True)
-def matmul_blocks(q, d, mn, x, y, token_chunk):
+def matmul_blocks(q, d, mn, x, y, token_chunk, n_runs):
     """y = x @ W.T for a packed matrix. q [G, nb, QB, R]: u8 nibble pairs (QB = 16 bytes for 32
     values), i8 values or f32 weights (QB = B values); d, mn [G, nb, R] f32 or u16 (f16 bits),
     each possibly empty [0, 0, 0] (no scale: float weights; no offset: symmetric formats);
-    x f32 [n, nb * B] C-contiguous -> y f32 [n, m], m <= G * R."""
+    x f32 [n, nb * B] C-contiguous -> y f32 [n, m], m <= G * R. The (row group, token chunk)
+    items are cut into n_runs runs of consecutive items, one prange iteration each (a few per
+    thread: each run allocates its scratch once); how they are cut never changes a result."""
     G = q.shape[0]
     n = y.shape[0]
     xs = block_sums(x, _block_values(q)) if mn.size > 0 else np.zeros((0, 0), np.float32)  # [n, nb]
     n_tc = (n + token_chunk - 1) // token_chunk
     n_items = G * n_tc
-    n_par = min(n_items, MAX_ITEMS_PER_LAUNCH)
+    n_par = max(1, min(n_items, n_runs))
     for p in prange(n_par):
         # consecutive items: a row group's token chunks follow each other, its weights stay in cache
         _run_items(q, d, mn, x, xs, y, token_chunk, p * n_items // n_par, (p + 1) * n_items // n_par)
@@ -142,7 +141,7 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
     has_d = d.size > 0
     has_mn = mn.size > 0
     n_tc = (n + token_chunk - 1) // token_chunk
-    acc = np.empty(token_chunk * R, np.float32)  # [tokens of the chunk, R] row sums
+    acc = np.empty(min(n, token_chunk) * R, np.float32)  # [tokens of a chunk, R] row sums
     w = np.empty(B * R, np.float32)  # [B, R] one decoded block
     z = vzero()
     for it in range(i0, i1):

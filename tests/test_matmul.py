@@ -99,20 +99,25 @@ def test_one_dimensional_x_and_tiny_matrix():
     assert_matmul_close(qm, reference(raw, GGMLType.Q4_1, 32), x[None, :])
 
 
-def test_token_chunks_cover_every_row_and_do_not_change_results(monkeypatch):
-    """Work items are (32-row group, token chunk) pairs; the last of each is partial. The chunk
-    size decides only which items compute a row, never its value."""
+def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
+    """Work items are (32-row group, token chunk) pairs, the last of each partial, cut into runs
+    of consecutive items for the threads. Chunk size and runs decide only which item computes
+    an element, never its value."""
     import kernels.matmul as mm
+    from kernels.matmul_kernels import matmul_blocks
 
-    raw = random_raw(GGMLType.Q8_0, 32 * 5 + 3, 64, seed=4)
-    qm = QMatrix(raw, GGMLType.Q8_0, 64)
+    raw = random_raw(GGMLType.Q4_1, 32 * 5 + 3, 64, seed=4)
+    qm = QMatrix(raw, GGMLType.Q4_1, 64)
     x = np.random.default_rng(5).standard_normal((21, 64)).astype(np.float32)
     want = qm.matmul(x)
-    for chunk in (1, 4, 5, 8):
+    assert_matmul_close(qm, reference(raw, GGMLType.Q4_1, 64), x)
+    for chunk in (1, 4, 5, 8, 21, 64):
         monkeypatch.setattr(mm, "TOKEN_CHUNK", chunk)
-        got = qm.matmul(x)
-        assert_matmul_close(qm, reference(raw, GGMLType.Q8_0, 64), x)
-        assert np.array_equal(got, want), f"token chunk {chunk} changed the result"
+        assert np.array_equal(qm.matmul(x), want), f"token chunk {chunk} changed the result"
+    for runs in (1, 2, 3, 7, 1000):
+        y = np.full_like(want, np.nan)
+        matmul_blocks(*qm._packed, x, y, 8, runs)
+        assert np.array_equal(y, want), f"{runs} runs changed the result"
 
 
 def test_bad_input_is_rejected():
