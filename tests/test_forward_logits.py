@@ -3,24 +3,16 @@
 1. Tiny random models of every architecture against an independent float64 numpy forward
    (weights dequantized with gguf-py): structure and arithmetic, tight tolerances.
 2. The two real models against llama.cpp's logits (../shared/reference/logits_*.json).
-   llama.cpp quantizes every matmul's activations to 8-bit blocks; our matmuls are float, so
-   per-token log-probs differ by that noise (measured: mean |Δ| over the top-10 0.06–0.13; an
-   exact float64 numpy forward of SmolLM2 shows the same 0.063 / 0.127 on the first two prompts,
-   see docs/performance.md). The test pins what we reach, so a regression shows.
-
-   Why 0.02 is out of reach without bit-identical arithmetic (measured on this machine):
-   ggml's CPU matmuls quantize each activation row to q8_1 (Q4_1 weights: d = amax/127 and
-   s = d*sum(q) stored as f16, q = round-half-even(x*127/amax)), q8_0 (Q8_0/Q5_0) or q8_K
-   (K-quants, f32 d); every path (vec_dot, tinyBLAS, AMX, repack) uses these same roundings.
-   A numpy emulation of exactly that (plus llama.cpp's f16-Q / f16-accumulator flash attention
-   for ubatches < 64 tokens) gives SmolLM2 0.086 / 0.118 / 0.111 — no better than float —
-   and perturbing the matmul inputs by 1 ulp (relative 1e-7 noise) inside that emulation moves
-   the log-probs by 0.080 / 0.131 (SmolLM2) and 0.062 (Gemma-3) mean |Δ| over the top-10: the
-   8-bit rounding turns any ulp-level difference (SIMD expf, summation order, AMX tiles) into
-   whole quantization steps that cascade over the layers. llama.cpp's values therefore carry
-   ~0.1 of rounding noise that only a bit-identical re-implementation could reproduce; our
-   float forward sits at the centre of that noise, which is the closest a non-identical
-   implementation gets (an independent emulation adds its own noise on top).
+   ggml rounds every matmul's activations to 8-bit blocks, so a last-bit difference anywhere
+   flips some roundings and the flips cascade over the layers: llama.cpp built here from the
+   same source reproduces its SmolLM2 reference exactly with the reference's settings, but lands
+   0.11-0.14 mean |d log-prob| away with flash attention off, and 0.11 away on the 313-token
+   prompt with n_ubatch 1 or 32 (docs/performance.md, "Logits vs llama.cpp", has the table).
+   Our f32 forward (no 8-bit activation rounding) measures 0.063 / 0.127 / 0.104 (SmolLM2) and
+   0.088 / 0.119 (Gemma-3): within that spread of llama.cpp's own configurations. The issue's
+   0.02 needs a bit-identical copy of one llama.cpp build, so this test pins what we reach
+   (mean < 0.15, top-1 equal where llama.cpp's margin > 0.35, few flips above 0.1) to catch
+   regressions: a wrong norm, RoPE or mask moves these by far more than 0.15.
 """
 import json
 
@@ -182,7 +174,8 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-# measured: SmolLM2 0.063 / 0.127 / 0.104, Gemma3 0.088 / 0.119 (see module docstring)
+# measured: SmolLM2 0.063 / 0.127 / 0.104, Gemma3 0.088 / 0.119; llama.cpp's own flash-off run
+# 0.118 / 0.136 / 0.113 and 0.084 / 0.137 (see the module docstring)
 MAX_MEAN_DLP = 0.15
 SURE_MARGIN = 0.35  # top-1 must agree wherever llama.cpp's 1st-2nd margin exceeds this
 MAX_FLIP_FRACTION = 0.02  # of all positions with margin > 0.1 (measured 5/337 and 4/293)
