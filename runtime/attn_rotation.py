@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.ggml_types import GGMLType
+from kernels.hadamard import fwht_chunks
 
 _FLOAT_TYPES = (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16))
 _HADAMARD: dict[int, np.ndarray] = {}
@@ -47,7 +48,7 @@ def rotation_sizes(hp, type_k: int, type_v: int) -> tuple[int, int]:
 
 
 def rotate(x: np.ndarray, n: int) -> np.ndarray:
-    """x [..., d] f32 with d % n == 0 -> each n-chunk times hadamard(n) (a new array).
+    """x [..., d] f32 with d % n == 0 -> each n-chunk times hadamard(n) (a new array), by the
+    fast transform of kernels/hadamard.py: bit-identical per row whatever the batch.
     Self-inverse: rotate(rotate(x, n), n) == x up to rounding."""
-    shape = x.shape
-    return (np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n) @ hadamard(n)).reshape(shape)
+    return fwht_chunks(x, n)
