@@ -14,21 +14,31 @@ last bit, and with an f16 KV cache that made token-by-token decoding of SmolLM2 
 one-batch decoding by up to 3e-2 in the logits. BLAS is not used for weights any more: its
 summation order depends on n.
 
-Measured choices (benchmarks/bench_matmul.py and a same-process old/new comparison; this
-machine is shared with other busy sessions, so ±30 %; GMAC/s = m·k·n / time):
+Measured choices (this machine shared with other busy sessions, so ±30 %; one thread,
+process time; GMAC/s = m·k·n / time; benchmarks/bench_matmul.py --threads 1, and the old
+kernels run on the same packed arrays in the same session for the comparisons):
 - explicit <16 x float> vectors (kernels/simd.py) instead of loops left to LLVM's vectorizer:
-  the vectorizer only handles innermost loops, so the register-blocked multi-token loop came
-  out scalar (2 GMAC/s), and with fastmath it may reassociate sums differently per loop nest.
+  the vectorizer only handles innermost loops, so a register-blocked multi-token loop came out
+  scalar (2 GMAC/s), and with fastmath it may reassociate sums differently per loop nest.
 - prefill: a block is decoded once per 64-token chunk into a 4 KB scratch and four tokens at a
-  time go through it with 16 accumulators in zmm registers (16 FMAs per 4 vector loads). One
-  thread, process time: 40-47 GMAC/s on SmolLM2's q4_1 / q8_0 and Gemma-3's q4_K / q5_0 / q8_0
-  (BLAS sgemm after a decode: 28-43), 32 GMAC/s on q6_K (16-value blocks: twice the per-block
-  overhead; sgemm 40).
-- generation (n < 4 in a chunk): the block is decoded in registers, no scratch: 12-19 GMAC/s
-  in cache (the old gemv 10-13) — two partial sums per half of the rows break the FMA chain.
-- the parallel kernel only splits (row group, token chunk) items and calls a serial function
-  for a run of consecutive items: numba's parfor passes over the whole body took 7 of 9.5 s
-  of compiling one specialization (now ~4-6 s per layout and scale type, cold cache).
+  time go through it with 16 accumulators in zmm registers (16 FMAs per 4 vector loads; six
+  tokens measured the same). SmolLM2 q4_1 40 GMAC/s (decode + sgemm before: 43), q8_0 46 (28);
+  Gemma-3 q4_K 39 (33), q5_0 42 (31), q8_0 41 (32), q6_K 32 (40: its 16-value blocks double
+  the per-block work of applying scales). Under load the numba pool also degrades far less than
+  OpenBLAS's spinning threads did (SmolLM2 prefill matmuls 1.4-1.6 s vs 4 s per 512 tokens at
+  load average 4).
+- generation (fewer than 4 tokens in a chunk): the block is decoded in registers, no scratch;
+  two partial sums per half of the rows keep 4 FMA chains in flight. 17.6-19.5 GMAC/s in
+  cache for q4_1 / q8_0 / q4_K / q6_K (old gemv in the same session: 10.4-14.7). It is bound by
+  the decode uops (widen + convert per 16 values); widening the nibble bytes to i32 before
+  masking measured the same.
+- work split: (32-row group, 64-token chunk) items, cut into RUNS_PER_THREAD runs of consecutive
+  items per possible thread; each run allocates its scratch once (per-item allocation and
+  call overhead cost ~40 % on the small generation matrices) and keeps a row group's weights
+  in cache across its token chunks (interleaved items re-streamed Gemma's 167 MB output matrix
+  once per chunk). The parallel kernel only splits items and calls a serial function: numba's
+  parfor passes over the whole body took 7 of 9.5 s of compiling one specialization (now
+  4-6 s per layout and scale dtype on a cold cache, about what the old gemv kernels cost).
 """
 from __future__ import annotations
 
