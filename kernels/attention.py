@@ -5,18 +5,37 @@ Two paths, as llama.cpp's build_attn_mha:
 - classic (flash off): KQ for all cells, masked softmax, then KQV against the transposed V cache
   ``[n_embd_v_gqa, kv_size]`` (f32/f16/bf16 elements only, like llama.cpp).
 
+Batch invariance: the output row of a query (token, head) is bit-identical whatever else is in the
+call — how many tokens, which ones, how many cells beyond those it sees (n_kv), how many threads,
+serial or parallel, split or not. Cached K/V are rounded to the cache type, so any last-bit
+difference between decoding a text token by token and in batches would flip roundings of stored
+values and grow over the layers. So every sum is cut at fixed boundaries counted from cell 0 and
+spelled out operation by operation:
+- no fast-math anywhere: with reassoc/contract LLVM picks a summation order or an FMA per loop
+  nest, and the same source then rounds differently in the serial and the parallel kernel — or
+  in one kernel depending on whether a helper was inlined fresh or linked from numba's on-disk
+  cache (measured: 1-ulp differences that came and went with the cache state);
+- the dot products and sums use the explicit vectors of kernels/simd.py: K·q of a cell is 16
+  lane fma chains over its components in order, then one fixed tree (vhsum); P·V is one fma
+  chain per component over the cells in order; a tile of KT probabilities is summed in one tree;
+- tiles of KT cells are always processed at full width: cells past n_kv get score -inf (p = 0)
+  and zero K/V, so where the valid cells end never changes an operation;
+- flash: chunks of CHUNK cells, each an online softmax from a fresh state, folded into the
+  query's result in chunk order (``_fold``), whether one unit walks all chunks or the chunks
+  are spread over threads and folded afterwards (flash-decoding, for few queries);
+- classic: the softmax sum and each P·V component are 16 lane chains over the visible tiles.
+Tiles and chunks that a query cannot see contribute nothing (skipped, or exact zeros).
+
 Work split (one parallel launch per layer): a unit is (kv head, group of its query heads, block
-of tokens). Each unit dequantizes a tile of KT cache rows of its kv head once, into a small f32
-buffer, and reuses it for every query of the unit — GQA heads and a block of prompt tokens —
-so dequantization is amortized in prefill and parallel in decode. Tiles that the mask hides
-for every token of the block are skipped (causal prefill touches only the lower triangle).
+of tokens[, chunk]). Each unit dequantizes a tile of KT cache rows of its kv head once, into a
+small f32 buffer, and reuses it for every query of the unit — GQA heads and a block of prompt
+tokens — so dequantization is amortized in prefill and parallel in decode. Tiles that the mask
+hides for every token of the block are skipped (causal prefill touches only the lower triangle).
 
 Numerics: ggml's one-row CPU kernel first rounds Q to the vec-dot type of K (f16 for f16 K,
 8-bit blocks for quantized K); its tiled prompt kernel does not. ``round_q=True`` emulates the
-former, but it is off by default: the rounding is a step function that turns the 1e-7
-differences between batched and one-token matmuls into 5e-4 jumps, and it did not bring the
-logits measurably closer to llama.cpp's (docs/performance.md).
-The -inf mask needs IEEE infinities: these kernels use fastmath flags without ``ninf``/``nnan``.
+former, but it is off by default: the rounding is a step function that amplifies any difference
+in Q, and it did not bring the logits measurably closer to llama.cpp's (docs/performance.md).
 """
 import math
 
@@ -37,13 +56,15 @@ from kernels.quants import (
     dequantize,
     quantize,
 )
+from kernels.simd import LANES, vadd, vbcast, vfma, vhsum, vload, vstore, vzero
 
-_FM = {"nsz", "arcp", "contract", "afn", "reassoc"}  # fast math, but keep inf/nan semantics
-KT = 32  # cache rows per tile
+KT = 32  # cells per tile: two vectors of kernels/simd.py
+assert KT == 2 * LANES
+CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from the call's shape
 # below this many multiply-adds of K·Q a parallel launch costs more than it saves (a generated
 # token at a few hundred cells of context runs serially; long contexts and prompts in parallel)
 PARALLEL_MIN_WORK = 1 << 20
-CHUNK_MIN = 256  # fewest cells per chunk when a generated token's cells are split across threads
+_NINF = np.float32(-np.inf)
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 _Q4_0, _Q4_1, _Q5_0 = int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0)
@@ -51,7 +72,7 @@ _Q5_1, _Q8_0, _IQ4_NL = int(GGMLType.Q5_1), int(GGMLType.Q8_0), int(GGMLType.IQ4
 CACHE_TYPES = (_F32, _F16, _BF16, _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _IQ4_NL)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True)
 def _f16_row_fast(src, dst):
     """f16 bytes -> f32, branch-free so LLVM vectorizes it (the K/V hot loop of f16 caches).
     Exact for every half: the 15 magnitude bits shifted into a float and scaled by 2^112 give
@@ -89,17 +110,17 @@ def dequant_cache_row(t, src, dst):
         dequant_row_iq4_nl(src, dst)
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True)
 def _tile_live(mask, t0, t1, j0, j1):
     """True if any token of [t0, t1) may see any cell of [j0, j1)."""
     for t in range(t0, t1):
         for j in range(j0, j1):
-            if mask[t, j] != -np.inf:
+            if mask[t, j] != _NINF:
                 return True
     return False
 
 
-@njit(cache=True, fastmath=_FM, inline="always")
+@njit(cache=True, inline="always")
 def _unit_coords(u, n_tb, n_sub):
     """Unit index -> (token block, head sub-group, kv head). Token blocks are visited in a
     zig-zag so that the contiguous ranges numba hands each thread get light and heavy
@@ -110,24 +131,11 @@ def _unit_coords(u, n_tb, n_sub):
     return tbi, rest % n_sub, rest // n_sub
 
 
-@njit(cache=True, fastmath=_FM, inline="always")
-def _score(q, t, h, kt, j, dk, scale, softcap, mv):
-    """scale * q[t,h]·k[j] (optionally soft-capped) plus the mask value."""
-    d = np.float32(0.0)
-    for c in range(dk):
-        d += q[t, h, c] * kt[j, c]
-    if softcap != 0.0:
-        d = softcap * np.float32(math.tanh(d * (scale / softcap)))
-    else:
-        d = d * scale
-    return d + mv
-
-
-@njit(cache=True, fastmath={"nsz", "arcp", "contract", "afn"})
+@njit(cache=True)
 def _exp_le0(x):
     """exp(x) for x <= 0 (or -inf -> 0), branch-free so that loops over a tile vectorize (numba has
     no vector exp here). Cody-Waite reduction x = n*ln2 + r, a degree-6 polynomial on |r| <= ln2/2
-    (about 1 ulp); no reassoc flag so the two-part reduction is kept as written."""
+    (about 1 ulp), plain IEEE arithmetic in the order written."""
     xc = max(x, np.float32(-87.0))
     n = np.float32(math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5)))
     r = xc - n * np.float32(0.693359375)
@@ -143,7 +151,7 @@ def _exp_le0(x):
     return y if x > np.float32(-87.0) else np.float32(0.0)
 
 
-@njit(cache=True, fastmath=_FM, inline="always")
+@njit(cache=True, inline="always")
 def _f16_bits(h):
     """f16 bit pattern (u32) -> f32, exact and branch-free (see _f16_row_fast)."""
     mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
@@ -152,69 +160,216 @@ def _f16_bits(h):
     return bits_to_f32(fb | ((h & np.uint32(0x8000)) << np.uint32(16)))
 
 
-@njit(cache=True, fastmath=True)
-def _dots(qb, qi, kt, nj, sc):
-    """sc[j] = qb[qi]·kt[j] for j < nj. Finite inputs only: full fastmath lets LLVM vectorize the
-    reduction (with the inf-safe flags it stays scalar, 10x slower)."""
-    for j in range(nj):
-        d = np.float32(0.0)
-        for e in range(kt.shape[1]):
-            d += qb[qi, e] * kt[j, e]
-        sc[j] = d
-
-
-@njit(cache=True, fastmath=True)
-def _sum(x, n):
-    """Sum of the finite values x[:n] (vectorized, see _dots)."""
-    s = np.float32(0.0)
-    for i in range(n):
-        s += x[i]
-    return s
-
-
-@njit(cache=True, fastmath=_FM, inline="always")
+@njit(cache=True, inline="always")
 def _load_tile(t, raw, st, j0, nj, b0, nb, dst):
-    """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st into dst[:nj] (f32 [KT, d]).
-    f16 and q8_0 (the usual caches) are decoded inline with plain 3-D indexing, which LLVM
-    vectorizes (a per-row slice costs more than the 64 values it holds); other formats per row."""
+    """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st into dst[:nj] (f32 [KT, d]);
+    rows nj..KT become zeros. f16 (one vcvtph2ps per 16 values) and q8_0 (int8 -> f32 times the
+    block scale) are decoded with vectors straight from the cache; other formats per row. Every
+    decode is exact, so how it is compiled cannot change a value."""
     d = dst.shape[1]
     if t == _F16:
         r16 = raw.view(np.uint16)  # [n_stream, n_kv, row_bytes / 2] f16 bits (rows are even)
-        o = b0 // 2
         for j in range(nj):
-            for i in range(d):
-                dst[j, i] = _f16_bits(np.uint32(r16[st, j0 + j, o + i]))
+            o = (st * raw.strides[0] + (j0 + j) * raw.strides[1] + b0) // 2  # flat u16 index
+            for i in range(0, d, LANES):
+                vstore(dst, j * d + i, vload(r16, o + i))
     elif t == _Q8_0:
+        r8 = raw.view(np.int8)
         for j in range(nj):
-            for b in range(d // 32):
-                o = b0 + b * 34  # block: f16 scale, 32 int8
-                sc = _f16_bits(np.uint32(raw[st, j0 + j, o]) | (np.uint32(raw[st, j0 + j, o + 1]) << np.uint32(8)))
-                for i in range(32):
-                    dst[j, b * 32 + i] = np.float32(np.int8(raw[st, j0 + j, o + 2 + i])) * sc
+            o = st * raw.strides[0] + (j0 + j) * raw.strides[1] + b0  # flat byte index
+            for b in range(d // 32):  # block: f16 scale, 32 int8
+                sc = vbcast(_f16_bits(np.uint32(raw[st, j0 + j, b0 + b * 34])
+                                      | (np.uint32(raw[st, j0 + j, b0 + b * 34 + 1]) << np.uint32(8))))
+                for h in range(0, 32, LANES):  # int8 * scale is exact in f32
+                    vstore(dst, j * d + b * 32 + h, vfma(vload(r8, o + b * 34 + 2 + h), sc, vzero()))
     else:
         tmp = np.empty(d, dtype=np.float32)  # [d] one row (dst itself is never handed to a call)
         for j in range(nj):
             dequant_cache_row(t, raw[st, j0 + j, b0:b0 + nb], tmp)
             for i in range(d):
                 dst[j, i] = tmp[i]
+    for j in range(nj, KT):  # past the last cell: zeros, so a full-width tile stays finite
+        for i in range(d):
+            dst[j, i] = 0.0
 
 
-@njit(cache=True, fastmath=_FM, inline="always")
-def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs,
-                pm, ps, pacc):
-    """One work unit of the flash path: (kv head, token block, chunk of cells). Every query head of
-    the kv head's group and every token of the block is computed against each dequantized tile,
-    so a K/V row is decoded once per unit. Writes the chunk's partial online softmax — running max
-    pm, sum ps and unnormalized sum of p*v pacc — for the merge (see _merge_partials)."""
-    n_tokens, n_head, dk = q.shape
-    dv = pacc.shape[3]
+@njit(cache=True, inline="always")
+def _mask_tile(mask, t0, t1, j0, nj, mt):
+    """mt[t - t0, j] <- mask[t, j0 + j] for the tile's cells, -inf past the last cell (j >= nj)."""
+    for t in range(t0, t1):
+        for j in range(KT):
+            mt[t - t0, j] = mask[t, j0 + j] if j < nj else _NINF
+
+
+@njit(cache=True, inline="always")
+def _tile_dots(qb, qi, kt, x, off):
+    """x[off + j] = qb[qi]·kt[j] for the KT cells of a tile (kt [KT, dk] f32): per cell, lane l
+    is an fma chain over components l, l+16, ... in order, then one fixed tree (vhsum)."""
+    dk = qb.shape[1]
+    for j in range(KT):
+        a = vzero()
+        for e in range(0, dk, LANES):
+            a = vfma(vload(qb, qi * dk + e), vload(kt, j * dk + e), a)
+        x[off + j] = vhsum(a)
+
+
+@njit(cache=True, inline="always")
+def _tile_dots2(qb, qi, kt, x, off, x2, off2):
+    """_tile_dots for queries qi and qi + 1 at once (one K load feeds two fma chains); each
+    query's chain is the very sequence _tile_dots computes, so the results are the same bits."""
+    dk = qb.shape[1]
+    for j in range(KT):
+        a = vzero()
+        b = vzero()
+        for e in range(0, dk, LANES):
+            kv = vload(kt, j * dk + e)
+            a = vfma(vload(qb, qi * dk + e), kv, a)
+            b = vfma(vload(qb, (qi + 1) * dk + e), kv, b)
+        x[off + j] = vhsum(a)
+        x2[off2 + j] = vhsum(b)
+
+
+@njit(cache=True, inline="always")
+def _tile_sum(x, off):
+    """Sum of the KT values x[off:off+KT] in one fixed tree."""
+    return vhsum(vadd(vload(x, off), vload(x, off + LANES)))
+
+
+@njit(cache=True, inline="always")
+def _scores(x, off, mt, mr, scale, softcap):
+    """x[off + j] <- scale * dot (or soft-capped) + mask row mt[mr], for the KT cells of a tile;
+    returns the tile's max."""
+    m = _NINF
+    for j in range(KT):
+        d = x[off + j]
+        if softcap != 0.0:
+            d = softcap * np.float32(math.tanh(d * (scale / softcap)))
+        else:
+            d = d * scale
+        s = d + mt[mr, j]
+        x[off + j] = s
+        m = max(m, s)
+    return m
+
+
+@njit(cache=True, inline="always")
+def _online_update(qi, m_tile, sc, vt, mx, sm, acc):
+    """Add a tile to query qi's online softmax (mx, sm, acc [nq, dv]): sc [KT] holds the tile's
+    scores (max m_tile > -inf) and becomes its probabilities; vt [KT, dv] the tile's V rows."""
+    dv = acc.shape[1]
+    if mx[qi] == _NINF:  # first visible tile of the chunk
+        mx[qi] = m_tile
+        sm[qi] = 0.0
+        for e in range(dv):
+            acc[qi, e] = 0.0
+    elif m_tile > mx[qi]:
+        r = _exp_le0(mx[qi] - m_tile)
+        sm[qi] *= r
+        for e in range(dv):
+            acc[qi, e] *= r
+        mx[qi] = m_tile
+    m_new = mx[qi]
+    for j in range(KT):
+        sc[j] = _exp_le0(sc[j] - m_new)
+    sm[qi] += _tile_sum(sc, 0)
+    for e0 in range(0, dv, LANES):  # acc[qi, e] += p_j * v_j[e], cells in order
+        a = vload(acc, qi * dv + e0)
+        for j in range(KT):
+            p = sc[j]
+            if p != 0.0:
+                a = vfma(vbcast(p), vload(vt, j * dv + e0), a)
+        vstore(acc, qi * dv + e0, a)
+
+
+@njit(cache=True, inline="always")
+def _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, kb0, kb, vb0, vb, scale, softcap, j_lo, j_hi,
+           kt, vt, sc, sc2, mt, mx, sm, acc):
+    """Online softmax of the unit's queries (qb [nq, dk]; query qi is token t0 + qi // gq) over
+    the cells [j_lo, j_hi) of one chunk, from a fresh state: mx [nq] max score (-inf: no cell
+    seen), sm [nq] sum of p = e^(s - mx), acc [nq, dv] sum of p * v. kt [KT, dk] / vt [KT, dv]
+    tiles, sc / sc2 [KT] scores, mt [t1 - t0, KT] mask tile: scratch."""
+    nq = qb.shape[0]
     n_kv = mask.shape[1]
+    for qi in range(nq):
+        mx[qi] = _NINF
+    for j0 in range(j_lo, j_hi, KT):
+        nj = min(KT, n_kv - j0)
+        if not _tile_live(mask, t0, t1, j0, j0 + nj):
+            continue
+        _load_tile(type_k, k, st, j0, nj, kb0, kb, kt)
+        _load_tile(type_v, v, st, j0, nj, vb0, vb, vt)
+        _mask_tile(mask, t0, t1, j0, nj, mt)
+        for qi in range(0, nq - 1, 2):
+            _tile_dots2(qb, qi, kt, sc, 0, sc2, 0)
+            m_tile = _scores(sc, 0, mt, qi // gq, scale, softcap)
+            if m_tile != _NINF:
+                _online_update(qi, m_tile, sc, vt, mx, sm, acc)
+            m_tile = _scores(sc2, 0, mt, (qi + 1) // gq, scale, softcap)
+            if m_tile != _NINF:
+                _online_update(qi + 1, m_tile, sc2, vt, mx, sm, acc)
+        if nq % 2:
+            qi = nq - 1
+            _tile_dots(qb, qi, kt, sc, 0)
+            m_tile = _scores(sc, 0, mt, qi // gq, scale, softcap)
+            if m_tile != _NINF:
+                _online_update(qi, m_tile, sc, vt, mx, sm, acc)
+
+
+@njit(cache=True, inline="always")
+def _fold(m, s, a, m_c, s_c, acc_c):
+    """Fold one chunk's partial softmax (m_c, s_c, acc_c [dv]) into a query's running result
+    (m, s, a [dv], a updated in place); returns the new (m, s). Chunks are always folded in
+    chunk order by this one function, so the result does not depend on who computed them."""
+    if m_c == _NINF:
+        return m, s
+    if m == _NINF:
+        for e in range(a.shape[0]):
+            a[e] = acc_c[e]
+        return m_c, s_c
+    if m_c > m:
+        r = _exp_le0(m - m_c)
+        for e in range(a.shape[0]):
+            a[e] = a[e] * r + acc_c[e]
+        return m_c, s * r + s_c
+    w = _exp_le0(m_c - m)
+    for e in range(a.shape[0]):
+        a[e] = a[e] + w * acc_c[e]
+    return m, s + w * s_c
+
+
+@njit(cache=True, inline="always")
+def _finish(m, s, a, o):
+    """o [dv] <- a / s; zeros for a query that saw no cell (as ggml)."""
+    if m == _NINF:
+        for e in range(o.shape[0]):
+            o[e] = 0.0
+        return
+    inv = np.float32(1.0) / s
+    for e in range(o.shape[0]):
+        o[e] = a[e] * inv
+
+
+@njit(cache=True, inline="always")
+def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
+                cpu, pm, ps, pacc, out):
+    """One work unit of the flash path: (kv head, token block), or with split (kv head, token
+    block, group of cpu chunks). Every query head of the kv head's group and every token of the
+    block is computed against each dequantized tile, so a K/V row is decoded once per unit.
+    Without split the unit folds all chunks and writes out; with split it stores each chunk's
+    partial softmax in pm/ps/pacc [n_ch, n_tokens, n_head(, dv)] for _merge_partials."""
+    n_tokens, n_head, dk = q.shape
+    dv = out.shape[2]
+    n_kv = mask.shape[1]
+    n_ch = (n_kv + CHUNK - 1) // CHUNK
     gq = n_head // n_head_kv
     n_tb = (n_tokens + tb - 1) // tb
     kb = k.shape[2] // n_head_kv  # bytes of one kv head in a K row
     vb = v.shape[2] // n_head_kv
-    c = u % n_ch
-    rest = u // n_ch
+    ui = np.int64(u)  # (a prange index may be unsigned; mixed with signed it would turn float)
+    n_grp = (n_ch + cpu - 1) // cpu if split else 1
+    c_lo = (ui % n_grp) * cpu if split else 0
+    c_hi = min(c_lo + cpu, n_ch) if split else n_ch
+    rest = ui // n_grp
     i = rest % n_tb  # token blocks in zig-zag: each thread's range gets light and heavy causal blocks
     tbi = i // 2 if i % 2 == 0 else n_tb - 1 - i // 2
     hk = rest // n_tb
@@ -229,138 +384,152 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, 
             qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
     kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
     vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
-    sc = np.empty(KT, dtype=np.float32)  # scores, then probabilities, of one query against the tile
-    acc = np.zeros((nq, dv), dtype=np.float32)  # running sum of p * v
-    mx = np.full(nq, -np.inf, dtype=np.float32)  # running max score
-    sm = np.zeros(nq, dtype=np.float32)  # running sum of p
-    for j0 in range(c * cs, min((c + 1) * cs, n_kv), KT):
-        nj = min(KT, n_kv - j0)
-        if not _tile_live(mask, t0, t1, j0, j0 + nj):
-            continue
-        _load_tile(type_k, k, st, j0, nj, hk * kb, kb, kt)
-        _load_tile(type_v, v, st, j0, nj, hk * vb, vb, vt)
+    sc = np.empty(KT, dtype=np.float32)  # scores, then probabilities, of one query
+    sc2 = np.empty(KT, dtype=np.float32)  # the same for the second query of a pair
+    mt = np.empty((t1 - t0, KT), dtype=np.float32)  # mask tile of the block's tokens
+    cm = np.empty(nq, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v
+    cs = np.empty(nq, dtype=np.float32)
+    ca = np.empty((nq, dv), dtype=np.float32)
+    rm = np.full(nq, _NINF, dtype=np.float32)  # running result over the chunks folded so far
+    rs = np.zeros(nq, dtype=np.float32)
+    ra = np.zeros((nq, dv), dtype=np.float32)
+    for c in range(c_lo, c_hi):
+        _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, hk * kb, kb, hk * vb, vb, scale, softcap,
+               c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, sc2, mt, cm, cs, ca)
         for qi in range(nq):
-            t = t0 + qi // gq
-            _dots(qb, qi, kt, nj, sc)
-            m_tile = np.float32(-np.inf)
-            for j in range(nj):
-                d = sc[j]
-                if softcap != 0.0:
-                    d = softcap * np.float32(math.tanh(d * (scale / softcap)))
-                else:
-                    d = d * scale
-                s = d + mask[t, j0 + j]
-                sc[j] = s
-                m_tile = max(m_tile, s)
-            if m_tile == -np.inf:
-                continue
-            if m_tile > mx[qi]:
-                r = _exp_le0(mx[qi] - m_tile)  # 0 when the old max is -inf
-                sm[qi] *= r
+            if split:
+                t = t0 + qi // gq
+                h = h0 + qi % gq
+                pm[c, t, h] = cm[qi]
+                ps[c, t, h] = cs[qi]
                 for e in range(dv):
-                    acc[qi, e] *= r
-                mx[qi] = m_tile
-            m_new = mx[qi]
-            for j in range(nj):
-                sc[j] = _exp_le0(sc[j] - m_new)
-            sm[qi] += _sum(sc, nj)
-            for j in range(nj):
-                p = sc[j]
-                if p != 0.0:
-                    for e in range(dv):
-                        acc[qi, e] += p * vt[j, e]
-    for qi in range(nq):
-        t = t0 + qi // gq
-        h = h0 + qi % gq
-        pm[c, t, h] = mx[qi]
-        ps[c, t, h] = sm[qi]
-        for e in range(dv):
-            pacc[c, t, h, e] = acc[qi, e]
+                    pacc[c, t, h, e] = ca[qi, e]
+            else:
+                rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[qi], cs[qi], ca[qi])
+    if not split:
+        for qi in range(nq):
+            _finish(rm[qi], rs[qi], ra[qi], out[t0 + qi // gq, h0 + qi % gq])
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True)
 def _merge_partials(pm, ps, pacc, out):
-    """Combine the chunks' partial softmaxes: out = sum_c e^(m_c-M) acc_c / sum_c e^(m_c-M) s_c with
-    M = max_c m_c. A query that sees no cell at all gets zeros (as ggml)."""
+    """Fold the chunks' partial softmaxes of every query in chunk order (as an unsplit unit does)."""
     n_ch, n_tokens, n_head, dv = pacc.shape
+    a = np.empty(dv, dtype=np.float32)
     for t in range(n_tokens):
         for h in range(n_head):
-            m = np.float32(-np.inf)
-            for c in range(n_ch):
-                m = max(m, pm[c, t, h])
-            for e in range(dv):
-                out[t, h, e] = 0.0
-            if m == -np.inf:
-                continue
+            m = _NINF
             s = np.float32(0.0)
-            for c in range(n_ch):
-                if pm[c, t, h] == -np.inf:
-                    continue
-                w = _exp_le0(pm[c, t, h] - m)
-                s += w * ps[c, t, h]
-                for e in range(dv):
-                    out[t, h, e] += w * pacc[c, t, h, e]
-            inv = np.float32(1.0) / s
             for e in range(dv):
-                out[t, h, e] *= inv
+                a[e] = 0.0
+            for c in range(n_ch):
+                m, s = _fold(m, s, a, pm[c, t, h], ps[c, t, h], pacc[c, t, h])
+            _finish(m, s, a, out[t, h])
 
 
-@njit(cache=True, fastmath=_FM, inline="always")
+def _partials(split, n_kv, n_tokens, n_head, dv):
+    """Partial-softmax buffers of a split launch (empty when not split)."""
+    n_ch = -(-n_kv // CHUNK) if split else 0
+    return (np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # max per chunk
+            np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # sum of p per chunk
+            np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32))  # sum of p * v per chunk
+
+
+@njit(cache=True, parallel=True)
+def _flash_attn_par(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
+                    cpu, n_units, pm, ps, pacc, out):
+    """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
+    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32.
+    One parallel launch over the n_units units, then (split) the serial merge."""
+    for u in prange(n_units):
+        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
+                    cpu, pm, ps, pacc, out)
+    if split:
+        _merge_partials(pm, ps, pacc, out)
+
+
+@njit(cache=True)
+def _flash_attn_ser(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
+                    cpu, n_units, pm, ps, pacc, out):
+    for u in range(n_units):
+        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
+                    cpu, pm, ps, pacc, out)
+    if split:
+        _merge_partials(pm, ps, pacc, out)
+
+
+@njit(cache=True, inline="always")
 def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
-    u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]."""
+    u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
+    each output are 16 lane chains over the visible tiles in cell order, then one fixed tree; tiles
+    the query cannot see are skipped, so cells past the ones it sees never enter a sum."""
     n_tokens, n_head, dk = q.shape
     dv = out.shape[2]
     n_kv = mask.shape[1]
+    n_tiles = (n_kv + KT - 1) // KT
+    n_kvp = n_tiles * KT
     gq = n_head // n_head_kv
     n_sub = gq // hpg
     n_tb = (n_tokens + tb - 1) // tb
     kb = k.shape[2] // n_head_kv
     eb = 4 if type_v == _F32 else 2  # bytes per V element (f32, f16, bf16)
-    tbi, sg, hk = _unit_coords(u, n_tb, n_sub)
+    tbi, sg, hk = _unit_coords(np.int64(u), n_tb, n_sub)
     t0 = tbi * tb
     t1 = min(t0 + tb, n_tokens)
-    nq = (t1 - t0) * hpg
+    nq = (t1 - t0) * hpg  # query qi = token t0 + qi // hpg, head h0 + qi % hpg
     h0 = hk * gq + sg * hpg
     st = tok_stream[t0]
+    qb = np.empty((nq, dk), dtype=np.float32)
+    for qi in range(nq):
+        for e in range(dk):
+            qb[qi, e] = q[t0 + qi // hpg, h0 + qi % hpg, e]
     kt = np.empty((KT, dk), dtype=np.float32)
-    p = np.full((nq, n_kv), -np.inf, dtype=np.float32)  # scores, then probabilities
-    for j0 in range(0, n_kv, KT):
-        j1 = min(j0 + KT, n_kv)
-        if not _tile_live(mask, t0, t1, j0, j1):
+    mt = np.empty((t1 - t0, KT), dtype=np.float32)
+    p = np.empty(nq * n_kvp, dtype=np.float32)  # [nq, n_kvp] scores, then probabilities
+    tmax = np.full((nq, n_tiles), _NINF, dtype=np.float32)  # per tile max score; -inf: not visible
+    for ti in range(n_tiles):
+        j0 = ti * KT
+        nj = min(KT, n_kv - j0)
+        if not _tile_live(mask, t0, t1, j0, j0 + nj):
             continue
-        for j in range(j1 - j0):
-            dequant_cache_row(type_k, k[st, j0 + j, hk * kb:(hk + 1) * kb], kt[j])
-        for t in range(t0, t1):
-            for hi in range(hpg):
-                qi = (t - t0) * hpg + hi
-                for j in range(j1 - j0):
-                    mv = mask[t, j0 + j]
-                    if mv != -np.inf:
-                        p[qi, j0 + j] = _score(q, t, h0 + hi, kt, j, dk, scale, softcap, mv)
-    for qi in range(nq):  # masked softmax per query row
-        m = np.float32(-np.inf)
-        for j in range(n_kv):
-            if p[qi, j] > m:
-                m = p[qi, j]
-        s = np.float32(0.0)
-        for j in range(n_kv):
-            e = np.float32(0.0) if p[qi, j] == -np.inf else np.float32(math.exp(p[qi, j] - m))
-            p[qi, j] = e
-            s += e
-        inv = np.float32(1.0 / s) if s > 0.0 else np.float32(0.0)
-        for j in range(n_kv):
-            p[qi, j] *= inv
-    vrow = np.empty(n_kv, dtype=np.float32)  # one row of V^T: component c of every cell
+        _load_tile(type_k, k, st, j0, nj, hk * kb, kb, kt)
+        _mask_tile(mask, t0, t1, j0, nj, mt)
+        for qi in range(0, nq - 1, 2):
+            _tile_dots2(qb, qi, kt, p, qi * n_kvp + j0, p, (qi + 1) * n_kvp + j0)
+        if nq % 2:
+            _tile_dots(qb, nq - 1, kt, p, (nq - 1) * n_kvp + j0)
+        for qi in range(nq):
+            tmax[qi, ti] = _scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
+    for qi in range(nq):  # masked softmax per query row: lane l sums cells l, l+16, ... in order
+        m = _NINF
+        for ti in range(n_tiles):
+            m = max(m, tmax[qi, ti])
+        sv = vzero()
+        for ti in range(n_tiles):
+            if tmax[qi, ti] != _NINF:
+                o = qi * n_kvp + ti * KT
+                for j in range(KT):
+                    p[o + j] = _exp_le0(p[o + j] - m)
+                sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
+        s = vhsum(sv)
+        inv = np.float32(1.0) / s if s > 0.0 else np.float32(0.0)
+        for ti in range(n_tiles):
+            if tmax[qi, ti] != _NINF:
+                o = qi * n_kvp + ti * KT
+                for j in range(KT):
+                    p[o + j] *= inv
+    vrow = np.zeros(n_kvp, dtype=np.float32)  # one row of V^T: component c of every cell
     for c in range(dv):
-        dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow)
-        for t in range(t0, t1):
-            for hi in range(hpg):
-                qi = (t - t0) * hpg + hi
-                a = np.float32(0.0)
-                for j in range(n_kv):
-                    a += p[qi, j] * vrow[j]
-                out[t, h0 + hi, c] = a
+        dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow[:n_kv])
+        for qi in range(nq):
+            x = vzero()  # lane l: fma chain over cells l, l+16, ... of the visible tiles, in order
+            for ti in range(n_tiles):
+                if tmax[qi, ti] != _NINF:
+                    o = qi * n_kvp + ti * KT
+                    x = vfma(vload(p, o), vload(vrow, ti * KT), x)
+                    x = vfma(vload(p, o + LANES), vload(vrow, ti * KT + LANES), x)
+            out[t0 + qi // hpg, h0 + qi % hpg, c] = vhsum(x)
 
 
 def _n_units(q, n_head_kv, tb, hpg):
@@ -368,44 +537,13 @@ def _n_units(q, n_head_kv, tb, hpg):
     return n_head_kv * ((n_head // n_head_kv) // hpg) * ((n_tokens + tb - 1) // tb)
 
 
-@njit(cache=True, fastmath=_FM, parallel=True)
-def _flash_attn_par(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs, out):
-    """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
-    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32.
-    One parallel launch over (kv head, token block, chunk of cs cells) units, then the serial merge."""
-    n_tokens, n_head, dk = q.shape
-    dv = out.shape[2]
-    pm = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)  # running max per chunk
-    ps = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)  # sum of p per chunk
-    pacc = np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32)  # sum of p * v per chunk
-    n_units = n_head_kv * ((n_tokens + tb - 1) // tb) * n_ch
-    for u in prange(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs,
-                    pm, ps, pacc)
-    _merge_partials(pm, ps, pacc, out)
-
-
-@njit(cache=True, fastmath=_FM)
-def _flash_attn_ser(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs, out):
-    n_tokens, n_head, dk = q.shape
-    dv = out.shape[2]
-    pm = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)
-    ps = np.empty((n_ch, n_tokens, n_head), dtype=np.float32)
-    pacc = np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32)
-    n_units = n_head_kv * ((n_tokens + tb - 1) // tb) * n_ch
-    for u in range(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, n_ch, cs,
-                    pm, ps, pacc)
-    _merge_partials(pm, ps, pacc, out)
-
-
-@njit(cache=True, fastmath=_FM, parallel=True)
+@njit(cache=True, parallel=True)
 def _classic_attn_par(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
     for u in prange(n_units):
         _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True)
 def _classic_attn_ser(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
     for u in range(n_units):
         _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
@@ -441,24 +579,19 @@ def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
     return tb, hpg
 
 
-def flash_split(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2, chunk_min=None):
-    """Flash path work split -> (token block, number of cell chunks, chunk size in cells).
-
-    A unit is (kv head, token block, chunk). Prompts have many token blocks and need no chunks;
-    a generated token has only n_head_kv units, so the cells are cut into chunks (flash-decoding)
-    until every thread has a few units and their count is a multiple of the thread count —
-    each chunk at least chunk_min cells, so the merge stays negligible."""
-    chunk_min = CHUNK_MIN if chunk_min is None else chunk_min
+def flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2):
+    """Flash path work split -> (token block, split, chunks per unit). A unit is (kv head, token
+    block) and walks all chunks; a generated token has only n_head_kv such units, too few for the
+    threads, so then (split) the chunks of CHUNK cells are dealt out in groups — about four units
+    per thread — and their partials folded afterwards. The chunks and their fold are the same
+    either way, so the split changes the work division only, never a result."""
     tb = 1 if n_stream > 1 else min(32, max(1, n_tokens))
     base = n_head_kv * -(-n_tokens // tb)
-    n_ch = 1
-    if n_threads > 1 and base < 4 * n_threads:
-        n_ch = -(-4 * n_threads // base)
-        while (base * n_ch) % n_threads:
-            n_ch += 1
-        n_ch = max(1, min(n_ch, n_kv // chunk_min))
-    cs = -(-(-(-n_kv // n_ch)) // KT) * KT  # cells per chunk, whole tiles
-    return tb, max(1, -(-n_kv // cs)), cs
+    n_ch = -(-n_kv // CHUNK)
+    if n_threads <= 1 or base >= 4 * n_threads or n_ch < 2:
+        return tb, False, n_ch
+    groups = min(n_ch, -(-4 * n_threads // base))
+    return tb, True, -(-n_ch // groups)
 
 
 def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap=0.0,
@@ -469,6 +602,7 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     v: flash -> u8 [n_stream, n_kv, row_v]; classic -> transposed u8 [n_stream, n_embd_v_gqa, kv_size*elem];
     mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32.
     Returns [n_tokens, n_head * dv] f32 (heads concatenated, ready for the output projection).
+    Each row depends only on its own query, mask row and the cells it sees (module docstring).
     """
     n_tokens, n_head, dk = q.shape
     n_kv = mask.shape[1]
@@ -476,6 +610,8 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
         dv = _values_per_bytes(int(type_v), v.shape[2] // n_head_kv)
     else:
         dv = v.shape[1] // n_head_kv
+    if dk % LANES or dv % LANES:
+        raise ValueError(f"attention: head sizes must be multiples of {LANES} (got K {dk}, V {dv})")
     qr = round_q_like_ggml(q, int(type_k)) if round_q else q
     qr = np.ascontiguousarray(qr, dtype=np.float32)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
@@ -484,9 +620,11 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
     args = (qr, k, int(type_k), v, int(type_v), mask, ts, int(n_head_kv), np.float32(scale), np.float32(softcap))
     if flash:
-        tb, n_ch, cs = flash_split(n_tokens, n_head_kv, n_kv, k.shape[0], n_threads if par else 1)
+        tb, split, cpu = flash_plan(n_tokens, n_head_kv, n_kv, k.shape[0], n_threads if par else 1)
         fn = _flash_attn_par if par else _flash_attn_ser
-        fn(*args, int(tb), int(n_ch), int(cs), out)
+        pm, ps, pacc = _partials(split, n_kv, n_tokens, n_head, dv)
+        n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
+        fn(*args, int(tb), bool(split), int(cpu), int(n_units), pm, ps, pacc, out)
     else:
         tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
         fn = _classic_attn_par if par else _classic_attn_ser

@@ -152,45 +152,49 @@ def test_fast_f16_row_is_exact_for_every_half():
     assert same.all()
 
 
-# --- flash-decoding: the cells split into chunks across threads, partial softmaxes merged ---
+# --- flash-decoding: chunks of cells spread over threads, partial softmaxes folded in order ---
 
-def _flash_chunked(q, k, tk, v, tv, mask, ts, n_head_kv, scale, n_ch, cs, parallel=True, softcap=0.0):
-    """Run the flash kernel with an explicit chunking: n_ch chunks of cs cells (n_ch * cs >= n_kv)."""
-    from kernels.attention import _flash_attn_par, _flash_attn_ser, _values_per_bytes
+def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1):
+    """Run the flash kernel with groups of cpu chunks as units (split) or each unit walking all chunks."""
+    from kernels.attention import _flash_attn_par, _flash_attn_ser, _partials, _values_per_bytes
+    n_tokens, n_head = q.shape[:2]
     dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
-    out = np.empty((q.shape[0], q.shape[1], dv), dtype=np.float32)
+    out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
+    tb = 1 if k.shape[0] > 1 else min(32, n_tokens)
+    pm, ps, pacc = _partials(split, mask.shape[1], n_tokens, n_head, dv)
+    n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
     fn = _flash_attn_par if parallel else _flash_attn_ser
     fn(np.ascontiguousarray(q), k, int(tk), v, int(tv), np.ascontiguousarray(mask), ts.astype(np.int32),
-       int(n_head_kv), np.float32(scale), np.float32(softcap), 1 if k.shape[0] > 1 else min(32, q.shape[0]),
-       int(n_ch), int(cs), out)
-    return out.reshape(q.shape[0], -1)
+       int(n_head_kv), np.float32(scale), np.float32(softcap), tb, split, cpu, n_units, pm, ps, pacc, out)
+    return out.reshape(n_tokens, -1)
 
 
 @pytest.mark.parametrize("type_k", CACHE_TYPES)
-@pytest.mark.parametrize("n_ch,cs", [(4, 64), (2, 128), (7, 32), (8, 32)])
-def test_split_cells_match_reference_for_every_type(type_k, n_ch, cs):
-    """n_kv = 199 is not a multiple of any chunk size; the last chunk holds the masked padding
-    cells only (7 x 32) or nothing at all (8 x 32)."""
-    n_kv = 199
-    q, kraw, kval, vraw, vval, mask, ts = _setup(type_k, type_k, 2, 9, 3, 64, n_kv, 256, 1, seed=11)
+def test_split_matches_reference_and_the_unsplit_walk_bit_for_bit(type_k):
+    """n_kv = 699: three chunks of 256, the last one partial and ending inside a tile; one chunk
+    per unit, two per unit, or all of them in one serial walk give the same bits."""
+    n_kv = 699
+    q, kraw, kval, vraw, vval, mask, ts = _setup(type_k, type_k, 2, 9, 3, 64, n_kv, 768, 1, seed=11)
     tk = GGMLType[type_k.upper()]
-    got = _flash_chunked(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, n_ch, cs)
+    got = _flash_run(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, split=True)
     ref = _reference(q, kval, vval, mask, ts, 3, 0.125, 0.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    one = _flash_chunked(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, 1, 224, parallel=False)
-    np.testing.assert_allclose(got, one, rtol=2e-6, atol=2e-6)  # same sums, only merged differently
+    one = _flash_run(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, split=False, parallel=False)
+    np.testing.assert_array_equal(got, one)
+    two = _flash_run(q, kraw[:, :n_kv], tk, vraw[:, :n_kv], tk, mask, ts, 3, 0.125, split=True, cpu=2)
+    np.testing.assert_array_equal(two, one)  # groups of two chunks (the last one alone)
 
 
 def test_split_with_fully_masked_chunks_and_a_single_visible_cell():
     """Chunks that the mask hides entirely contribute nothing; a query that sees one cell returns
     exactly that cell's V row (per head), wherever the cell lies among the chunks."""
-    n_kv = 300
-    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", 3, 4, 2, 64, n_kv, 320, 1, seed=13)
+    n_kv = 1000
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", 3, 4, 2, 64, n_kv, 1024, 1, seed=13)
     mask[:] = -np.inf
-    mask[0, 250:290] = 0.0  # a sliding window: chunks 0..6 (of 32 cells) fully masked for token 0
-    mask[1, 77] = 0.0  # token 1 sees a single cell in the middle of a chunk
+    mask[0, 650:790] = 0.0  # a sliding window: chunks 0 and 1 fully masked for token 0
+    mask[1, 77] = 0.0  # token 1 sees a single cell in the middle of a tile of chunk 0
     mask[2, :] = -np.inf  # token 2 sees nothing -> zeros
-    got = _flash_chunked(q, kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16, mask, ts, 2, 0.125, 10, 32)
+    got = _flash_run(q, kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16, mask, ts, 2, 0.125, True)
     ref = _reference(q, kval, vval, mask, ts, 2, 0.125, 0.0)
     np.testing.assert_allclose(got[:2], ref[:2], rtol=1e-5, atol=1e-5)
     one_cell = vval[0, 77].reshape(-1).astype(np.float32)  # [n_head_kv * dv]: heads 0,1 -> kv 0; 2,3 -> kv 1
@@ -199,31 +203,36 @@ def test_split_with_fully_masked_chunks_and_a_single_visible_cell():
 
 
 def test_split_two_streams_and_softcap():
-    q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q4_1", 4, 4, 2, 64, 160, 160, n_stream=2, seed=17)
-    got = _flash_chunked(q * 4, kraw, GGMLType.Q8_0, vraw, GGMLType.Q4_1, mask, ts, 2, 0.125, 5, 32, softcap=2.0)
+    q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q4_1", 4, 4, 2, 64, 600, 600, n_stream=2, seed=17)
+    got = _flash_run(q * 4, kraw, GGMLType.Q8_0, vraw, GGMLType.Q4_1, mask, ts, 2, 0.125, True, softcap=2.0)
     ref = _reference(q * 4, kval, vval, mask, ts, 2, 0.125, 2.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    one = _flash_run(q * 4, kraw, GGMLType.Q8_0, vraw, GGMLType.Q4_1, mask, ts, 2, 0.125, False, softcap=2.0)
+    np.testing.assert_array_equal(got, one)
 
 
-@pytest.mark.parametrize("n_tokens,n_kv,n_threads", [(1, 4352, 2), (1, 4352, 4), (2, 1000, 2), (1, 300, 2),
-                                                     (512, 4608, 2), (3, 4100, 1)])
-def test_flash_split_covers_the_cells_in_whole_tiles(n_tokens, n_kv, n_threads):
-    from kernels.attention import CHUNK_MIN, KT, flash_split
-    tb, n_ch, cs = flash_split(n_tokens, 3, n_kv, 1, n_threads)
-    assert cs % KT == 0 and n_ch * cs >= n_kv > (n_ch - 1) * cs  # every cell in exactly one chunk
-    units = 3 * -(-n_tokens // tb) * n_ch
-    if n_threads == 1 or n_kv < 2 * CHUNK_MIN:
-        assert n_ch == 1
-    elif n_tokens == 1 and n_kv >= 4 * n_threads * CHUNK_MIN:
-        assert units >= 4 * n_threads and units % n_threads == 0  # a few equal units per thread
-    if n_tokens == 512:
-        assert n_ch == 1  # prompts are split by token blocks, not cells
+@pytest.mark.parametrize("n_tokens,n_kv,n_threads,split", [
+    (1, 4352, 2, True), (1, 4352, 4, True), (7, 1000, 2, True), (1, 256, 2, False), (512, 4608, 2, False),
+    (3, 4100, 1, False), (300, 700, 2, False)])
+def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, split):
+    """Few queries and several chunks: groups of chunks become the units, about four per thread,
+    every chunk in exactly one group; otherwise (prompts, one thread, a single chunk) every unit
+    walks all chunks."""
+    from kernels.attention import CHUNK, flash_plan
+    tb, got_split, cpu = flash_plan(n_tokens, 3, n_kv, 1, n_threads)
+    n_ch = -(-n_kv // CHUNK)
+    assert (tb, got_split) == (min(32, n_tokens), split)
+    if split:
+        n_units = 3 * -(-n_tokens // tb) * -(-n_ch // cpu)
+        assert cpu == 1 or n_units >= 2 * n_threads
+    else:
+        assert cpu == n_ch
 
 
 def test_attention_splits_long_decode_and_matches_reference():
-    """Through the public entry: one token over 1200 cells with 2 threads takes the chunked path."""
-    from kernels.attention import flash_split
-    assert flash_split(1, 3, 1200, 1, 2)[1] > 1
+    """Through the public entry: one token over 1200 cells with 2 threads takes the split path."""
+    from kernels.attention import flash_plan
+    assert flash_plan(1, 3, 1200, 1, 2)[1]
     q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q8_0", 1, 9, 3, 64, 1200, 1280, 1, seed=19)
     got = attention(q, kraw[:, :1200], GGMLType.Q8_0, vraw[:, :1200], GGMLType.Q8_0, mask, ts, 3, 0.125,
                     n_threads=2)
@@ -249,3 +258,118 @@ def test_fast_exp_matches_numpy_and_maps_minus_inf_to_zero():
     z = np.array([-np.inf, -87.0, -88.0, -1e30], dtype=np.float32)  # below e^-87 (~1.6e-38): flushed
     run(z, y[:4])
     assert np.all(y[:4] == 0.0)
+
+
+# --- batch invariance: a query's row is the same bits whatever else the call holds ---
+
+BATCH_SIZES = (1, 2, 7, 8, 16, 64, 300)
+N_KV = 700  # neither a multiple of the chunk (256) nor of the tile (32)
+
+
+def _swa_mask(n_tokens, n_kv, past, n_swa):
+    """Token t at cell past + t sees the n_swa cells up to and including its own."""
+    mask = np.full((n_tokens, n_kv), -np.inf, dtype=np.float32)
+    for t in range(n_tokens):
+        mask[t, max(0, past + t + 1 - n_swa): past + t + 1] = 0.0
+    return mask
+
+
+def _transposed_v(type_v, n_kv, n_cols, kv_size, rng):
+    """A transposed V cache u8 [1, n_cols, kv_size * elem] of random values (classic path)."""
+    x = rng.standard_normal((n_cols, kv_size)).astype(np.float32)
+    raw, _ = _make_rows(x, type_v, rng)
+    return raw.reshape(1, n_cols, -1)
+
+
+def _alone(q, k, tk, v, tv, mask, ts, n_head_kv, flash, i):
+    """Row i computed by itself, over only the cells up to its last visible one (a smaller n_kv,
+    as a one-token decode at that point would see), one thread."""
+    n = int(np.flatnonzero(mask[i] == 0.0).max()) + 1
+    vv = v[:, :n] if flash else v
+    return attention(q[i:i + 1], k[:, :n], tk, vv, tv, mask[i:i + 1, :n], ts[i:i + 1], n_head_kv, 0.125,
+                     flash=flash, n_threads=1)[0]
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "classic"])
+@pytest.mark.parametrize("type_k", CACHE_TYPES)
+def test_each_row_is_bit_identical_to_the_row_computed_alone(type_k, flash, monkeypatch):
+    """For n in BATCH_SIZES (the last n tokens, which see the most cells), 1 and 2 threads, and the
+    parallel launch both at its real threshold and forced (which also forces the split of the
+    cells for few queries): every output row equals, bit for bit, the row computed alone.
+    GQA (9 heads over 3), causal mask with holes, n_kv not a multiple of chunks or tiles."""
+    import numba
+
+    import kernels.attention as ka
+    type_v = type_k if flash else {"f32": "f32", "bf16": "bf16"}.get(type_k, "f16")
+    n_max = max(BATCH_SIZES)
+    q, k, _, v, _, mask, ts = _setup(type_k, type_v, n_max, 9, 3, 64, N_KV, 768, 1, seed=23)
+    if not flash:
+        v = _transposed_v(type_v, N_KV, 3 * 64, 768, np.random.default_rng(5))
+    tk, tv = GGMLType[type_k.upper()], GGMLType[type_v.upper()]
+    alone = np.stack([_alone(q, k, tk, v, tv, mask, ts, 3, flash, i) for i in range(n_max)])
+    n_threads0 = numba.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            numba.set_num_threads(n_threads)
+            for min_work in (ka.PARALLEL_MIN_WORK, 0):
+                monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", min_work)
+                for n in BATCH_SIZES:
+                    got = attention(q[-n:], k, tk, v, tv, mask[-n:], ts[-n:], 3, 0.125, flash=flash,
+                                    n_threads=n_threads)
+                    np.testing.assert_array_equal(got, alone[-n:], err_msg=f"n={n} threads={n_threads}")
+                monkeypatch.undo()
+    finally:
+        numba.set_num_threads(n_threads0)
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "classic"])
+def test_sliding_window_rows_and_other_companions_are_invariant(flash, monkeypatch):
+    """SWA mask (window 100): a token's row does not depend on which tokens share the call (here
+    every other token, in reverse order) nor on the split; and a decode with a single cell
+    visible in the last, partial tile matches as well. GQA 8 heads over 2."""
+    import numba
+
+    import kernels.attention as ka
+    n_max, n_kv = 64, 433
+    q, k, _, v, _, _, ts = _setup("f16", "f16", n_max, 8, 2, 64, n_kv, 512, 1, seed=29)
+    if not flash:
+        v = _transposed_v("f16", n_kv, 2 * 64, 512, np.random.default_rng(6))
+    mask = _swa_mask(n_max, n_kv, n_kv - n_max, 100)
+    alone = np.stack([_alone(q, k, GGMLType.F16, v, GGMLType.F16, mask, ts, 2, flash, i) for i in range(n_max)])
+    pick = np.arange(n_max)[::-2]
+    n_threads0 = numba.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            numba.set_num_threads(n_threads)
+            monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", 0)
+            got = attention(q[pick], k, GGMLType.F16, v, GGMLType.F16, mask[pick], ts[pick], 2, 0.125,
+                            flash=flash, n_threads=n_threads)
+            np.testing.assert_array_equal(got, alone[pick])
+            one = mask[-1:].copy()
+            one[0, :] = -np.inf
+            one[0, n_kv - 1] = 0.0  # only the last cell: a partial tile of a partial chunk
+            got = attention(q[-1:], k, GGMLType.F16, v, GGMLType.F16, one, ts[-1:], 2, 0.125, flash=flash,
+                            n_threads=n_threads)
+            np.testing.assert_array_equal(got[0], _alone(q[-1:], k, GGMLType.F16, v, GGMLType.F16, one,
+                                                         ts[-1:], 2, flash, 0))
+            monkeypatch.undo()
+    finally:
+        numba.set_num_threads(n_threads0)
+
+
+def test_two_streams_rows_are_invariant(monkeypatch):
+    """Two streams (token blocks of one token): rows match the rows computed alone."""
+    import numba
+
+    import kernels.attention as ka
+    q, k, _, v, _, mask, ts = _setup("q8_0", "q8_0", 16, 9, 3, 64, 600, 600, n_stream=2, seed=31)
+    alone = np.stack([_alone(q, k, GGMLType.Q8_0, v, GGMLType.Q8_0, mask, ts, 3, True, i) for i in range(16)])
+    n_threads0 = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", 0)
+        for n in (1, 2, 7, 16):
+            got = attention(q[-n:], k, GGMLType.Q8_0, v, GGMLType.Q8_0, mask[-n:], ts[-n:], 3, 0.125, n_threads=2)
+            np.testing.assert_array_equal(got, alone[-n:])
+    finally:
+        numba.set_num_threads(n_threads0)
