@@ -6,6 +6,12 @@
   |x| >= 10 and we do the same. (ggml's CPU build reads gelu from an f16 table; the difference
   is below f16 resolution and far inside the reference tolerance.)
 - softmax over rows with -inf masking (classic attention path, tests).
+
+Everything here is element-wise, so it is compiled without fast-math: with reassoc/arcp/contract
+LLVM rewrote x / (1 + e^-x) * u differently in the serial and the parallel twin (a third of the
+values differed in the last bit), and a row's result must not depend on how many rows there are
+(batch invariance, see kernels/attention.py). Without vectorizable math functions (no SVML) the
+flags bought no speed.
 """
 import math
 
@@ -17,7 +23,7 @@ _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_COEF_A = np.float32(0.044715)
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, inline="always")
 def gelu_f32(x):
     """ggml_gelu (tanh form) of one f32 value."""
     if x <= -10.0:
@@ -28,13 +34,13 @@ def gelu_f32(x):
         math.tanh(_SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x))))
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, inline="always")
 def silu_f32(x):
     """x * sigmoid(x) of one f32 value."""
     return x / (np.float32(1.0) + np.float32(math.exp(-x)))
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, inline="always")
 def _glu_row(gu, n_ff, use_gelu, out):
     for i in range(n_ff):
         g = gu[i]
@@ -42,20 +48,20 @@ def _glu_row(gu, n_ff, use_gelu, out):
         out[i] = a * gu[n_ff + i]
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, parallel=True)
 def _glu_rows_par(gu, n_ff, use_gelu, out):
     """gu: [n, 2*n_ff] f32 = [gate | up] per row; out: [n, n_ff] f32."""
     for r in prange(gu.shape[0]):
         _glu_row(gu[r], n_ff, use_gelu, out[r])
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True)
 def _glu_rows_ser(gu, n_ff, use_gelu, out):
     for r in range(gu.shape[0]):
         _glu_row(gu[r], n_ff, use_gelu, out[r])
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, parallel=True)
 def _glu_split(gate, up, use_gelu, out):
     """gate, up, out: [n, n_ff] f32."""
     n, n_ff = gate.shape

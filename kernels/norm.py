@@ -7,6 +7,11 @@ QK-norm (qwen3, gemma3) is the same kernel applied to [n_tokens * n_head, head_d
 
 A parallel launch costs far more than normalizing a few rows (tens to hundreds of µs on a busy
 machine), so small inputs — every generated token — run the serial twin of the kernel.
+Batch invariance (kernels/attention.py): a row's result must not depend on which twin runs, on
+the other rows, or on how numba happened to compile or cache a helper. So there is no fast-math:
+the sum of squares runs in eight explicit lanes in a written order (a fast-math reduction lets
+LLVM choose the order per loop nest), the scaling is plain IEEE arithmetic. It costs about
+1 µs per 576-value row, next to milliseconds of matmul per token.
 """
 import numpy as np
 from numba import njit, prange
@@ -14,15 +19,42 @@ from numba import njit, prange
 PARALLEL_MIN_ROWS = 16  # fewer rows than this: serial
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True)
+def sum_sq_f64(x):
+    """Sum of x[i]^2 over a row x [d] f32, in float64: eight running sums (element i goes to sum
+    i % 8, in order), then (s0+s1)+(s2+s3) + ((s4+s5)+(s6+s7)). The order is spelled out, not left
+    to a fast-math vectorizer, so every caller gets the same bits."""
+    d = x.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    n8 = d - d % 8
+    for i in range(0, n8, 8):
+        v0 = np.float64(x[i])
+        v1 = np.float64(x[i + 1])
+        v2 = np.float64(x[i + 2])
+        v3 = np.float64(x[i + 3])
+        v4 = np.float64(x[i + 4])
+        v5 = np.float64(x[i + 5])
+        v6 = np.float64(x[i + 6])
+        v7 = np.float64(x[i + 7])
+        s0 += v0 * v0
+        s1 += v1 * v1
+        s2 += v2 * v2
+        s3 += v3 * v3
+        s4 += v4 * v4
+        s5 += v5 * v5
+        s6 += v6 * v6
+        s7 += v7 * v7
+    for i in range(n8, d):
+        v = np.float64(x[i])
+        s0 += v * v
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+@njit(cache=True, inline="always")
 def rms_norm_row(x, w, has_w, eps, out):
     """One row: x, out [d] f32 (out may alias x); w [d] f32 (ignored unless has_w)."""
     d = x.shape[0]
-    acc = 0.0  # float64 accumulator, like ggml_float
-    for i in range(d):
-        v = np.float64(x[i])
-        acc += v * v
-    scale = np.float32(1.0 / np.sqrt(acc / d + eps))
+    scale = np.float32(1.0 / np.sqrt(sum_sq_f64(x) / d + eps))
     if has_w:
         for i in range(d):
             out[i] = x[i] * scale * w[i]
@@ -31,14 +63,14 @@ def rms_norm_row(x, w, has_w, eps, out):
             out[i] = x[i] * scale
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, parallel=True)
 def _rms_norm_par(x, w, has_w, eps, out):
     """x, out: [n_rows, d] f32."""
     for r in prange(x.shape[0]):
         rms_norm_row(x[r], w, has_w, eps, out[r])
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True)
 def _rms_norm_ser(x, w, has_w, eps, out):
     for r in range(x.shape[0]):
         rms_norm_row(x[r], w, has_w, eps, out[r])

@@ -3,49 +3,25 @@
 "norm" (LLAMA_ROPE_TYPE_NORM) rotates adjacent pairs (x[2i], x[2i+1]); "neox" rotates
 (x[i], x[i + n_rot/2]). Used by the forward pass on fresh Q/K and by the KV cache's K-shift,
 which re-rotates cached keys by a position delta (rotation by a then by b == rotation by a+b).
+
+Compiled without fast-math: the rotation a*c - b*s could be fused into an FMA one way in one loop
+nest and another way in the other, and a token's result must be the same whether prepare_qkv runs
+its serial or its parallel twin (batch invariance, kernels/attention.py). The cost is nil: the
+work is a few hundred values per token next to cos/sin calls.
 """
 import numpy as np
 from numba import njit, prange
 
 from kernels.norm import rms_norm_row
 
-
-@njit(cache=True, fastmath=True, parallel=True)
-def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox):
-    """Rotate x in place. x: [n_tokens, n_head, head_dim] f32; pos: [n_tokens] i32 (or a delta)."""
-    n_tokens, n_head, head_dim = x.shape
-    half = n_rot // 2
-    # ggml's rope cache: theta_0 = p, theta_{i+1} = theta_i * base^(-2/n_rot), all in float32,
-    # then theta * freq_scale per pair (no YaRN ramp: ext_factor 0, attn_factor 1).
-    theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
-    fs = np.float32(freq_scale)
-    for t in prange(n_tokens):
-        cs = np.empty((half, 2), dtype=np.float32)  # [half, (cos, sin)] f32
-        theta = np.float32(pos[t])
-        for i in range(half):
-            th = fs * theta
-            cs[i, 0] = np.float32(np.cos(th))
-            cs[i, 1] = np.float32(np.sin(th))
-            theta = np.float32(theta * theta_scale)
-        for h in range(n_head):
-            for i in range(half):
-                c = cs[i, 0]
-                s = cs[i, 1]
-                if neox:
-                    a = x[t, h, i]
-                    b = x[t, h, i + half]
-                    x[t, h, i] = a * c - b * s
-                    x[t, h, i + half] = a * s + b * c
-                else:
-                    a = x[t, h, 2 * i]
-                    b = x[t, h, 2 * i + 1]
-                    x[t, h, 2 * i] = a * c - b * s
-                    x[t, h, 2 * i + 1] = a * s + b * c
+PARALLEL_MIN_TOKENS = 16  # fewer tokens: prepare_qkv runs its serial twin
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, inline="always")
 def _rope_cache(p, half, theta_scale, fs, cs):
-    """cs [half, 2] f32 <- (cos, sin) of position p, theta recurrence as ggml's rope cache."""
+    """cs [half, 2] f32 <- (cos, sin) of position p. ggml's rope cache: theta_0 = p,
+    theta_{i+1} = theta_i * base^(-2/n_rot), all in float32, then theta * freq_scale per pair
+    (no YaRN ramp: ext_factor 0, attn_factor 1)."""
     theta = np.float32(p)
     for i in range(half):
         th = fs * theta
@@ -54,7 +30,7 @@ def _rope_cache(p, half, theta_scale, fs, cs):
         theta = np.float32(theta * theta_scale)
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, inline="always")
 def _rotate(xh, cs, half, neox):
     """Rotate one head xh [head_dim] f32 in place by the cached angles."""
     for i in range(half):
@@ -72,7 +48,21 @@ def _rotate(xh, cs, half, neox):
             xh[2 * i + 1] = a * s + b * c
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, parallel=True)
+def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox):
+    """Rotate x in place. x: [n_tokens, n_head, head_dim] f32; pos: [n_tokens] i32 (or a delta)."""
+    n_tokens, n_head, head_dim = x.shape
+    half = n_rot // 2
+    theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
+    fs = np.float32(freq_scale)
+    for t in prange(n_tokens):
+        cs = np.empty((half, 2), dtype=np.float32)  # [half, (cos, sin)] f32
+        _rope_cache(pos[t], half, theta_scale, fs, cs)
+        for h in range(n_head):
+            _rotate(x[t, h], cs, half, neox)
+
+
+@njit(cache=True, inline="always")
 def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
                 neox, q_out, k_out, v_out, cs):
     n_head, dk = q_out.shape[1], q_out.shape[2]
@@ -95,7 +85,7 @@ def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, 
         v_out[t, c] = v_in[t, c]
 
 
-@njit(cache=True, fastmath=True, parallel=True)
+@njit(cache=True, parallel=True)
 def _prep_qkv_par(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
                   neox, q_out, k_out, v_out):
     for t in prange(q_out.shape[0]):
@@ -104,7 +94,7 @@ def _prep_qkv_par(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, t
                     fs, neox, q_out, k_out, v_out, cs)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True)
 def _prep_qkv_ser(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
                   neox, q_out, k_out, v_out):
     cs = np.empty((n_rot // 2, 2), dtype=np.float32)
@@ -129,7 +119,7 @@ def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_
     v = np.empty((n, v_in.shape[1]), dtype=np.float32)
     has_norm = q_norm is not None
     theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
-    fn = _prep_qkv_par if n >= 16 else _prep_qkv_ser
+    fn = _prep_qkv_par if n >= PARALLEL_MIN_TOKENS else _prep_qkv_ser
     fn(q_in, k_in, v_in, q_norm if has_norm else _ONE, k_norm if has_norm else _ONE, has_norm,
        np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), int(n_rot), theta_scale,
        np.float32(freq_scale), bool(neox), q, k, v)

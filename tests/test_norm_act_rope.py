@@ -1,10 +1,11 @@
-"""RMSNorm, SwiGLU/GeGLU, softmax and RoPE against plain numpy (float64) references."""
+"""RMSNorm, SwiGLU/GeGLU, softmax and RoPE against plain numpy (float64) references, and their
+batch invariance: a row computed in a batch is bit-identical to the row computed alone."""
 import numpy as np
 import pytest
 
 from kernels.act import geglu, glu_fused, softmax, swiglu
 from kernels.norm import rms_norm
-from kernels.rope import rope_inplace
+from kernels.rope import prepare_qkv, rope_inplace
 
 
 def _rng(seed=0):
@@ -105,3 +106,90 @@ def test_rope_composes_and_scales():
     rope_inplace(half, np.full(4, 24, np.int32), 64, 10000.0, 0.5, False)
     ref = _rope_ref(x, np.full(4, 12, np.int32), 64, 10000.0, 1.0, False)
     np.testing.assert_allclose(half, ref, atol=1e-5)
+
+
+# --- batch invariance: a row's result is the same bits whatever else the call holds ---
+
+BATCH_SIZES = (1, 2, 7, 8, 16, 64, 300)
+
+
+def _rows_invariant(fn, x, **kw):
+    """fn(x[:n]) row by row equals fn(x[i:i+1]) for every n in BATCH_SIZES and 1 / 2 threads (the
+    serial and the parallel twins of the kernels both run: their thresholds lie between)."""
+    import numba
+    n0 = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        alone = np.concatenate([fn(x[i:i + 1], **kw) for i in range(max(BATCH_SIZES))])
+        for n_threads in (1, 2):
+            numba.set_num_threads(n_threads)
+            for n in BATCH_SIZES:
+                np.testing.assert_array_equal(fn(x[:n], **kw), alone[:n], err_msg=f"n={n} threads={n_threads}")
+    finally:
+        numba.set_num_threads(n0)
+
+
+@pytest.mark.parametrize("width", [576, 64, 13])
+def test_rms_norm_rows_are_batch_invariant(width):
+    """Model rows (576), QK-norm head rows (64), and a width that is no multiple of the 8 lanes."""
+    x = (_rng(3).standard_normal((300, width)) * 5).astype(np.float32)
+    w = _rng(4).standard_normal(width).astype(np.float32)
+    _rows_invariant(lambda a: rms_norm(a, w, 1e-5), x)
+    _rows_invariant(lambda a: rms_norm(a, None, 1e-6), x)
+
+
+def test_activations_and_softmax_rows_are_batch_invariant():
+    g = (_rng(5).standard_normal((300, 2 * 1536)) * 4).astype(np.float32)
+    for use_gelu in (False, True):
+        _rows_invariant(lambda a: glu_fused(a, 1536, use_gelu), g)
+    _rows_invariant(lambda a: swiglu(a[:, :1536], a[:, 1536:]), g)
+    _rows_invariant(lambda a: geglu(a[:, :1536], a[:, 1536:]), g)
+    s = g[:, :40].copy()
+    s[:, 30:] = -np.inf
+    _rows_invariant(lambda a: softmax(a.copy()), s)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_and_prepare_qkv_rows_are_batch_invariant(neox):
+    """prepare_qkv (split + QK-norm + RoPE) runs serially below 16 tokens and in parallel above;
+    rope_inplace (the K-shift) is one parallel kernel. Positions up to 4095."""
+    n, n_head, n_head_kv, hd = 300, 9, 3, 64
+    pos = _rng(6).integers(0, 4096, n).astype(np.int32)
+    fused = (_rng(7).standard_normal((n, (n_head + 2 * n_head_kv) * hd)) * 3).astype(np.float32)
+    qn = _rng(8).standard_normal(hd).astype(np.float32)
+    kn = _rng(9).standard_normal(hd).astype(np.float32)
+
+    def prep(a, p, qk_norm):
+        q, k, v = prepare_qkv(a[:, :n_head * hd], a[:, n_head * hd:(n_head + n_head_kv) * hd],
+                              a[:, (n_head + n_head_kv) * hd:], n_head, n_head_kv, hd, p, hd, 10000.0, 1.0,
+                              neox, q_norm=qn if qk_norm else None, k_norm=kn if qk_norm else None, eps=1e-6)
+        return np.concatenate([q.reshape(len(a), -1), k.reshape(len(a), -1), v], axis=1)
+
+    both = np.concatenate([fused, pos[:, None].view(np.float32)], axis=1)  # carry each row's position
+    for qk_norm in (False, True):
+        _rows_invariant(lambda a: prep(a[:, :-1], np.ascontiguousarray(a[:, -1]).view(np.int32), qk_norm), both)
+
+    def rope(a):
+        x = a[:, :-1].copy().reshape(len(a), n_head, hd)  # rope works in place: never on the input
+        rope_inplace(x, np.ascontiguousarray(a[:, -1]).view(np.int32), hd, 10000.0, 1.0, neox)
+        return x.reshape(len(a), -1)
+    _rows_invariant(rope, np.concatenate([fused[:, :n_head * hd], pos[:, None].view(np.float32)], axis=1))
+
+
+def test_row_kernels_are_compiled_without_fast_math():
+    """The numerics of these kernels are spelled out operation by operation: with fast-math LLVM
+    may pick a summation order or an FMA per loop nest — and per compile (a helper inlined fresh
+    or linked from numba's cache) — so identical source rounded differently in the serial and
+    the parallel twin. Keep every kernel of these modules free of it."""
+    import kernels.act
+    import kernels.attention
+    import kernels.norm
+    import kernels.rope
+    from numba.core.registry import CPUDispatcher
+    found = 0
+    for mod in (kernels.act, kernels.attention, kernels.norm, kernels.rope):
+        for name, f in vars(mod).items():
+            if isinstance(f, CPUDispatcher) and f.py_func.__module__ == mod.__name__:
+                found += 1
+                assert not f.targetoptions.get("fastmath"), f"{mod.__name__}.{name} uses fastmath"
+    assert found > 30
