@@ -20,7 +20,7 @@ kernels run on the same packed arrays in the same session for the comparisons):
 - explicit <16 x float> vectors (kernels/simd.py) instead of loops left to LLVM's vectorizer:
   the vectorizer only handles innermost loops, so a register-blocked multi-token loop came out
   scalar (2 GMAC/s), and with fastmath it may reassociate sums differently per loop nest.
-- prefill: a block is decoded once per 64-token chunk into a 4 KB scratch and four tokens at a
+- prefill: a block is decoded once per 32-token chunk into a 4 KB scratch and four tokens at a
   time go through it with 16 accumulators in zmm registers (16 FMAs per 4 vector loads; six
   tokens measured the same). SmolLM2 q4_1 40 GMAC/s (decode + sgemm before: 43), q8_0 46 (28);
   Gemma-3 q4_K 39 (33), q5_0 42 (31), q8_0 41 (32), q6_K 32 (40: its 16-value blocks double
@@ -32,13 +32,17 @@ kernels run on the same packed arrays in the same session for the comparisons):
   cache for q4_1 / q8_0 / q4_K / q6_K (old gemv in the same session: 10.4-14.7). It is bound by
   the decode uops (widen + convert per 16 values); widening the nibble bytes to i32 before
   masking measured the same.
-- work split: (32-row group, 64-token chunk) items, cut into RUNS_PER_THREAD runs of consecutive
+- work split: (32-row group, 32-token chunk) items, cut into RUNS_PER_THREAD runs of consecutive
   items per possible thread; each run allocates its scratch once (per-item allocation and
   call overhead cost ~40 % on the small generation matrices) and keeps a row group's weights
   in cache across its token chunks (interleaved items re-streamed Gemma's 167 MB output matrix
   once per chunk). The parallel kernel only splits items and calls a serial function: numba's
   parfor passes over the whole body took 7 of 9.5 s of compiling one specialization (now
-  4-6 s per layout and scale dtype on a cold cache, about what the old gemv kernels cost).
+  4-6 s per layout and scale dtype on a cold cache; SmolLM2's cold first token 35.7 s against
+  39.3 s with the old gemv + decode kernels, same session).
+- token chunk 32 vs 64 / 128 / 256 (one thread, min of 12 alternating runs, three sessions):
+  32 is the fastest or within noise everywhere, clearly for k = 1536 / 2048 (q4_1 576x1536
+  31-34 vs 28-32 GMAC/s at 64, q6_K 640x2048 30-47 vs 29-43, 22-31 at 256).
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from kernels.matmul_kernels import matmul_blocks
 from kernels.quants import dequantize
 from kernels.repack import padded_k, repack
 
-TOKEN_CHUNK = 64  # tokens per work item: a decoded block is reused by up to this many tokens
+TOKEN_CHUNK = 32  # tokens per work item: a decoded block is reused by up to this many tokens
 RUNS_PER_THREAD = 4  # prange iterations per (possible) thread, each a run of consecutive work items
 
 
