@@ -12,7 +12,7 @@ float layout):
     s_b = sum over j < B/2 of q[B/2 + j] * x[B/2 + j]
     acc = fma(d, s_a + s_b, acc)                     (acc + (s_a + s_b) when there is no scale)
     acc = fma(mn, xsum_b, acc)                       (only the formats with an offset)
-with q the block's integer values (exact in f32) and xsum_b the sum of the block's 32 x values
+with q the block's integer values (exact in f32) and xsum_b the sum of the block's B x values
 in a fixed tree (``block_sums``). All arithmetic is the explicit vector operations of
 kernels/simd.py, which LLVM may not reorder or fuse differently; so the three code paths below
 (several tokens from a decoded block, one token from that block, one token decoding in
@@ -34,6 +34,7 @@ from numba.extending import overload
 
 from kernels.repack import R
 from kernels.simd import vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
+
 
 def _pair(q, base, j, h):
     """Values j and j + h of the block starting at flat index base of q, as four f32 vectors
