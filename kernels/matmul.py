@@ -24,9 +24,11 @@ kernels run on the same packed arrays in the same session for the comparisons):
   time go through it with 16 accumulators in zmm registers (16 FMAs per 4 vector loads; six
   tokens measured the same). SmolLM2 q4_1 40 GMAC/s (decode + sgemm before: 43), q8_0 46 (28);
   Gemma-3 q4_K 39 (33), q5_0 42 (31), q8_0 41 (32), q6_K 32 (40: its 16-value blocks double
-  the per-block work of applying scales). Under load the numba pool also degrades far less than
-  OpenBLAS's spinning threads did (SmolLM2 prefill matmuls 1.4-1.6 s vs 4 s per 512 tokens at
-  load average 4).
+  the per-block work of applying scales); best runs 57-61 GMAC/s, against 83 for a pure
+  register FMA loop. Under load the numba pool also degrades far less than OpenBLAS's spinning
+  threads did (SmolLM2 prefill matmuls 1.4-1.6 s vs 4 s per 512 tokens at load average 4).
+  Tried without gain: a block-major copy of x per call (tokens contiguous per block; 0-18 %
+  slower), dynamic scheduling of the runs (numba.set_parallel_chunksize; same times).
 - generation (fewer than 4 tokens in a chunk): the block is decoded in registers, no scratch;
   two partial sums per half of the rows keep 4 FMA chains in flight. 17.6-19.5 GMAC/s in
   cache for q4_1 / q8_0 / q4_K / q6_K (old gemv in the same session: 10.4-14.7). It is bound by
