@@ -2,8 +2,8 @@
 the batch invariance of matmul: row t of W.matmul(x) is bit-identical to W.matmul(x[t:t+1])[0]
 whatever n, the other rows of x, the token chunk and the thread count.
 
-Tolerance: the kernels compute in float32 (values decoded as d * q + mn, dot products
-accumulated in float32 in any order, fastmath). The classic bound for a float sum of k
+Tolerance: the kernels compute in float32 (per block d * (q . x) + mn * sum(x), accumulated in
+float32 in one fixed order, kernels/matmul_kernels.py). The classic bound for a float sum of k
 products is |err| <= gamma_{k+2} * sum_i |x_i w_i| with gamma_j = j * eps / (1 - j * eps);
 the decode adds at most two roundings per weight. So we assert
     |y - x @ W.T| <= (k + 4) * eps32 * (|x| @ |W|.T)
