@@ -227,3 +227,22 @@ def test_hadamard_rotation_of_quantized_caches(tmp_path, monkeypatch):
 def _hp(dk, dv):
     from types import SimpleNamespace
     return SimpleNamespace(n_embd_head_k=dk, n_embd_head_v=dv)
+
+
+def test_q_is_rounded_like_ggml_for_quantized_and_bf16_keys():
+    """ggml's K·Q converts Q to K's vec_dot type (q8_0/q8_1 blocks for quantized K, bf16 for
+    bf16 K); f32/f16 K leave Q alone. Checked against gguf-py's own round trip."""
+    from runtime.arch.blocks import round_q_like_ggml
+    q = np.random.default_rng(3).standard_normal((5, 4 * 64)).astype(np.float32) * 3  # [n, heads*dk]
+    for t in (GGMLType.F32, GGMLType.F16):
+        assert round_q_like_ggml(q, t) is q
+    want = gguf.quants.dequantize(gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0),
+                                  gguf.GGMLQuantizationType.Q8_0)
+    for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
+        got = round_q_like_ggml(q, t)
+        np.testing.assert_array_equal(got, want)
+        assert not np.array_equal(got, q)
+    want_bf16 = gguf.quants.dequantize(gguf.quants.quantize(q, gguf.GGMLQuantizationType.BF16),
+                                       gguf.GGMLQuantizationType.BF16)
+    np.testing.assert_array_equal(round_q_like_ggml(q, GGMLType.BF16), want_bf16)
+    assert np.array_equal(round_q_like_ggml(q[2:3], GGMLType.Q4_0)[0], round_q_like_ggml(q, GGMLType.Q4_0)[2])

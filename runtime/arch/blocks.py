@@ -10,7 +10,9 @@ import numpy as np
 
 from kernels.act import geglu, glu_fused, swiglu
 from kernels.attention import attention
+from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
+from kernels.quants import dequantize, quantize
 from kernels.rope import prepare_qkv
 from runtime.attn_rotation import rotate
 
@@ -62,11 +64,29 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     mctx.cpy_v(il, v)
     k_cache, type_k = mctx.get_k(il)
     v_cache, type_v = mctx.get_v(il)
+    q = round_q_like_ggml(q, type_k)
     mask, tok_stream = mctx.kq_mask(il)
     out = attention(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, hp.n_head_kv,
                     kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
                     n_threads=numba.get_num_threads())
     return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
+
+
+def round_q_like_ggml(q: np.ndarray, type_k: int) -> np.ndarray:
+    """Q [n, n_head * dk] f32 rounded as ggml's CPU K·Q rounds it for a K cache of type_k.
+
+    ggml converts Q to K's "vec_dot type" before the dot product, on both attention paths: 8-bit
+    blocks with an f16 scale (q8_0 / q8_1, the same values) for every quantized K, bf16 for a
+    bf16 K. That rounding is part of llama.cpp's numbers for those caches (perplexity moves by
+    a few tenths of a percent), so we apply it too; it is per row, so batch-invariant. An f16 K
+    is left alone: llama.cpp rounds Q to f16 only on its small-batch path (< 64 queries), not on
+    the tiled prefill path, and we keep one path for every batch size."""
+    t = int(type_k)
+    if t in (int(GGMLType.F32), int(GGMLType.F16)):
+        return q
+    via = GGMLType.BF16 if t == int(GGMLType.BF16) else GGMLType.Q8_0
+    flat = q.reshape(q.shape[0], -1)  # [n, n_head * dk]; dk % 32 == 0, so blocks stay in a head
+    return dequantize(quantize(flat, via), via, flat.shape[1]).reshape(q.shape)
 
 
 def _v_trans(mctx, il) -> bool:
