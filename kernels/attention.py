@@ -65,6 +65,7 @@ CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from
 # token at a few hundred cells of context runs serially; long contexts and prompts in parallel)
 PARALLEL_MIN_WORK = 1 << 20
 _NINF = np.float32(-np.inf)
+_ROUND = np.float32(12582912.0)  # 1.5 * 2^23: x + _ROUND - _ROUND rounds |x| < 2^22 to an integer
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 _Q4_0, _Q4_1, _Q5_0 = int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0)
@@ -131,13 +132,14 @@ def _unit_coords(u, n_tb, n_sub):
     return tbi, rest % n_sub, rest // n_sub
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _exp_le0(x):
     """exp(x) for x <= 0 (or -inf -> 0), branch-free so that loops over a tile vectorize (numba has
-    no vector exp here). Cody-Waite reduction x = n*ln2 + r, a degree-6 polynomial on |r| <= ln2/2
-    (about 1 ulp), plain IEEE arithmetic in the order written."""
+    no vector exp here). Cody-Waite reduction x = n*ln2 + r (n rounded by adding and subtracting
+    1.5 * 2^23, which needs the strict arithmetic these kernels use), a degree-6 polynomial on
+    |r| <= ln2/2 (about 1 ulp), plain IEEE arithmetic in the order written."""
     xc = max(x, np.float32(-87.0))
-    n = np.float32(math.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5)))
+    n = (xc * np.float32(1.4426950408889634) + _ROUND) - _ROUND  # nearest integer (strict IEEE)
     r = xc - n * np.float32(0.693359375)
     r = r + n * np.float32(2.12194440e-4)
     p = np.float32(1.9875691500e-4)
@@ -230,6 +232,28 @@ def _tile_dots2(qb, qi, kt, x, off, x2, off2):
 
 
 @njit(cache=True, inline="always")
+def _tile_dots4(qb, qi, kt, x, off, stride):
+    """_tile_dots for queries qi .. qi + 3 (results at off, off + stride, ...): one K load feeds
+    four fma chains, each the very sequence _tile_dots computes for its query."""
+    dk = qb.shape[1]
+    for j in range(KT):
+        a = vzero()
+        b = vzero()
+        c = vzero()
+        d = vzero()
+        for e in range(0, dk, LANES):
+            kv = vload(kt, j * dk + e)
+            a = vfma(vload(qb, qi * dk + e), kv, a)
+            b = vfma(vload(qb, (qi + 1) * dk + e), kv, b)
+            c = vfma(vload(qb, (qi + 2) * dk + e), kv, c)
+            d = vfma(vload(qb, (qi + 3) * dk + e), kv, d)
+        x[off + j] = vhsum(a)
+        x[off + stride + j] = vhsum(b)
+        x[off + 2 * stride + j] = vhsum(c)
+        x[off + 3 * stride + j] = vhsum(d)
+
+
+@njit(cache=True, inline="always")
 def _tile_sum(x, off):
     """Sum of the KT values x[off:off+KT] in one fixed tree."""
     return vhsum(vadd(vload(x, off), vload(x, off + LANES)))
@@ -253,9 +277,9 @@ def _scores(x, off, mt, mr, scale, softcap):
 
 
 @njit(cache=True, inline="always")
-def _online_update(qi, m_tile, sc, vt, mx, sm, acc):
-    """Add a tile to query qi's online softmax (mx, sm, acc [nq, dv]): sc [KT] holds the tile's
-    scores (max m_tile > -inf) and becomes its probabilities; vt [KT, dv] the tile's V rows."""
+def _online_update(qi, m_tile, sc, so, vt, mx, sm, acc):
+    """Add a tile to query qi's online softmax (mx, sm, acc [nq, dv]): sc[so:so+KT] holds the
+    tile's scores (max m_tile > -inf) and becomes its probabilities; vt [KT, dv] the V rows."""
     dv = acc.shape[1]
     if mx[qi] == _NINF:  # first visible tile of the chunk
         mx[qi] = m_tile
@@ -270,24 +294,45 @@ def _online_update(qi, m_tile, sc, vt, mx, sm, acc):
         mx[qi] = m_tile
     m_new = mx[qi]
     for j in range(KT):
-        sc[j] = _exp_le0(sc[j] - m_new)
-    sm[qi] += _tile_sum(sc, 0)
-    for e0 in range(0, dv, LANES):  # acc[qi, e] += p_j * v_j[e], cells in order
-        a = vload(acc, qi * dv + e0)
+        sc[so + j] = _exp_le0(sc[so + j] - m_new)
+    sm[qi] += _tile_sum(sc, so)
+    o = qi * dv
+    e0 = 0
+    while e0 + 4 * LANES <= dv:  # acc[qi, e] += p_j * v_j[e], cells in order; 64 components at once
+        a0 = vload(acc, o + e0)
+        a1 = vload(acc, o + e0 + LANES)
+        a2 = vload(acc, o + e0 + 2 * LANES)
+        a3 = vload(acc, o + e0 + 3 * LANES)
         for j in range(KT):
-            p = sc[j]
+            p = sc[so + j]
+            if p != 0.0:
+                pb = vbcast(p)
+                a0 = vfma(pb, vload(vt, j * dv + e0), a0)
+                a1 = vfma(pb, vload(vt, j * dv + e0 + LANES), a1)
+                a2 = vfma(pb, vload(vt, j * dv + e0 + 2 * LANES), a2)
+                a3 = vfma(pb, vload(vt, j * dv + e0 + 3 * LANES), a3)
+        vstore(acc, o + e0, a0)
+        vstore(acc, o + e0 + LANES, a1)
+        vstore(acc, o + e0 + 2 * LANES, a2)
+        vstore(acc, o + e0 + 3 * LANES, a3)
+        e0 += 4 * LANES
+    while e0 < dv:  # the same chain for a remainder of 16 or 32 components
+        a = vload(acc, o + e0)
+        for j in range(KT):
+            p = sc[so + j]
             if p != 0.0:
                 a = vfma(vbcast(p), vload(vt, j * dv + e0), a)
-        vstore(acc, qi * dv + e0, a)
+        vstore(acc, o + e0, a)
+        e0 += LANES
 
 
 @njit(cache=True, inline="always")
 def _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, kb0, kb, vb0, vb, scale, softcap, j_lo, j_hi,
-           kt, vt, sc, sc2, mt, mx, sm, acc):
+           kt, vt, sc, mt, mx, sm, acc):
     """Online softmax of the unit's queries (qb [nq, dk]; query qi is token t0 + qi // gq) over
     the cells [j_lo, j_hi) of one chunk, from a fresh state: mx [nq] max score (-inf: no cell
     seen), sm [nq] sum of p = e^(s - mx), acc [nq, dv] sum of p * v. kt [KT, dk] / vt [KT, dv]
-    tiles, sc / sc2 [KT] scores, mt [t1 - t0, KT] mask tile: scratch."""
+    tiles, sc [4 * KT] scores of up to four queries, mt [t1 - t0, KT] mask tile: scratch."""
     nq = qb.shape[0]
     n_kv = mask.shape[1]
     for qi in range(nq):
@@ -299,20 +344,22 @@ def _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, kb0, kb, vb0, vb, sca
         _load_tile(type_k, k, st, j0, nj, kb0, kb, kt)
         _load_tile(type_v, v, st, j0, nj, vb0, vb, vt)
         _mask_tile(mask, t0, t1, j0, nj, mt)
-        for qi in range(0, nq - 1, 2):
-            _tile_dots2(qb, qi, kt, sc, 0, sc2, 0)
-            m_tile = _scores(sc, 0, mt, qi // gq, scale, softcap)
-            if m_tile != _NINF:
-                _online_update(qi, m_tile, sc, vt, mx, sm, acc)
-            m_tile = _scores(sc2, 0, mt, (qi + 1) // gq, scale, softcap)
-            if m_tile != _NINF:
-                _online_update(qi + 1, m_tile, sc2, vt, mx, sm, acc)
-        if nq % 2:
-            qi = nq - 1
-            _tile_dots(qb, qi, kt, sc, 0)
-            m_tile = _scores(sc, 0, mt, qi // gq, scale, softcap)
-            if m_tile != _NINF:
-                _online_update(qi, m_tile, sc, vt, mx, sm, acc)
+        qi = 0
+        while qi < nq:  # scores of up to four queries per pass over the K tile
+            if qi + 4 <= nq:
+                _tile_dots4(qb, qi, kt, sc, 0, KT)
+                n = 4
+            elif qi + 2 <= nq:
+                _tile_dots2(qb, qi, kt, sc, 0, sc, KT)
+                n = 2
+            else:
+                _tile_dots(qb, qi, kt, sc, 0)
+                n = 1
+            for i in range(n):
+                m_tile = _scores(sc, i * KT, mt, (qi + i) // gq, scale, softcap)
+                if m_tile != _NINF:
+                    _online_update(qi + i, m_tile, sc, i * KT, vt, mx, sm, acc)
+            qi += n
 
 
 @njit(cache=True, inline="always")
@@ -384,8 +431,7 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, 
             qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
     kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
     vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
-    sc = np.empty(KT, dtype=np.float32)  # scores, then probabilities, of one query
-    sc2 = np.empty(KT, dtype=np.float32)  # the same for the second query of a pair
+    sc = np.empty(4 * KT, dtype=np.float32)  # scores, then probabilities, of up to four queries
     mt = np.empty((t1 - t0, KT), dtype=np.float32)  # mask tile of the block's tokens
     cm = np.empty(nq, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v
     cs = np.empty(nq, dtype=np.float32)
@@ -395,7 +441,7 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, 
     ra = np.zeros((nq, dv), dtype=np.float32)
     for c in range(c_lo, c_hi):
         _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, hk * kb, kb, hk * vb, vb, scale, softcap,
-               c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, sc2, mt, cm, cs, ca)
+               c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, mt, cm, cs, ca)
         for qi in range(nq):
             if split:
                 t = t0 + qi // gq
@@ -495,10 +541,13 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scal
             continue
         _load_tile(type_k, k, st, j0, nj, hk * kb, kb, kt)
         _mask_tile(mask, t0, t1, j0, nj, mt)
-        for qi in range(0, nq - 1, 2):
-            _tile_dots2(qb, qi, kt, p, qi * n_kvp + j0, p, (qi + 1) * n_kvp + j0)
-        if nq % 2:
-            _tile_dots(qb, nq - 1, kt, p, (nq - 1) * n_kvp + j0)
+        qi = 0
+        while qi + 4 <= nq:
+            _tile_dots4(qb, qi, kt, p, qi * n_kvp + j0, n_kvp)
+            qi += 4
+        while qi < nq:
+            _tile_dots(qb, qi, kt, p, qi * n_kvp + j0)
+            qi += 1
         for qi in range(nq):
             tmax[qi, ti] = _scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
     for qi in range(nq):  # masked softmax per query row: lane l sums cells l, l+16, ... in order
@@ -509,8 +558,8 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scal
         for ti in range(n_tiles):
             if tmax[qi, ti] != _NINF:
                 o = qi * n_kvp + ti * KT
-                for j in range(KT):
-                    p[o + j] = _exp_le0(p[o + j] - m)
+                for j in range(KT):  # libm expf: here faster than _exp_le0, which LLVM leaves scalar
+                    p[o + j] = np.float32(math.exp(p[o + j] - m))
                 sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
         s = vhsum(sv)
         inv = np.float32(1.0) / s if s > 0.0 else np.float32(0.0)
