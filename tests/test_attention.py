@@ -143,7 +143,7 @@ def test_q_rounding_follows_ggml_vec_dot_type(type_k):
 
 
 def test_fast_f16_row_is_exact_for_every_half():
-    from kernels.attention import _f16_row_fast
+    from kernels.attention_tiles import _f16_row_fast
     h = np.arange(65536, dtype=np.uint16)
     got = np.empty(65536, dtype=np.float32)
     _f16_row_fast(h.view(np.uint8), got)
@@ -243,7 +243,7 @@ def test_attention_splits_long_decode_and_matches_reference():
 def test_fast_exp_matches_numpy_and_maps_minus_inf_to_zero():
     from numba import njit
 
-    from kernels.attention import _exp_le0
+    from kernels.attention_tiles import _exp_le0
 
     @njit
     def run(x, y):

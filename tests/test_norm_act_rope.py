@@ -183,11 +183,12 @@ def test_row_kernels_are_compiled_without_fast_math():
     the parallel twin. Keep every kernel of these modules free of it."""
     import kernels.act
     import kernels.attention
+    import kernels.attention_tiles
     import kernels.norm
     import kernels.rope
     from numba.core.registry import CPUDispatcher
     found = 0
-    for mod in (kernels.act, kernels.attention, kernels.norm, kernels.rope):
+    for mod in (kernels.act, kernels.attention, kernels.attention_tiles, kernels.norm, kernels.rope):
         for name, f in vars(mod).items():
             if isinstance(f, CPUDispatcher) and f.py_func.__module__ == mod.__name__:
                 found += 1
