@@ -12,8 +12,9 @@ through the memory system (slots, masks, n_kv) — so all splits agree exactly.
 The bits of a row depend on which cells hold the sequence (attention sums its cells in tiles
 counted from cell 0), so "the same" means the same cells: a sequence placed elsewhere agrees
 within float rounding only (the two-sequence test).
-SmolLM2 for the real thing (f16 and q8_0 caches, flash on and off, 1 and 2 threads); a tiny
-gemma3 with a sliding window of 8 for the iSWA cache; a tiny qwen3 with two sequences.
+SmolLM2 for the real thing (f16 and q8_0 caches, flash on and off, 1 and 2 threads), Gemma-3
+for the real iSWA cache (600 tokens through its 512-token window); a tiny gemma3 with a sliding
+window of 8 for iSWA at every split; a tiny qwen3 with two sequences.
 """
 import numba
 import numpy as np
@@ -65,6 +66,22 @@ def test_smollm2_batch_splits_agree_exactly(smollm2_path, reference_dir, cache, 
     np.testing.assert_array_equal(_logits_by_ubatch(model, tokens[:200], n_ubatch=7, n_threads=1, **kw),
                                   one[:200])
     np.testing.assert_array_equal(_logits_token_by_token(model, tokens[:100], n_threads=1, **kw), one[:100])
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_gemma3_batch_splits_agree_exactly(gemma3_path, reference_dir, restore_threads):
+    """Gemma-3 (iSWA, window 512, QK-norm, GELU), default f16 cache: 600 tokens, so the second
+    512-token ubatch attends through the sliding window of the SWA layers."""
+    model = Model.load(gemma3_path)
+    text = (reference_dir / "texts" / "GPL-3.txt").read_text()
+    tokens = model.vocab.tokenize(text, add_special=True)[:600]
+    one = _logits_by_ubatch(model, tokens, n_ubatch=600)
+    assert np.isfinite(one).all() and one.std() > 1.0
+    np.testing.assert_array_equal(_logits_by_ubatch(model, tokens, n_ubatch=512), one)
+    numba.set_num_threads(1)
+    np.testing.assert_array_equal(_logits_by_ubatch(model, tokens[:64], n_ubatch=7, n_threads=1), one[:64])
+    np.testing.assert_array_equal(_logits_token_by_token(model, tokens[:24], n_threads=1), one[:24])
 
 
 @pytest.mark.parametrize("cache,flash", [("f16", "on"), ("f16", "off"), ("q8_0", "on")])
