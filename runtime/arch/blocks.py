@@ -10,9 +10,9 @@ import numpy as np
 
 from kernels.act import geglu, glu_fused, swiglu
 from kernels.attention import attention
+from kernels.attention import round_q_like_ggml as round_q_to_vec_dot_type
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
-from kernels.quants import dequantize, quantize
 from kernels.rope import prepare_qkv
 from runtime.attn_rotation import rotate
 
@@ -84,9 +84,7 @@ def round_q_like_ggml(q: np.ndarray, type_k: int) -> np.ndarray:
     t = int(type_k)
     if t in (int(GGMLType.F32), int(GGMLType.F16)):
         return q
-    via = GGMLType.BF16 if t == int(GGMLType.BF16) else GGMLType.Q8_0
-    flat = q.reshape(q.shape[0], -1)  # [n, n_head * dk]; dk % 32 == 0, so blocks stay in a head
-    return dequantize(quantize(flat, via), via, flat.shape[1]).reshape(q.shape)
+    return round_q_to_vec_dot_type(q, t)  # kernels/attention.py: the rounding itself
 
 
 def _v_trans(mctx, il) -> bool:
