@@ -40,7 +40,7 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event) -> Engin
     """Model + Context + template from the flags; KvchatError (one line) for bad input."""
     from cli.models import resolve_model
     from cli.session import cache_config, model_identity
-    from runtime.chat_template import ChatTemplate
+    from runtime.text.chat_template import ChatTemplate
     from runtime.context import Context
     from runtime.cparams import ContextParams
     from runtime.model import Model

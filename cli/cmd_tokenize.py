@@ -10,7 +10,7 @@ import typer
 
 from cli.models import resolve_model
 from runtime.gguf_file import GGUFFile
-from runtime.vocab import Vocab
+from runtime.text.vocab import Vocab
 
 
 def register(app: typer.Typer) -> None:

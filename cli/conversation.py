@@ -97,7 +97,7 @@ class Conversation:
             batch_factory = Batch.one_seq
         self._batch = batch_factory
         if stream_decoder is None:
-            from runtime.vocab import StreamDecoder as stream_decoder
+            from runtime.text.vocab import StreamDecoder as stream_decoder
         self._stream_decoder = stream_decoder
         # set from a signal handler: stop at the next token (and, via the Context's abort
         # callback, inside a long prompt evaluation)

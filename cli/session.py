@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import SessionError
-from runtime.state import atomic_write  # temp file, fsync, rename, fsync the directory
+from runtime.memory.state import atomic_write  # temp file, fsync, rename, fsync the directory
 
 MAGIC = b"KVCHATSS"
 FORMAT_VERSION = 1

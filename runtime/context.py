@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.batch import Batch, BatchAllocator
 from runtime.cparams import ContextParams, resolve_cparams
-from runtime.memory import MemoryStatus, create_memory
+from runtime.memory.interface import MemoryStatus, create_memory
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Context:
 
     def state_get_data(self) -> bytes:
         """The whole memory state: model arch, then every stream's cells and K/V rows."""
-        from runtime.state import StateWriter
+        from runtime.memory.state import StateWriter
         io = StateWriter()
         io.write_string(str(self.hparams.arch))
         self.memory.state_write(io, -1)
@@ -213,7 +213,7 @@ class Context:
 
     def state_set_data(self, blob: bytes) -> int:
         """Restore a state_get_data blob; bytes read, or 0 if refused (memory unchanged)."""
-        from runtime.state import StateError, StateReader
+        from runtime.memory.state import StateError, StateReader
         io = StateReader(blob)
         try:
             arch = io.read_string()
@@ -230,7 +230,7 @@ class Context:
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """One sequence's state (its SWA-visible cells and their K/V rows)."""
-        from runtime.state import StateWriter
+        from runtime.memory.state import StateWriter
         io = StateWriter()
         io.write_u32(STATE_SEQ_MAGIC)
         io.write_i32(seq_id)
@@ -239,7 +239,7 @@ class Context:
 
     def state_seq_set_data(self, blob: bytes, seq_id: int) -> int:
         """Restore a sequence state into seq_id; bytes read, or 0 if refused (memory unchanged)."""
-        from runtime.state import StateError, StateReader
+        from runtime.memory.state import StateError, StateReader
         io = StateReader(blob)
         try:
             if not 0 <= seq_id < self.cparams.n_seq_max:

@@ -76,7 +76,7 @@ class Model:
     def load(cls, path) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it."""
         from runtime.arch import ARCHS
-        from runtime.vocab import Vocab
+        from runtime.text.vocab import Vocab
 
         gf = GGUFFile(path)
         try:

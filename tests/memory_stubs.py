@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.attn_rotation import rotate
+from runtime.memory.attn_rotation import rotate
 
 from kernels.quants import dequantize
 from kernels.rope import rope_inplace

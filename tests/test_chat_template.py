@@ -6,10 +6,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from runtime.chat_template import CHATML_TEMPLATE, ChatTemplate
+from runtime.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 from runtime.errors import ChatTemplateError
 from runtime.gguf_file import GGUFFile
-from runtime.vocab import Vocab
+from runtime.text.vocab import Vocab
 
 USER = [{"role": "user", "content": "What is a KV cache in a transformer?"}]
 

@@ -36,7 +36,7 @@ def smollm2_reference(greedy, prompt, kv_type="f16"):
 
 def prefix_text(smollm2_path, ids):
     from runtime.gguf_file import GGUFFile
-    from runtime.vocab import Vocab
+    from runtime.text.vocab import Vocab
     gf = GGUFFile(smollm2_path)
     try:
         return Vocab.from_gguf(gf).detokenize(ids)

@@ -207,7 +207,7 @@ def test_real_model_logits_match_llama_cpp(name, request, reference_dir):
 
 def test_hadamard_rotation_of_quantized_caches(tmp_path, monkeypatch):
     """Quantized K/V are stored Hadamard-rotated as llama.cpp does: same math, smaller error."""
-    from runtime import attn_rotation, kv_cache
+    from runtime.memory import attn_rotation, kv_cache
     h = attn_rotation.hadamard(64)
     np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
     assert attn_rotation.rotation_sizes(_hp(64, 64), GGMLType.Q4_0, GGMLType.Q4_0) == (64, 64)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kernels.hadamard import fwht_chunks
-from runtime.attn_rotation import hadamard, rotate
+from runtime.memory.attn_rotation import hadamard, rotate
 
 
 @pytest.mark.parametrize("n,d", [(64, 64), (64, 192), (128, 256), (256, 256), (64, 576)])

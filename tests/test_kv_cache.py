@@ -2,7 +2,7 @@
 K-shift, sequence ops, stream copies and compaction - checked cell by cell."""
 import numpy as np
 
-from runtime.attn_rotation import rotate
+from runtime.memory.attn_rotation import rotate
 import pytest
 
 from kernels.ggml_types import GGMLType, row_bytes
@@ -10,8 +10,8 @@ from kernels.quants import dequantize, quantize
 from runtime.batch import Batch, BatchAllocator
 from runtime.context import Context
 from runtime.cparams import ContextParams
-from runtime.kv_cache import KVCache
-from runtime.memory import MemoryOpError, MemoryStatus
+from runtime.memory.kv_cache import KVCache
+from runtime.memory.interface import MemoryOpError, MemoryStatus
 
 from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams, roped_k
 

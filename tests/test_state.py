@@ -9,7 +9,7 @@ import pytest
 from runtime.batch import Batch
 from runtime.context import Context
 from runtime.cparams import ContextParams
-from runtime.state import StateError, StateReader, StateWriter, atomic_write
+from runtime.memory.state import StateError, StateReader, StateWriter, atomic_write
 
 from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from runtime.gguf_file import GGUFFile
-from runtime.tokenizer_bpe import byte_encode
-from runtime.vocab import StreamDecoder, Vocab
+from runtime.text.tokenizer_bpe import byte_encode
+from runtime.text.vocab import StreamDecoder, Vocab
 
 MODELS = ("smollm2", "gemma3")
 

@@ -14,7 +14,7 @@ from kernels.attention import round_q_like_ggml as round_q_to_vec_dot_type
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv
-from runtime.attn_rotation import rotate
+from runtime.memory.attn_rotation import rotate
 
 
 def embed(model, tokens) -> np.ndarray:

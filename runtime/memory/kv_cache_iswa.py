@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from runtime.cparams import N_CTX_PAD, pad_to
-from runtime.kv_cache import KVCache
-from runtime.memory import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
+from runtime.memory.kv_cache import KVCache
+from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class KVCacheISWA(Memory):
     def state_apply(self, parsed, seq_id: int = -1) -> None:
         """Place both caches' cells (undoing the base if the SWA part does not fit), then copy
         the rows: all or nothing."""
-        from runtime.state import kv_state_place, kv_state_write_data
+        from runtime.memory.state import kv_state_place, kv_state_write_data
         pb, ps = parsed
         jb: list = []
         placed_b = kv_state_place(self.kv_base, pb, seq_id, jb)
@@ -167,7 +167,7 @@ class KVCacheISWAContext(MemoryContext):
 
     def __init__(self, kv: KVCacheISWA, status: MemoryStatus, sinfos_base=None, sinfos_swa=None,
                  ubatches=None, full: bool = False):
-        from runtime.kv_cache import KVCacheContext
+        from runtime.memory.kv_cache import KVCacheContext
         self.kv = kv
         self.status = status
         self.ubatches = ubatches or []

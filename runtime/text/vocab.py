@@ -1,8 +1,8 @@
 """The vocabulary of a GGUF model: tokenize, detokenize, special tokens, end-of-generation set.
 
 Mirrors llama.cpp's llama_vocab so that ids match it exactly:
-- `tokenizer.ggml.model` "llama" → SPM (runtime/tokenizer_spm.py), "gpt2" → byte-level BPE
-  (runtime/tokenizer_bpe.py, pre-tokenizer chosen by `tokenizer.ggml.pre`);
+- `tokenizer.ggml.model` "llama" → SPM (runtime/text/tokenizer_spm.py), "gpt2" → byte-level BPE
+  (runtime/text/tokenizer_bpe.py, pre-tokenizer chosen by `tokenizer.ggml.pre`);
 - before either runs, the text is cut at the texts of special tokens (control, user-defined and
   unknown tokens, longest first); with parse_special=False only user-defined tokens are cut out,
   so "<|im_start|>" typed by a user stays plain text;
@@ -20,8 +20,8 @@ import codecs
 import numpy as np
 
 from runtime.errors import ModelFileError
-from runtime.tokenizer_bpe import BPETokenizer, byte_decode, pre_tokenizer, supported_pre_names
-from runtime.tokenizer_spm import spm_tokenize
+from runtime.text.tokenizer_bpe import BPETokenizer, byte_decode, pre_tokenizer, supported_pre_names
+from runtime.text.tokenizer_spm import spm_tokenize
 
 # llama_token_attr bit flags (llama.h)
 ATTR_UNDEFINED = 0

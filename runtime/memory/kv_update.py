@@ -5,7 +5,7 @@ These run between decodes (Context's memory update), never inside a ubatch:
 - K-shift: seq_add / seq_div change cell positions, but the cached keys were rotated for the
   old ones. RoPE is a rotation, so rotating by the pending delta gives the keys of the new
   position: dequantize -> rope_inplace(delta) -> requantize (exact for f32, within the format's
-  rounding otherwise); a quantized cache holds Hadamard-rotated keys (runtime/attn_rotation.py),
+  rounding otherwise); a quantized cache holds Hadamard-rotated keys (runtime/memory/attn_rotation.py),
   so those are rotated back before RoPE and forward again after it, as llama.cpp does;
 - compaction (optimize): move the cells above the holes down into them, so used_max_p1 and
   with it n_kv (the attention width) shrink to the number of used cells.
@@ -16,8 +16,8 @@ import numpy as np
 
 from kernels.quants import dequantize, quantize
 from kernels.rope import rope_inplace
-from runtime.attn_rotation import rotate
-from runtime.kv_cells import CellsSnapshot
+from runtime.memory.attn_rotation import rotate
+from runtime.memory.kv_cells import CellsSnapshot
 
 
 def rope_params(hp, il: int) -> tuple[float, float]:

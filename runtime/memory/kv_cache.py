@@ -20,11 +20,11 @@ import logging
 import numpy as np
 
 from kernels.ggml_types import GGMLType, row_bytes, type_info
-from runtime.attn_rotation import rotation_sizes
-from runtime.kv_cells import KVCells
-from runtime.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
+from runtime.memory.attn_rotation import rotation_sizes
+from runtime.memory.kv_cells import KVCells
+from kernels.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
                                 scatter_rows_trans)
-from runtime.memory import Memory, MemoryContext, MemoryOpError, MemoryStatus
+from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus
 
 log = logging.getLogger(__name__)
 
@@ -500,7 +500,7 @@ class KVCache(Memory):
 
     def update(self, do_shift: bool, do_defrag: bool = False) -> bool:
         """Apply pending stream copies, the K-shift and (optionally) compaction."""
-        from runtime.kv_update import apply_k_shift, compact, copy_streams
+        from runtime.memory.kv_update import apply_k_shift, compact, copy_streams
         updated = False
         if self.pending_copies:
             copy_streams(self, self.pending_copies)
@@ -524,7 +524,7 @@ class KVCache(Memory):
     # ---- state ------------------------------------------------------------------------------
 
     def state_write(self, io, seq_id: int = -1) -> None:
-        from runtime.state import kv_state_write
+        from runtime.memory.state import kv_state_write
         kv_state_write(self, io, seq_id)
 
     def state_read(self, io, seq_id: int = -1) -> None:
@@ -532,11 +532,11 @@ class KVCache(Memory):
         self.state_apply(self.state_parse(io, seq_id), seq_id)
 
     def state_parse(self, io, seq_id: int = -1):
-        from runtime.state import kv_state_parse
+        from runtime.memory.state import kv_state_parse
         return kv_state_parse(self, io, seq_id)
 
     def state_apply(self, parsed, seq_id: int = -1) -> None:
-        from runtime.state import kv_state_apply
+        from runtime.memory.state import kv_state_apply
         kv_state_apply(self, parsed, seq_id)
 
 
@@ -634,7 +634,7 @@ class KVCacheContext(MemoryContext):
 
     def get_rot(self, il: int) -> tuple[int, int]:
         """(n_rot_k, n_rot_v): Hadamard chunk sizes the forward pass applies to Q/K and V
-        before storing them (runtime/attn_rotation.py); (0, 0) for float caches."""
+        before storing them (runtime/memory/attn_rotation.py); (0, 0) for float caches."""
         return self.n_rot_k, self.n_rot_v
 
     def get_v(self, il: int):

@@ -122,8 +122,8 @@ def model_uses_iswa(hparams) -> bool:
 
 def create_memory(hparams, cparams) -> Memory:
     """The memory for a model: KVCacheISWA for SWA models, else KVCache (n_ctx_seq cells)."""
-    from runtime.kv_cache import KVCache
-    from runtime.kv_cache_iswa import KVCacheISWA
+    from runtime.memory.kv_cache import KVCache
+    from runtime.memory.kv_cache_iswa import KVCacheISWA
 
     if model_uses_iswa(hparams):
         return KVCacheISWA(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
