@@ -19,8 +19,10 @@ app = typer.Typer(
 )
 
 from cli import cmd_pull, cmd_info, cmd_tokenize, cmd_chat, cmd_perplexity, cmd_bench  # noqa: E402
+from cli import cmd_bench_batched  # noqa: E402
 
-for _module in (cmd_chat, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench):
+for _module in (cmd_chat, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
+                cmd_bench_batched):
     _module.register(app)
 
 
