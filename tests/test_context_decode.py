@@ -24,7 +24,7 @@ def used_rows(kv):
     out = {}
     for s, c in enumerate(kv.cells):
         for i in np.flatnonzero(c.pos >= 0).tolist():
-            out[(s, i)] = [(l.k[s, i].tobytes(), (l.v[s][:, kv._trans_cols(np.array([i]))] if kv.v_trans
+            out[(s, i)] = [(l.k[s, i].tobytes(), (l.v[s][:, kv.trans_cols(np.array([i]))] if kv.v_trans
                             else l.v[s, i]).tobytes()) for l in kv.layers]
     return out
 

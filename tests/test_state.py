@@ -29,7 +29,7 @@ def rows_by_pos(kv, seq):
             for l in kv.layers:
                 parts.append(l.k[s, i].tobytes())
                 if kv.v_trans:
-                    parts.append(l.v[s][:, kv._trans_cols(np.array([i]))].tobytes())
+                    parts.append(l.v[s][:, kv.trans_cols(np.array([i]))].tobytes())
                 else:
                     parts.append(l.v[s, i].tobytes())
             out[int(c.pos[i])] = b"".join(parts)

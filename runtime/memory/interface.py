@@ -12,6 +12,9 @@ base + SWA cache pair, every other causal decoder a plain KV cache.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 
 class MemoryStatus(IntEnum):
@@ -41,12 +44,24 @@ class MemoryOpError(RuntimeError):
 
 
 class MemoryContext:
-    """The state needed to process one batch (or one memory update). Interface."""
+    """The state needed to process one batch (or one memory update) - llama_memory_context_i.
 
-    def next(self) -> bool:  # consume the current ubatch; False when done
+    Context.decode drives it: for each ubatch `get_ubatch()`, `apply()`, the forward pass,
+    `next()`; on any failure after an apply, `rollback()`. The forward pass then asks the
+    context for what its layers need: an attention context (`AttentionMemoryContext`), a
+    recurrent one (`RecurrentMemoryContext`), or a hybrid holding one of each."""
+
+    def next(self) -> bool:
+        """Consume the current ubatch; False when there is none left."""
         raise NotImplementedError
 
-    def apply(self) -> bool:  # apply the current ubatch (or the update) to memory
+    def apply(self) -> bool:
+        """Apply the current ubatch (or the update) to memory - the only mutation of memory."""
+        raise NotImplementedError
+
+    def rollback(self) -> None:
+        """Undo every apply() made through this context (a failed or aborted decode): memory
+        is left exactly as it was before the first apply."""
         raise NotImplementedError
 
     def get_ubatch(self):
@@ -54,6 +69,61 @@ class MemoryContext:
 
     def get_status(self) -> MemoryStatus:
         raise NotImplementedError
+
+
+@runtime_checkable
+class AttentionMemoryContext(Protocol):
+    """What a forward pass may ask of the memory context of an attention layer (the KV cache's
+    view for the current ubatch; an iSWA context routes each call by layer)."""
+
+    type_k: int  # GGMLType of the K cache
+    type_v: int
+    v_trans: bool  # V stored transposed (flash attention off)
+
+    def get_n_kv(self, il: int | None = None) -> int:
+        """Cells the attention of layer il spans (padded; the same for every layer of a cache)."""
+
+    def cpy_k(self, il: int, k_cur: np.ndarray) -> None:
+        """Store f32 [n_tokens, n_embd_k_gqa] keys of the ubatch into its slot cells."""
+
+    def cpy_v(self, il: int, v_cur: np.ndarray) -> None:
+        """Store f32 [n_tokens, n_embd_v_gqa] values (transposed when v_trans)."""
+
+    def get_k(self, il: int) -> tuple[np.ndarray, int]:
+        """(u8 [n_stream, n_kv, row_bytes_k] view, type_k)."""
+
+    def get_v(self, il: int) -> tuple[np.ndarray, int]:
+        """(u8 [n_stream, n_kv, row_bytes_v] view, type_v), or the whole transposed buffer."""
+
+    def get_rot(self, il: int) -> tuple[int, int]:
+        """(n_rot_k, n_rot_v) Hadamard chunk sizes applied before storing (0 = none)."""
+
+    def kq_mask(self, il: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(f32 [n_tokens, n_kv] 0/-inf mask, i32 [n_tokens] stream of each token)."""
+
+
+@runtime_checkable
+class RecurrentMemoryContext(Protocol):
+    """What a forward pass may ask of the memory context of a recurrent layer (llama.cpp's
+    llama_memory_recurrent_context + build_rs): per sequence of the ubatch one state cell; the
+    layer reads its states with `get_r/get_s` (gathered from each sequence's source cell,
+    zeroed where the cell is new) and writes the updated ones back with `cpy_r/cpy_s`."""
+
+    def get_n_rs(self) -> int:
+        """Sequences (state cells) in the current ubatch: the ubatch holds n_rs equal
+        sequences of n_seq_tokens tokens each."""
+
+    def get_r(self, il: int) -> np.ndarray:
+        """f32 [n_rs, n_embd_r]: the conv states of layer il, in ubatch sequence order."""
+
+    def get_s(self, il: int) -> np.ndarray:
+        """f32 [n_rs, n_embd_s]: the SSM / delta states of layer il."""
+
+    def cpy_r(self, il: int, r: np.ndarray) -> None:
+        """Store the updated conv states f32 [n_rs, n_embd_r] into the sequences' cells."""
+
+    def cpy_s(self, il: int, s: np.ndarray) -> None:
+        """Store the updated SSM / delta states f32 [n_rs, n_embd_s]."""
 
 
 class Memory:

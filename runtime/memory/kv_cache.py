@@ -22,16 +22,14 @@ import numpy as np
 from kernels.ggml_types import GGMLType, row_bytes, type_info
 from runtime.memory.attn_rotation import rotation_sizes
 from runtime.memory.kv_cells import KVCells
-from kernels.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
-                                scatter_rows_trans)
-from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus
+from runtime.memory.interface import Memory, MemoryOpError, MemoryStatus
+from runtime.memory.kv_cache_context import KVCacheContext
+from runtime.memory.kv_cache_state import KVCacheStateIO
 
 log = logging.getLogger(__name__)
 
 N_KV_PAD = 256  # n_kv is padded to this so the attention shapes change rarely
 INT_MAX = 2**31 - 1
-PAR_MASK_MIN = 1 << 18  # mask entries above which building it in parallel pays off
-PAR_ROWS_MIN = 64  # rows above which quantize-scatter runs in parallel
 
 
 def is_masked_swa(n_swa: int, p0: int, p1: int) -> bool:
@@ -88,7 +86,7 @@ def _elem_bytes(t: int) -> int:
     return type_info(t).type_size if type_info(t).block_size == 1 else 0
 
 
-class KVCache(Memory):
+class KVCache(KVCacheStateIO, Memory):
     """A KV cache over the layers `filter` accepts (default: every layer with a KV)."""
 
     def __init__(self, hparams, type_k: int, type_v: int, v_trans: bool, unified: bool,
@@ -105,7 +103,8 @@ class KVCache(Memory):
         self.kv_size = int(kv_size)
         self.n_swa = int(n_swa)
         self.name = name
-        if self.v_trans and _elem_bytes(self.type_v) == 0:
+        self.v_elem_bytes = _elem_bytes(self.type_v)  # bytes per transposed-V element (0: blocks)
+        if self.v_trans and self.v_elem_bytes == 0:
             raise MemoryOpError("quantized V cache was requested, but this requires Flash Attention")
         # Hadamard chunk sizes for Q/K and V (0 = none): the forward pass rotates what it
         # stores, the K-shift undoes and redoes it, and saved state records it.
@@ -181,7 +180,8 @@ class KVCache(Memory):
     def get_cells(self, seq_id: int) -> KVCells:
         return self.cells[self.seq_to_stream[seq_id]]
 
-    def _check_seq(self, seq_id: int) -> None:
+    def check_seq(self, seq_id: int) -> None:
+        """ValueError unless 0 <= seq_id < n_seq_max (every per-sequence operation's precondition)."""
         if not 0 <= seq_id < self.n_seq_max:
             raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
 
@@ -203,7 +203,7 @@ class KVCache(Memory):
             raise ValueError(f"seq_id {seq_id} out of range (-1 = every sequence)")
         p0, p1 = _pos_range(p0, p1)
         if seq_id >= 0:
-            self._check_seq(seq_id)
+            self.check_seq(seq_id)
             strm = self.seq_to_stream[seq_id]
             cells = self.cells[strm]
             new_head = -1
@@ -224,8 +224,8 @@ class KVCache(Memory):
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make seq_id_dst share the cells of seq_id_src in [p0, p1) (same stream), or copy the
         whole stream (different streams; the buffer copy happens at the next update)."""
-        self._check_seq(seq_id_src)
-        self._check_seq(seq_id_dst)
+        self.check_seq(seq_id_src)
+        self.check_seq(seq_id_dst)
         s0, s1 = self.seq_to_stream[seq_id_src], self.seq_to_stream[seq_id_dst]
         if s0 == s1:
             if seq_id_src == seq_id_dst:
@@ -251,7 +251,7 @@ class KVCache(Memory):
         self.heads[s1] = self.heads[s0]
 
     def seq_keep(self, seq_id: int) -> None:
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         strm = self.seq_to_stream[seq_id]
         cells = self.cells[strm]
         new_head = -1
@@ -264,7 +264,7 @@ class KVCache(Memory):
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """Add `shift` to the positions in [p0, p1) of seq_id (cells falling below 0 are freed);
         the keys are re-rotated at the next update (K-shift)."""
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         if shift == 0:
             return
         p0, p1 = _pos_range(p0, p1)
@@ -279,7 +279,7 @@ class KVCache(Memory):
         self.heads[strm] = new_head if new_head >= 0 else 0
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         if d == 1:
             return
         if d <= 0:
@@ -292,11 +292,11 @@ class KVCache(Memory):
             cells.pos_div(i, d)
 
     def seq_pos_min(self, seq_id: int) -> int:
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         return self.cells[self.seq_to_stream[seq_id]].seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         return self.cells[self.seq_to_stream[seq_id]].seq_pos_max(seq_id)
 
     # ---- slots ------------------------------------------------------------------------------
@@ -369,7 +369,7 @@ class KVCache(Memory):
             occupied = idxs[cells.pos[idxs] >= 0]
             if occupied.size:
                 if journal is not None and save_data:
-                    journal.append(("data", strm, occupied.copy(), self._read_cells(strm, occupied)))
+                    journal.append(("data", strm, occupied.copy(), self.read_rows(strm, occupied)))
                 for i in occupied.tolist():
                     sid = cells.seq_get(i)
                     p = int(cells.pos[i])
@@ -408,7 +408,7 @@ class KVCache(Memory):
             elif kind == "heads":
                 self.heads[:] = rec[1]
             elif kind == "data":
-                self._write_cells(rec[1], rec[2], rec[3])
+                self.write_rows(rec[1], rec[2], rec[3])
         journal.clear()
 
     def prepare(self, ubatches) -> list[SlotInfo] | None:
@@ -436,27 +436,29 @@ class KVCache(Memory):
             n = max(n, min(cells.size, max(N_KV_PAD, padded)))
         return n
 
-    # ---- raw row access (undo, state, defrag) -----------------------------------------------
+    # ---- raw row access (undo journal, state i/o, compaction) -------------------------------
 
-    def _read_cells(self, strm: int, idxs: np.ndarray) -> list:
-        """Copies of the K and V data of cells idxs of a stream, per layer."""
+    def read_rows(self, strm: int, idxs: np.ndarray) -> list:
+        """[(K rows, V rows) per layer]: copies of the data of cells idxs of a stream (V as
+        the transposed columns when v_trans)."""
         out = []
         for l in self.layers:
-            v = l.v[strm][:, self._trans_cols(idxs)] if self.v_trans else l.v[strm, idxs]
+            v = l.v[strm][:, self.trans_cols(idxs)] if self.v_trans else l.v[strm, idxs]
             out.append((l.k[strm, idxs].copy(), v.copy()))
         return out
 
-    def _write_cells(self, strm: int, idxs: np.ndarray, data: list) -> None:
+    def write_rows(self, strm: int, idxs: np.ndarray, data: list) -> None:
+        """Store what read_rows returned (or parsed state rows) into cells idxs of a stream."""
         for l, (k, v) in zip(self.layers, data):
             l.k[strm, idxs] = k
             if self.v_trans:
-                l.v[strm][:, self._trans_cols(idxs)] = v
+                l.v[strm][:, self.trans_cols(idxs)] = v
             else:
                 l.v[strm, idxs] = v
 
-    def _trans_cols(self, idxs: np.ndarray) -> np.ndarray:
+    def trans_cols(self, idxs: np.ndarray) -> np.ndarray:
         """Byte columns of cells idxs in a transposed V row (el bytes per cell)."""
-        el = _elem_bytes(self.type_v)
+        el = self.v_elem_bytes
         return (np.asarray(idxs, dtype=np.int64)[:, None] * el + np.arange(el)).reshape(-1)
 
     # ---- memory contexts --------------------------------------------------------------------
@@ -520,147 +522,3 @@ class KVCache(Memory):
 
     def _fragmented(self) -> bool:
         return any(c.used_max_p1() > c.get_used() for c in self.cells)
-
-    # ---- state ------------------------------------------------------------------------------
-
-    def state_write(self, io, seq_id: int = -1) -> None:
-        from runtime.memory.state import kv_state_write
-        kv_state_write(self, io, seq_id)
-
-    def state_read(self, io, seq_id: int = -1) -> None:
-        """Read one state; StateError (and no change) if it is bad or does not fit."""
-        self.state_apply(self.state_parse(io, seq_id), seq_id)
-
-    def state_parse(self, io, seq_id: int = -1):
-        from runtime.memory.state import kv_state_parse
-        return kv_state_parse(self, io, seq_id)
-
-    def state_apply(self, parsed, seq_id: int = -1) -> None:
-        from runtime.memory.state import kv_state_apply
-        kv_state_apply(self, parsed, seq_id)
-
-
-class KVCacheContext(MemoryContext):
-    """A batch's ubatches with their slots; the view of the cache the forward pass uses."""
-
-    def __init__(self, kv: KVCache, status: MemoryStatus, sinfos=None, ubatches=None):
-        self.kv = kv
-        self.status = status
-        self.sinfos = sinfos or []
-        self.ubatches = ubatches or []
-        self.i_cur = 0
-        self.n_kv = 0
-        self.update = None  # (do_shift, do_defrag) for an update context
-        self.journal: list = []  # undo records of every ubatch applied so far
-        self.type_k = kv.type_k
-        self.type_v = kv.type_v
-        self.v_trans = kv.v_trans
-        self.n_rot_k, self.n_rot_v = kv.n_rot_k, kv.n_rot_v
-        self._mask = None
-        self._dst_strm = None
-        self._dst_cell = None
-
-    # ---- MemoryContext ----------------------------------------------------------------------
-
-    def next(self) -> bool:
-        self.i_cur += 1
-        self._mask = None
-        return self.i_cur < len(self.ubatches)
-
-    def apply(self) -> bool:
-        if self.status in (MemoryStatus.FAILED_PREPARE, MemoryStatus.FAILED_COMPUTE):
-            raise MemoryOpError("apply() on a failed memory context")
-        if not self.ubatches:
-            if self.update is not None:
-                self.kv.update(*self.update)
-            return True
-        sinfo = self.sinfos[self.i_cur]
-        ub = self.ubatches[self.i_cur]
-        self.kv.apply_ubatch(sinfo, ub, self.journal, save_data=True)
-        self.n_kv = self.kv.get_n_kv(sinfo)
-        n_per = sinfo.size()
-        if sinfo.n_stream() == 1:
-            self._dst_strm = np.full(ub.n_tokens, sinfo.strm[0], dtype=np.int64)
-            self._dst_cell = sinfo.idxs[0]
-        else:
-            self._dst_strm = np.repeat(np.asarray(sinfo.strm, dtype=np.int64), n_per)
-            self._dst_cell = np.concatenate(sinfo.idxs)
-        self._mask = None
-        return True
-
-    def rollback(self) -> None:
-        """Undo every ubatch applied through this context (a failed or aborted decode)."""
-        self.kv.undo(self.journal)
-
-    def get_ubatch(self):
-        return self.ubatches[self.i_cur]
-
-    def get_status(self) -> MemoryStatus:
-        return self.status
-
-    # ---- what the forward pass uses ---------------------------------------------------------
-
-    def get_n_kv(self, il: int | None = None) -> int:
-        return self.n_kv
-
-    def get_sinfo(self) -> SlotInfo:
-        return self.sinfos[self.i_cur]
-
-    def cpy_k(self, il: int, k_cur: np.ndarray) -> None:
-        """Store k_cur f32 [n_tokens, n_embd_k_gqa] into the slot cells (cache type_k)."""
-        layer = self.kv.layer_of[il]
-        x = k_cur
-        if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
-            x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], layer.n_embd_k)
-        fn = scatter_rows_par if x.shape[0] >= PAR_ROWS_MIN else scatter_rows
-        fn(layer.k, x, self._dst_strm, self._dst_cell, self.type_k)
-
-    def cpy_v(self, il: int, v_cur: np.ndarray) -> None:
-        """Store v_cur f32 [n_tokens, n_embd_v_gqa] (transposed when flash attention is off)."""
-        layer = self.kv.layer_of[il]
-        x = v_cur
-        if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
-            x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], layer.n_embd_v)
-        if self.v_trans:
-            scatter_rows_trans(layer.v, x, self._dst_strm, self._dst_cell, self.kv.type_v,
-                               _elem_bytes(self.kv.type_v))
-        else:
-            fn = scatter_rows_par if x.shape[0] >= PAR_ROWS_MIN else scatter_rows
-            fn(layer.v, x, self._dst_strm, self._dst_cell, self.kv.type_v)
-
-    def get_k(self, il: int):
-        """(u8 [n_stream, n_kv, row_bytes_k], type_k) - a view, no copy."""
-        return self.kv.layer_of[il].k[:, :self.n_kv], self.type_k
-
-    def get_rot(self, il: int) -> tuple[int, int]:
-        """(n_rot_k, n_rot_v): Hadamard chunk sizes the forward pass applies to Q/K and V
-        before storing them (runtime/memory/attn_rotation.py); (0, 0) for float caches."""
-        return self.n_rot_k, self.n_rot_v
-
-    def get_v(self, il: int):
-        """(u8 [n_stream, n_kv, row_bytes_v], type_v); transposed (flash off):
-        (u8 [n_stream, n_embd_v_gqa, kv_size * elem_bytes], type_v) - only the first n_kv
-        elements of each row are meaningful."""
-        layer = self.kv.layer_of[il]
-        if self.v_trans:
-            return layer.v, self.type_v
-        return layer.v[:, :self.n_kv], self.type_v
-
-    def kq_mask(self, il: int | None = None):
-        """(mask f32 [n_tokens, n_kv] of 0 / -inf, tok_stream i32 [n_tokens]) for this ubatch;
-        built once per ubatch (all layers of one cache share it)."""
-        if self._mask is None:
-            self._mask = self._build_mask()
-        return self._mask
-
-    def _build_mask(self):
-        ub = self.ubatches[self.i_cur]
-        n_kv = self.n_kv
-        mask = np.empty((ub.n_tokens, n_kv), dtype=np.float32)  # [n_tokens, n_kv]
-        tok_strm = self._dst_strm.astype(np.int32)
-        for strm in np.unique(tok_strm).tolist():
-            rows = np.flatnonzero(tok_strm == strm)
-            cells = self.kv.cells[strm]
-            fn = build_kq_mask_par if rows.size * n_kv >= PAR_MASK_MIN else build_kq_mask
-            fn(mask, rows, cells.pos, cells.seq, ub.pos, ub.seq0, n_kv, self.kv.n_swa)
-        return mask, tok_strm

@@ -13,6 +13,7 @@ import logging
 
 from runtime.cparams import N_CTX_PAD, pad_to
 from runtime.memory.kv_cache import KVCache
+from runtime.memory.kv_cache_context import KVCacheContext
 from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
 
 log = logging.getLogger(__name__)
@@ -146,17 +147,16 @@ class KVCacheISWA(Memory):
     def state_apply(self, parsed, seq_id: int = -1) -> None:
         """Place both caches' cells (undoing the base if the SWA part does not fit), then copy
         the rows: all or nothing."""
-        from runtime.memory.state import kv_state_place, kv_state_write_data
         pb, ps = parsed
         jb: list = []
-        placed_b = kv_state_place(self.kv_base, pb, seq_id, jb)
+        placed_b = self.kv_base.state_place(pb, seq_id, jb)
         try:
-            placed_s = kv_state_place(self.kv_swa, ps, seq_id, [])
+            placed_s = self.kv_swa.state_place(ps, seq_id, [])
         except Exception:
             self.kv_base.undo(jb)
             raise
-        kv_state_write_data(self.kv_base, pb, placed_b)
-        kv_state_write_data(self.kv_swa, ps, placed_s)
+        self.kv_base.state_write_data(pb, placed_b)
+        self.kv_swa.state_write_data(ps, placed_s)
 
     def state_read(self, io, seq_id: int = -1) -> None:
         self.state_apply(self.state_parse(io, seq_id), seq_id)
@@ -167,7 +167,6 @@ class KVCacheISWAContext(MemoryContext):
 
     def __init__(self, kv: KVCacheISWA, status: MemoryStatus, sinfos_base=None, sinfos_swa=None,
                  ubatches=None, full: bool = False):
-        from runtime.memory.kv_cache import KVCacheContext
         self.kv = kv
         self.status = status
         self.ubatches = ubatches or []

@@ -79,7 +79,7 @@ def compact(kv) -> bool:
                               np.full(src.size, -1, np.int32), np.zeros_like(snap.seq))
         cells.set(empty)
         cells.set(CellsSnapshot(dst, snap.pos, snap.shift, snap.ext, snap.seq))
-        kv._write_cells(strm, dst, kv._read_cells(strm, src))
+        kv.write_rows(strm, dst, kv.read_rows(strm, src))
         kv.heads[strm] = n_used
         moved = True
     return moved
