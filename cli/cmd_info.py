@@ -13,6 +13,7 @@ from rich.table import Table
 from kernels.ggml_types import KV_CACHE_TYPES, row_bytes, type_by_name, type_name
 from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
+from runtime.gguf_split import open_gguf
 from runtime.hparams import HParams
 
 
@@ -61,7 +62,7 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
     n_params = sum(t.n_elements for t in gf.tensors.values())
     tokens = gf.get("tokenizer.ggml.tokens")
     rows = [
-        ("file", f"{gf.path} ({human_bytes(gf.file_size)}, GGUF v{gf.version})"),
+        ("file", f"{gf.path} ({human_bytes(gf.file_size)}{_parts_text(gf)}, GGUF v{gf.version})"),
         ("name", str(gf.get("general.name", "-"))),
         ("architecture", gf.arch),
         ("parameters", f"{human_count(n_params)} ({n_params:,})"),
@@ -92,6 +93,11 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
     rows += [("vocabulary", vocab),
              ("chat template", "yes" if gf.get("tokenizer.chat_template") else "no (ChatML fallback)")]
     return rows
+
+
+def _parts_text(gf: GGUFFile) -> str:
+    parts = getattr(gf, "parts", None)  # runtime.gguf_split.SplitGGUF
+    return f" in {len(parts)} split parts" if parts else ""
 
 
 def _swa_text(hp: HParams) -> str:
@@ -176,5 +182,5 @@ def register(app: typer.Typer) -> None:
 
         path = resolve_model(model)
         console = Console(highlight=False)
-        with GGUFFile(path) as gf:
+        with open_gguf(path) as gf:
             show_info(gf, console)

@@ -9,7 +9,7 @@ import sys
 import typer
 
 from cli.models import resolve_model
-from runtime.gguf_file import GGUFFile
+from runtime.gguf_split import open_gguf
 from runtime.text.vocab import Vocab
 
 
@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         if text == "-":
             text = sys.stdin.read()
         path = resolve_model(model)
-        with GGUFFile(path) as gf:
+        with open_gguf(path) as gf:
             vocab = Vocab.from_gguf(gf)
         ids = vocab.tokenize(text, add_special=not no_bos, parse_special=parse_special)
         print(json.dumps(ids))

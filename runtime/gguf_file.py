@@ -177,8 +177,11 @@ class GGUFFile:
     until the last view (e.g. held by model weights) is gone.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, split_part: bool = False):
+        """`split_part`: a second or later file of a split model (llama.cpp's gguf-split), which
+        holds only the split.* keys and its share of the tensors, so no general.architecture."""
         self.path = Path(path)
+        self._split_part = split_part
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, tuple[int, int | None]] = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -368,6 +371,8 @@ class GGUFFile:
     def _check_metadata(self) -> None:
         """Container-level metadata rules: architecture name, tokenizer array types/lengths."""
         if "general.architecture" not in self.metadata:
+            if self._split_part:
+                return
             self._fail("general.architecture", "missing (required)")
         if self.value_types["general.architecture"][0] != GGUFValueType.STRING or not self.arch:
             self._fail("general.architecture", "must be a non-empty string")

@@ -15,6 +15,7 @@ from kernels.ggml_types import GGMLType
 from kernels.matmul import QMatrix
 from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
+from runtime.gguf_split import open_gguf
 from runtime.hparams import HParams
 
 
@@ -78,7 +79,7 @@ class Model:
         from runtime.arch import ARCHS
         from runtime.text.vocab import Vocab
 
-        gf = GGUFFile(path)
+        gf = open_gguf(path)  # a split model's parts open as one file
         try:
             arch = ARCHS.get(gf.arch)
             if arch is None:

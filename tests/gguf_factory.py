@@ -247,3 +247,40 @@ def _infer_type(value) -> VT:
     if isinstance(value, (list, np.ndarray)):
         return VT.ARRAY
     raise TypeError(f"cannot infer a GGUF type for {type(value).__name__}")
+
+
+def split_gguf_file(src, out_prefix, n_split: int) -> list[Path]:
+    """Re-write the GGUF `src` as llama.cpp's gguf-split does: parts `{out_prefix}-0000i-of-0000n.gguf`,
+    the first with every metadata key, all with split.no / split.count / split.tensors.count, the
+    tensors in file order cut into `n_split` contiguous runs. Returns the part paths in order.
+    Read with gguf-py's reader (not ours), so the loader under test does not check itself."""
+    reader = gguf.GGUFReader(str(src))
+    tensors = list(reader.tensors)
+    if not 1 < n_split <= len(tensors):
+        raise ValueError(f"n_split must be in 2..{len(tensors)}")
+    bounds = [round(i * len(tensors) / n_split) for i in range(n_split + 1)]
+    arch = reader.fields["general.architecture"].contents()
+    paths = []
+    for i in range(n_split):
+        path = Path(f"{out_prefix}-{i + 1:05d}-of-{n_split:05d}.gguf")
+        w = gguf.GGUFWriter(str(path), arch)
+        if i == 0:
+            for key, field in reader.fields.items():
+                if key.startswith("GGUF.") or key == "general.architecture":
+                    continue
+                sub = field.types[-1] if field.types[0] == VT.ARRAY else None
+                w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        else:
+            w.kv_data[0].pop("general.architecture")
+        w.add_key_value("split.no", i, VT.UINT16)
+        w.add_key_value("split.count", n_split, VT.UINT16)
+        w.add_key_value("split.tensors.count", len(tensors), VT.INT32)
+        for t in tensors[bounds[i]:bounds[i + 1]]:
+            # t.data is numpy-ordered (float types) or [rows, row bytes] u8 (quantized types)
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths
