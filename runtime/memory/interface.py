@@ -126,8 +126,26 @@ class RecurrentMemoryContext(Protocol):
         """Store the updated SSM / delta states f32 [n_rs, n_embd_s]."""
 
 
+class SeqCheckpoint:
+    """What seq_restore needs to bring a sequence back to this point: its last position then,
+    and (recurrent memories) the saved state, a sequence state blob."""
+
+    __slots__ = ("seq_id", "pos", "blob")
+
+    def __init__(self, seq_id: int, pos: int, blob: bytes | None = None):
+        self.seq_id, self.pos, self.blob = seq_id, pos, blob
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.blob) if self.blob else 0
+
+
 class Memory:
     """Interface of a model's memory (llama_memory_i)."""
+
+    def memory_type(self) -> str:
+        """llama.cpp's class name of this memory (what `kvchat info` prints)."""
+        raise NotImplementedError
 
     def init_batch(self, balloc, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
         raise NotImplementedError
@@ -167,6 +185,16 @@ class Memory:
 
     def memory_breakdown(self) -> dict:
         raise NotImplementedError
+
+    def seq_checkpoint(self, seq_id: int) -> SeqCheckpoint:
+        """A point seq_restore can return seq_id to. A KV cache keeps every position, so the
+        position is enough; a recurrent memory saves the state (it cannot be cut later)."""
+        return SeqCheckpoint(seq_id, self.seq_pos_max(seq_id))
+
+    def seq_restore(self, seq_id: int, ckpt: SeqCheckpoint) -> bool:
+        """Make seq_id what it was at the checkpoint (positions after it are dropped); False
+        (nothing changed) if that cannot be done."""
+        return self.seq_rm(seq_id, ckpt.pos + 1, -1)
 
     def state_write(self, io, seq_id: int = -1) -> None:
         raise NotImplementedError

@@ -164,6 +164,9 @@ class KVCache(KVCacheStateIO, Memory):
                 "type_v": type_info(self.type_v).name, "k_bytes": k, "v_bytes": v,
                 "total_bytes": k + v}
 
+    def memory_type(self) -> str:
+        return "llama_kv_cache"
+
     def log_line(self) -> str:
         """The llama.cpp form of the cache-size log line."""
         k, v = self.size_k_bytes(), self.size_v_bytes()

@@ -92,6 +92,9 @@ class KVCacheISWA(Memory):
                 "v_bytes": b["v_bytes"] + s["v_bytes"],
                 "total_bytes": b["total_bytes"] + s["total_bytes"]}
 
+    def memory_type(self) -> str:
+        return "llama_kv_cache_iswa"
+
     def log_line(self) -> str:
         return self.kv_base.log_line() + "\n" + self.kv_swa.log_line()
 
