@@ -3,6 +3,8 @@
 Each `cli/cmd_*.py` exposes `register(app)`; this file only wires them together and turns
 user-facing errors (runtime.errors.KvchatError) into one line on stderr and exit code 1.
 """
+import logging
+import os
 import sys
 
 import typer
@@ -19,10 +21,10 @@ app = typer.Typer(
 )
 
 from cli import cmd_pull, cmd_info, cmd_tokenize, cmd_chat, cmd_perplexity, cmd_bench  # noqa: E402
-from cli import cmd_bench_batched  # noqa: E402
+from cli import cmd_bench_batched, cmd_session  # noqa: E402
 
 for _module in (cmd_chat, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
-                cmd_bench_batched):
+                cmd_bench_batched, cmd_session):
     _module.register(app)
 
 
@@ -32,11 +34,26 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _click_exc
 
 
+def quiet_engine_logs() -> None:
+    """The engine logs what llama.cpp logs (decode aborted, state refused, ...); the CLI says
+    what matters in its own words, so those records stay hidden unless KVCHAT_DEBUG is set.
+    Without a handler Python would print every warning through its last-resort handler."""
+    if os.environ.get("KVCHAT_DEBUG"):
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
+        return
+    for name in ("runtime", "kernels", "cli"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+
+
 def main(argv=None) -> None:
     """Entry point: `kvchat` alone (or with only options) means `kvchat chat`.
 
     Usage errors (unknown option, bad value) and KvchatError both become one `error:` line on
     stderr — exit 2 and 1 respectively, as click and llama.cpp's tools do."""
+    quiet_engine_logs()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]

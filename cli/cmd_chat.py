@@ -146,6 +146,18 @@ def apply_saved_sampling(conv: Conversation, saved: dict, settings: ChatSettings
         raise KvchatError(f"session sampling settings: {e}") from None
 
 
+def hold_session_lock(path):
+    """Lock a --session file for this process's life (None without one); SessionError naming
+    the process that holds it, so two processes never save over each other's turns."""
+    if path is None:
+        return None
+    import atexit
+    from cli.session_file import SessionLock
+    lock = SessionLock(path).acquire()
+    atexit.register(lock.release)  # removes the lock file; the kernel drops the lock anyway
+    return lock
+
+
 def register(app: typer.Typer) -> None:
     @app.command("chat")
     @with_settings
@@ -153,6 +165,7 @@ def register(app: typer.Typer) -> None:
         """Chat with a model in the terminal (the default command). /help inside lists commands."""
         from cli.repl import Repl
         import threading
+        lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
         engine = open_engine(settings, renderer, stop)
@@ -174,6 +187,7 @@ def register(app: typer.Typer) -> None:
         """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
         import threading
         text = read_prompt(prompt, file)
+        lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
         engine = open_engine(settings, renderer, stop)

@@ -14,21 +14,27 @@ Layout (all integers little-endian):
 The digest makes truncation and corruption detectable before anything is parsed; the header
 is then checked against the live model and cache configuration, so `load_session` either
 returns a `SessionData` the caller can apply, or raises SessionError with a one-line reason —
-it never touches a context. Writes go to a temp file in the same directory, are fsynced, and
-renamed over the target: an interrupted save leaves the previous file as it was.
+it never touches a context. Reading opens the file without blocking, only if it is a regular
+file, and bounds every length by the file's size before reading more (cli/session_file.py); the
+header's fields are type- and range-checked (cli/session_schema.py). Writes go to a temp file
+beside the (symlink-resolved) target, are fsynced, and renamed over it: an interrupted save
+leaves the previous file as it was; a file that is not a session is only replaced when forced.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cli.session_file import MAGIC, check_save_target, open_regular, read_exact
+from cli.session_schema import parse_header
 from runtime.errors import SessionError
 from runtime.memory.state import atomic_write  # temp file, fsync, rename, fsync the directory
+from runtime.text.utf8 import clean_tree
 
-MAGIC = b"KVCHATSS"
 FORMAT_VERSION = 1
 _DIGEST = 32
 _FIXED = len(MAGIC) + 4 + 4  # magic, version, header length
@@ -86,7 +92,7 @@ def cache_config(cparams) -> dict:
 
 def encode_session(data: SessionData) -> bytes:
     header = json.dumps({
-        "model": data.model, "cache": data.cache, "messages": data.messages,
+        "model": data.model, "cache": data.cache, "messages": clean_tree(data.messages),
         "sampling": data.sampling, "tokens": [int(t) for t in data.tokens],
         "n_dropped": int(data.n_dropped), "n_keep": int(data.n_keep), "extra": data.extra,
     }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -95,8 +101,10 @@ def encode_session(data: SessionData) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def save_session(path, data: SessionData) -> int:
-    """Encode and write atomically; returns the file size. SessionError if it cannot be written."""
+def save_session(path, data: SessionData, force: bool = False) -> int:
+    """Encode and write atomically; returns the file size. SessionError if it cannot be written,
+    or if `path` is something other than a session file and `force` is not given."""
+    check_save_target(path, force)
     blob = encode_session(data)
     try:
         atomic_write(path, blob)
@@ -107,76 +115,96 @@ def save_session(path, data: SessionData) -> int:
 
 # ---- reading -----------------------------------------------------------------------------------
 
-def decode_session(blob: bytes, where: str = "session file") -> SessionData:
-    """Parse and check the structure of a session file; SessionError with the first problem."""
-    if len(blob) < _FIXED + 8 + _DIGEST:
-        raise SessionError(f"{where}: truncated ({len(blob)} bytes) or not a kvchat session file")
-    if blob[:len(MAGIC)] != MAGIC:
+def _bytes(n: int) -> str:
+    return "1 byte" if n == 1 else f"{n} bytes"
+
+
+def _check_fixed(fixed: bytes, size: int, where: str) -> int:
+    """Magic, version and header length of the first _FIXED bytes; returns the header length."""
+    if size < _FIXED + 8 + _DIGEST:
+        if fixed[:len(MAGIC)] != MAGIC[:len(fixed)] or not fixed:
+            raise SessionError(f"{where}: not a kvchat session file ({_bytes(size)})")
+        raise SessionError(f"{where}: truncated ({_bytes(size)}, shorter than any session file)")
+    if fixed[:len(MAGIC)] != MAGIC:
         raise SessionError(f"{where}: not a kvchat session file (bad magic)")
-    version, hlen = struct.unpack_from("<II", blob, len(MAGIC))
+    version, hlen = struct.unpack_from("<II", fixed, len(MAGIC))
     if version != FORMAT_VERSION:
         raise SessionError(f"{where}: format version {version}, this kvchat reads version {FORMAT_VERSION}")
+    if hlen > size - _FIXED - 8 - _DIGEST:
+        raise SessionError(f"{where}: truncated or corrupted (a {_bytes(hlen)} header does not fit "
+                           f"in {_bytes(size)})")
+    return hlen
+
+
+def _check_state_len(slen: int, hlen: int, size: int, where: str) -> None:
+    room = size - (_FIXED + hlen + 8 + _DIGEST)  # >= 0 after _check_fixed
+    if slen > room:
+        raise SessionError(f"{where}: truncated or corrupted (the memory state claims "
+                           f"{_bytes(slen)}, the file has room for {_bytes(room)})")
+    if slen < room:
+        raise SessionError(f"{where}: has {_bytes(room - slen)} of trailing data after the "
+                           "memory state")
+
+
+def decode_session(blob: bytes, where: str = "session file") -> SessionData:
+    """Parse and check the structure of a session file; SessionError with the first problem."""
+    blob = bytes(blob)
+    hlen = _check_fixed(blob[:_FIXED], len(blob), where)
+    (slen,) = struct.unpack_from("<Q", blob, _FIXED + hlen)
+    _check_state_len(slen, hlen, len(blob), where)
     body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
-    if hlen > len(body) - _FIXED - 8:
-        raise SessionError(f"{where}: truncated (header runs past the end of the file)")
-    (slen,) = struct.unpack_from("<Q", body, _FIXED + hlen)
-    expected = _FIXED + hlen + 8 + slen + _DIGEST
-    if expected != len(blob):
-        kind = "truncated" if len(blob) < expected else "has trailing bytes"
-        raise SessionError(f"{where}: {kind} ({len(blob)} bytes, expected {expected})")
     if hashlib.sha256(body).digest() != digest:
         raise SessionError(f"{where}: corrupted (checksum mismatch)")
-    try:
-        h = json.loads(body[_FIXED:_FIXED + hlen].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SessionError(f"{where}: corrupted header ({e})") from None
-    _check_header(h, where)
-    state = body[_FIXED + hlen + 8:]
+    return _from_header(parse_header(body[_FIXED:_FIXED + hlen], where), body[_FIXED + hlen + 8:])
+
+
+def _from_header(h: dict, state) -> SessionData:
     return SessionData(model=h["model"], cache=h["cache"], messages=h["messages"],
                        sampling=h["sampling"], tokens=h["tokens"], n_dropped=h["n_dropped"],
                        n_keep=h["n_keep"], state=bytes(state), extra=h.get("extra") or {})
 
 
-def _check_header(h, where: str) -> None:
-    def bad(what):
-        raise SessionError(f"{where}: invalid header ({what})")
-
-    if not isinstance(h, dict):
-        bad("not an object")
-    for key, typ in (("model", dict), ("cache", dict), ("messages", list), ("sampling", dict),
-                     ("tokens", list), ("n_dropped", int), ("n_keep", int)):
-        if not isinstance(h.get(key), typ):
-            bad(f"'{key}' missing or of the wrong type")
-    for m in h["messages"]:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            bad("a message lacks role or content")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in h["tokens"]):
-        bad("token ids must be non-negative integers")
-    n_keep, n_dropped = h["n_keep"], h["n_dropped"]
-    if n_keep < 0 or n_dropped < 0 or (n_dropped and n_keep + n_dropped > len(h["tokens"])):
-        bad("context-shift counters do not fit the token list")
-
-
 def read_session(path) -> SessionData:
-    """Read and structurally check a session file (no model/cache comparison)."""
+    """Read and structurally check a session file (no model/cache comparison).
+
+    Opened without blocking and only if it is a regular file; the fixed part is read first and
+    every length in it is checked against the file's size before more is read, so a FIFO, a
+    device or a huge sparse file is refused after a few bytes."""
     p = Path(path)
+    where = str(p)
+    fd, size = open_regular(p)
     try:
-        blob = p.read_bytes()
-    except FileNotFoundError:
-        raise SessionError(f"session file {p} does not exist") from None
-    except IsADirectoryError:
-        raise SessionError(f"session file {p} is a directory") from None
+        fixed = read_exact(fd, _FIXED)
+        hlen = _check_fixed(fixed, size, where)
+        raw = read_exact(fd, hlen + 8)
+        if len(raw) < hlen + 8:
+            raise SessionError(f"{where}: truncated (the file shrank while it was read)")
+        (slen,) = struct.unpack_from("<Q", raw, hlen)
+        _check_state_len(slen, hlen, size, where)
+        rest = read_exact(fd, slen + _DIGEST)
     except OSError as e:
         raise SessionError(f"cannot read session file {p}: {e.strerror or e}") from None
-    return decode_session(blob, where=str(p))
+    finally:
+        os.close(fd)
+    if len(rest) != slen + _DIGEST:
+        raise SessionError(f"{where}: truncated (the file shrank while it was read)")
+    h = hashlib.sha256(fixed)
+    h.update(raw)
+    h.update(memoryview(rest)[:slen])
+    if h.digest() != rest[slen:]:
+        raise SessionError(f"{where}: corrupted (checksum mismatch)")
+    return _from_header(parse_header(raw[:hlen], where), memoryview(rest)[:slen])
 
 
 def check_compatible(data: SessionData, model: dict, cache: dict, where: str, n_vocab: int | None = None) -> None:
-    """Raise SessionError unless the session belongs to this model and cache configuration."""
-    if data.model.get("file") != model["file"] or data.model.get("size") != model["size"] \
-            or data.model.get("header_sha256") != model["header_sha256"]:
+    """Raise SessionError unless the session belongs to this model and cache configuration.
+
+    The model is identified by content (size and the sha256 of its GGUF header: metadata and
+    tensor table), not by file name: a renamed or moved model still resumes its sessions."""
+    if data.model.get("size") != model["size"] or data.model.get("header_sha256") != model["header_sha256"]:
         raise SessionError(f"{where}: saved with model {data.model.get('file')} "
-                           f"({data.model.get('size')} bytes), not {model['file']} ({model['size']} bytes)")
+                           f"({data.model.get('size')} bytes), not {model['file']} ({model['size']} "
+                           "bytes): different model contents")
     for key in ("n_ctx", "type_k", "type_v", "flash_attn", "swa_full"):
         if data.cache.get(key) != cache[key]:
             flag = {"n_ctx": "-c", "type_k": "-ctk", "type_v": "-ctv", "flash_attn": "-fa",
@@ -199,14 +227,14 @@ def load_session(path, model: dict, cache: dict, n_vocab: int | None = None) -> 
 
 # ---- a live conversation ↔ a file ----------------------------------------------------------------
 
-def save_conversation(path, conv, model: dict, cache: dict) -> int:
+def save_conversation(path, conv, model: dict, cache: dict, force: bool = False) -> int:
     """Snapshot a Conversation (messages, tokens, sampling, memory state) into a session file."""
     st = conv.session_state()
     data = SessionData(model=model, cache=cache, messages=st["messages"],
                        sampling=conv.sampler.params.to_dict() | {"seed": conv.sampler.seed},
                        tokens=st["tokens"], n_dropped=st["n_dropped"], n_keep=st["n_keep"],
                        state=st["state"])
-    return save_session(path, data)
+    return save_session(path, data, force)
 
 
 def load_conversation(path, conv, model: dict, cache: dict, n_vocab: int | None = None) -> SessionData:

@@ -178,12 +178,85 @@ def resolve_cparams(params: ContextParams, hparams) -> CParams:
     if n_ctx_train and n_ctx_seq > n_ctx_train:
         warnings.append(f"n_ctx_seq ({n_ctx_seq}) > n_ctx_train ({n_ctx_train}) -- "
                         "possible training context overflow")
-    for w in warnings:
-        log.warning("%s", w)
+    for w in warnings:  # returned to the caller, who shows them once (the CLI prints them)
+        log.info("%s", w)
 
-    return CParams(
+    cp = CParams(
         n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_batch=n_batch, n_ubatch=n_ubatch,
         n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, flash_attn=flash,
         swa_full=bool(params.swa_full), kv_unified=bool(params.kv_unified),
         n_threads=n_threads, n_ctx_train=n_ctx_train, causal_attn=causal, warnings=warnings,
     )
+    check_kv_fits(cp, hparams)
+    return cp
+
+
+# ---- will the KV cache fit in memory? ------------------------------------------------------------
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable); None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def kv_cache_bytes(cp: CParams, hparams) -> tuple[int, int]:
+    """(total bytes, bytes per context token) of the K/V buffers a context with `cp` allocates.
+
+    Full-attention layers hold n_ctx cells (all streams together); sliding-window layers of an
+    iSWA model only their window (pad256(min(n_ctx_seq, n_swa * n_seq + n_ubatch)) per stream)
+    unless --swa-full. Mirrors the sizes runtime/memory/kv_cache*.py allocates."""
+    from kernels.ggml_types import row_bytes
+    n_layer = int(getattr(hparams, "n_layer", 0) or 0)
+    if not n_layer or not hasattr(hparams, "n_embd_k_gqa"):
+        return 0, 0
+    n_swa = int(getattr(hparams, "n_swa", 0) or 0)
+    has_kv = getattr(hparams, "has_kv", lambda il: True)
+    is_swa = getattr(hparams, "is_swa", lambda il: False)
+    swa_cells = pad_to(min(cp.n_ctx_seq, n_swa * (cp.n_seq_max if cp.kv_unified else 1) + cp.n_ubatch),
+                       N_CTX_PAD) * cp.n_stream
+    total = per_token = 0
+    for il in range(n_layer):
+        if not has_kv(il):
+            continue
+        try:
+            row = row_bytes(cp.type_k, hparams.n_embd_k_gqa(il)) + row_bytes(cp.type_v, hparams.n_embd_v_gqa(il))
+        except (ValueError, TypeError):  # a layout this estimate does not know: no estimate
+            return 0, 0
+        if n_swa > 0 and is_swa(il) and not cp.swa_full:
+            total += row * swa_cells
+        else:
+            total += row * cp.n_ctx
+            per_token += row
+    return total, per_token
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_kv_fits(cp: CParams, hparams, available: int | None = None) -> None:
+    """Refuse, before anything is allocated, a context whose KV cache exceeds the machine's free
+    memory: one line with what it needs, what there is, and the largest -c that fits."""
+    available = available_memory() if available is None else available
+    if not available:
+        return
+    total, per_token = kv_cache_bytes(cp, hparams)
+    if total <= available:
+        return
+    fixed = total - per_token * cp.n_ctx  # the sliding-window part does not grow with -c
+    fit = (available - fixed) // per_token if per_token else 0
+    fit = fit // (N_CTX_PAD * cp.n_stream) * (N_CTX_PAD * cp.n_stream)
+    seqs = f" for {cp.n_seq_max} sequences" if cp.n_seq_max > 1 else ""
+    hint = (f"the largest -c that fits is {fit}" if fit >= N_CTX_PAD else
+            "not even the smallest context fits")
+    if type_info(cp.type_k).block_size == 1:
+        hint += " (a quantized cache, -ctk q8_0 -ctv q8_0, holds about twice as many)"
+    raise CParamsError(f"-c {cp.n_ctx}{seqs} needs {_gib(total)} of KV cache "
+                       f"({type_info(cp.type_k).name}/{type_info(cp.type_v).name}) but this machine "
+                       f"has {_gib(available)} of memory available; {hint}")

@@ -24,3 +24,7 @@ class SessionError(KvchatError):
 
 class CParamsError(KvchatError, ValueError):
     """Context parameters that cannot work together (a user's flags)."""
+
+
+class ModelOutputError(KvchatError):
+    """The model computed logits no sampler can use (NaN / +inf): its weights are damaged."""

@@ -126,6 +126,27 @@ def temperature(ids: np.ndarray, logits: np.ndarray, temp: float):
 
 # ---- the chain ---------------------------------------------------------------------------------
 
+def check_logits(logits: np.ndarray) -> None:
+    """ModelOutputError unless the logits can be sampled: no NaN, no +inf, not all -inf.
+
+    -inf alone is fine (masked tokens, --ignore-eos); the rest only comes from damaged weights,
+    and sampling it would pick token 0 forever or fail deep inside argmax."""
+    from runtime.errors import ModelOutputError
+    x = np.asarray(logits)
+    if x.size and np.isfinite(x).all():
+        return
+    if x.size == 0:
+        raise ModelOutputError("the model produced no logits")
+    if np.isnan(x).any():
+        raise ModelOutputError("the model produced NaN logits: its weights are damaged "
+                               "(re-download or re-convert the model file)")
+    if np.isposinf(x).any():
+        raise ModelOutputError("the model produced infinite logits: its weights are damaged "
+                               "(re-download or re-convert the model file)")
+    if not np.isfinite(x).any():
+        raise ModelOutputError("every token has probability zero (all logits are -inf)")
+
+
 class Sampler:
     """The sampler chain plus its random generator. One per conversation."""
 
@@ -152,6 +173,7 @@ class Sampler:
 
         logits f32 [n_vocab]; history: token ids of the sequence so far (oldest first).
         """
+        check_logits(logits)
         p = self.params
         penalised = apply_repetition_penalty(logits, self._recent(history), p.repeat_penalty)
         ids = np.arange(penalised.shape[0], dtype=np.int64)  # [n_vocab] i64

@@ -87,7 +87,7 @@ def test_cache_config_mismatch(field, value, flag):
     assert flag in str(e.value) and field in str(e.value)
 
 
-@pytest.mark.parametrize("field,value", [("file", "x.gguf"), ("size", 99), ("header_sha256", "cd" * 32)])
+@pytest.mark.parametrize("field,value", [("size", 99), ("header_sha256", "cd" * 32)])
 def test_model_mismatch(field, value):
     data = sample_data()
     with pytest.raises(SessionError, match="saved with model m.gguf"):

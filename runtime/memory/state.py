@@ -9,8 +9,10 @@ blob never changes anything; files are written atomically (`atomic_write`).
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import tempfile
+import time
 
 import numpy as np
 
@@ -100,14 +102,28 @@ class StateReader:
             raise StateError(f"{self.remaining()} unexpected bytes after the state data")
 
 
+TMP_TAG = ".kvchat-tmp-"  # temp files are ".NAME.kvchat-tmp-PID-XXXXXXXX" beside NAME
+STALE_LEGACY_SECONDS = 3600  # ".tmp-*" files of older kvchat versions: removed after an hour
+
+
 def atomic_write(path, data: bytes) -> None:
     """Write a file so readers see the old or the new content, never half: temp file in the
-    same directory, fsync, rename over the target, fsync the directory."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    same directory, fsync, rename over the target, fsync the directory.
+
+    A symlink is written through: the temp file goes next to the link's final target and is
+    renamed over it, so the link stays a link. The file keeps its mode (a new one gets the
+    umask's). Temp files that a killed save left behind (their pid is gone) are removed first."""
+    path = os.path.realpath(os.fspath(path))
+    d, name = os.path.split(path)
+    remove_stale_temps(path)
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}{TMP_TAG}{os.getpid()}-", dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -126,3 +142,59 @@ def atomic_write(path, data: bytes) -> None:
             os.close(dfd)
     except OSError:
         pass
+
+
+def _umask() -> int:
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(path) -> list[str]:
+    """Remove temp files of saves to `path` whose writer was killed; returns their names.
+
+    Ours are ".NAME.kvchat-tmp-PID-…": stale when PID is no longer running. Older versions wrote
+    ".tmp-XXXXXXXX"; those are removed only when they start with the session magic and are over
+    an hour old (nothing else of ours, or anyone's live save, looks like that)."""
+    d, name = os.path.split(os.path.realpath(os.fspath(path)))
+    prefix = f".{name}{TMP_TAG}"
+    removed = []
+    try:
+        entries = os.listdir(d or ".")
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        full = os.path.join(d, entry)
+        if entry.startswith(prefix):
+            pid = entry[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+        elif entry.startswith(".tmp-") and len(entry) == 13:
+            try:
+                st = os.lstat(full)
+                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_LEGACY_SECONDS:
+                    continue
+                with open(full, "rb") as f:
+                    if f.read(8) != b"KVCHATSS":
+                        continue
+            except OSError:
+                continue
+        else:
+            continue
+        try:
+            os.unlink(full)
+            removed.append(entry)
+        except OSError:
+            pass
+    return removed

@@ -22,6 +22,7 @@ import numpy as np
 from runtime.errors import ModelFileError
 from runtime.text.tokenizer_bpe import BPETokenizer, byte_decode, pre_tokenizer, supported_pre_names
 from runtime.text.tokenizer_spm import spm_tokenize
+from runtime.text.utf8 import clean_text
 
 # llama_token_attr bit flags (llama.h)
 ATTR_UNDEFINED = 0
@@ -243,7 +244,11 @@ class Vocab:
         return tid
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Token ids of `text` exactly as llama_tokenize(text, add_special, parse_special) gives them."""
+        """Token ids of `text` exactly as llama_tokenize(text, add_special, parse_special) gives them.
+
+        Text that is not valid UTF-8 (lone or surrogate-escaped surrogates) is cleaned first:
+        each bad byte becomes U+FFFD, as llama.cpp's unicode_cpts_from_utf8 does."""
+        text = clean_text(text)
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos)
@@ -369,7 +374,9 @@ class StreamDecoder:
     """Turns a stream of token ids into text, emitting only complete UTF-8 characters.
 
     A character split over several byte tokens (emoji, CJK under byte fallback) is held back until
-    its last byte arrives; bytes that can never form a character come out as U+FFFD.
+    its last byte arrives; bytes that can never form a character come out as U+FFFD. An answer
+    that ends (-n, end of turn, Ctrl-C) inside a character drops the held bytes rather than
+    printing a U+FFFD for a character that was never finished.
     """
 
     def __init__(self, vocab: Vocab, special: bool = False):
@@ -381,7 +388,6 @@ class StreamDecoder:
         return self._decoder.decode(self.vocab.token_to_piece(tid, self.special))
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character becomes U+FFFD); resets the decoder."""
-        text = self._decoder.decode(b"", final=True)
+        """End of the stream: the bytes of an unfinished character are dropped; resets the decoder."""
         self._decoder.reset()
-        return text
+        return ""

@@ -1,0 +1,183 @@
+"""`kvchat run`, `tokenize` and `session show` on bad bytes, damaged models, impossible sizes and
+locked sessions, as subprocesses on a tiny random model: one line and a clear exit code each,
+never a traceback, never a lost turn."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.gguf_factory import write_tiny_model
+
+TIMEOUT = 600  # the first run compiles the kernels
+
+
+def kvchat(*args, input=None, env=None, cwd=None):
+    cmd = [sys.executable, "-c", "from cli.app import main; main()",
+           *(a if isinstance(a, bytes) else os.fsencode(str(a)) for a in args)]
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    e.pop("KVCHAT_DEBUG", None)
+    return subprocess.run(cmd, input=input, capture_output=True, timeout=TIMEOUT, cwd=cwd or ROOT, env=e)
+
+
+def err_lines(r) -> list[str]:
+    return [line for line in r.stderr.decode("utf-8", "replace").splitlines() if line.strip()]
+
+
+def assert_no_traceback(r):
+    text = r.stderr.decode("utf-8", "replace")
+    assert "Traceback" not in text and "Error:" not in text.replace("error:", ""), text
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def nan_model(tmp_path_factory):
+    import gguf
+    path = write_tiny_model(tmp_path_factory.mktemp("nan") / "damaged.gguf")
+    reader = gguf.GGUFReader(path, "r+")
+    for t in reader.tensors:
+        if t.name == "output_norm.weight":
+            t.data[:] = np.nan
+    del reader
+    return path
+
+
+RUN = ("run", "-c", "256", "-n", "4", "--temp", "0")
+
+
+# ---- invalid UTF-8 -----------------------------------------------------------------------------------
+
+def test_invalid_utf8_prompt_argument_is_replaced_and_answered(tiny, tmp_path):
+    from cli.session import read_session
+    session = tmp_path / "s.kvs"
+    r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", b"caf\xe9 \xff\xfe ok")
+    assert r.returncode == 0, r.stderr
+    assert_no_traceback(r)
+    assert read_session(session).messages[0]["content"] == "caf\ufffd \ufffd\ufffd ok"
+
+
+def test_invalid_utf8_on_stdin_is_replaced_and_answered(tiny, tmp_path):
+    from cli.session import read_session
+    session = tmp_path / "s.kvs"
+    r = kvchat(*RUN, "-m", tiny, "--session", session, input=b"ab\xc3(\x80cd")
+    assert r.returncode == 0, r.stderr
+    assert read_session(session).messages[0]["content"] == "ab\ufffd(\ufffdcd"
+
+
+def test_tokenize_replaces_each_invalid_byte_like_llama_cpp(tiny):
+    from runtime.gguf_file import GGUFFile
+    from runtime.text.vocab import Vocab
+    with GGUFFile(tiny) as gf:
+        vocab = Vocab.from_gguf(gf)
+    expected = vocab.tokenize("x\ufffd\ufffdy", add_special=False)
+    r = kvchat("tokenize", "-m", tiny, "--no-bos", b"x\xe2\x82y")  # a cut 3-byte char: 2 bytes, 2 U+FFFD
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == expected
+    r = kvchat("tokenize", "-m", tiny, "--no-bos", "-", input=b"x\xe2\x82y")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == expected
+
+
+# ---- damaged models, impossible sizes ----------------------------------------------------------------
+
+def test_nan_logits_are_one_line_and_exit_1(nan_model):
+    r = kvchat(*RUN, "-m", nan_model, "-p", "hello")
+    assert r.returncode == 1
+    assert err_lines(r) == ["error: the model produced NaN logits: its weights are damaged "
+                            "(re-download or re-convert the model file)"]
+    assert r.stdout.strip() == b""
+
+
+def test_context_too_large_for_the_machine_is_refused_up_front(tiny):
+    from runtime.cparams import available_memory
+    r = kvchat(*RUN, "-m", tiny, "-c", "1000000000", "-p", "hello")
+    assert r.returncode == 1
+    (line,) = err_lines(r)
+    assert line.startswith("error: -c 1000000000 needs 238.4 GiB of KV cache (f16/f16)")
+    fit = int(line.split("the largest -c that fits is ")[1].split()[0])
+    # 2 layers x (32 K + 32 V) f16 values = 256 bytes per token; MemAvailable moves meanwhile
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert fit % 256 == 0 and 0 < fit * 256 <= total and available_memory() <= total
+
+
+def test_training_context_warning_is_printed_once_and_engine_logs_stay_hidden(tiny):
+    r = kvchat(*RUN, "-m", tiny, "-c", "1024", "-p", "hello")
+    assert r.returncode == 0, r.stderr
+    lines = err_lines(r)
+    assert sum("possible training context overflow" in line for line in lines) == 1
+    assert lines == ["n_ctx_seq (1024) > n_ctx_train (512) -- possible training context overflow"]
+
+
+def test_refused_memory_state_prints_only_the_real_error(tiny, tmp_path):
+    from cli.session import decode_session, encode_session
+    session = tmp_path / "s.kvs"
+    assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "hello").returncode == 0
+    data = decode_session(session.read_bytes())
+    data.state = b"\x05" + data.state[1:]  # a state of another shape, digest recomputed
+    session.write_bytes(encode_session(data))
+    before = session.read_bytes()
+    r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", "again")
+    assert r.returncode == 1
+    (line,) = err_lines(r)  # no "error loading sequence state: ..." log line before it
+    assert line.startswith("error: ") and "memory state" in line
+    assert session.read_bytes() == before
+
+
+# ---- locked sessions ---------------------------------------------------------------------------------
+
+def test_run_on_a_session_another_process_holds_is_refused_naming_it(tiny, tmp_path):
+    from cli.session_file import SessionLock
+    session = tmp_path / "s.kvs"
+    assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
+    before = session.read_bytes()
+    with SessionLock(session):
+        r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", "msg")
+    assert r.returncode == 1
+    assert err_lines(r) == [f"error: session file {session} is in use by process {os.getpid()}; "
+                            "wait for it to finish or use another file"]
+    assert session.read_bytes() == before
+
+
+def test_concurrent_runs_never_report_a_turn_that_is_not_in_the_file(tiny, tmp_path):
+    from cli.session import read_session
+    session = tmp_path / "s.kvs"
+    assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
+    cmd = [sys.executable, "-c", "from cli.app import main; main()", *RUN, "-m", str(tiny),
+           "--session", str(session)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen(cmd + ["-p", f"msg {i}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for i in range(4)]
+    codes = [p.wait(timeout=TIMEOUT) for p in procs]
+    users = [m["content"] for m in read_session(session).messages if m["role"] == "user"]
+    ok = [f"msg {i}" for i, c in enumerate(codes) if c == 0]
+    assert ok and set(users[1:]) == set(ok) and users[0] == "Seed"
+    for p, c in zip(procs, codes):
+        if c:
+            assert b"is in use by process" in p.stderr.read()
+    assert not (tmp_path / ".s.kvs.lock").exists()
+
+
+# ---- kvchat session show -----------------------------------------------------------------------------
+
+def test_session_show_prints_model_settings_and_messages(tiny, tmp_path):
+    session = tmp_path / "s.kvs"
+    assert kvchat(*RUN, "-m", tiny, "--session", session, "--seed", "5", "-p", "Hello there").returncode == 0
+    r = kvchat("session", "show", session)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    assert "model    tiny.gguf" in out and "-c 256 · K f16 V f16 · flash-attn on" in out
+    assert "seed 5" in out and "user: Hello there" in out and "messages 2" in out
+    r = kvchat("session", "show", "--json", session)
+    info = json.loads(r.stdout)
+    assert info["model"]["file"] == "tiny.gguf" and info["cache"]["n_ctx"] == 256
+    assert info["sampling"]["seed"] == 5 and info["messages"][0] == {"role": "user", "content": "Hello there"}
+    assert info["n_cached"] == len(info["tokens"]) and info["state_bytes"] > 0
+    r = kvchat("session", "show", tiny)
+    assert r.returncode == 1 and err_lines(r) == [f"error: {tiny}: not a kvchat session file (bad magic)"]
