@@ -18,7 +18,8 @@ import numpy as np
 
 from runtime.batch import Batch, BatchAllocator
 from runtime.cparams import ContextParams, resolve_cparams
-from runtime.memory.interface import MemoryStatus, create_memory
+from runtime.arch import create_memory
+from runtime.memory.interface import MemoryStatus
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""Per-architecture hyper-parameters read from GGUF metadata (llama.cpp's llama_hparams).
+"""Hyper-parameters read from GGUF metadata (llama.cpp's llama_hparams), for any architecture.
 
-`HParams.from_gguf(gf)` reads and sanity-checks every key the forward pass and the KV cache
-depend on, then checks that each weight tensor has the shape those numbers imply, so a model
-that loads is one the engine can run. Defaults follow llama.cpp's loader: n_head_kv = n_head,
-head sizes = n_embd / n_head unless key_length / value_length say otherwise, n_rot = head size,
-rope base 10000, gemma3: SWA pattern "5 sliding layers then 1 global" (every 6th layer global),
-rope base 10000 on the sliding layers, embeddings scaled by sqrt(n_embd).
+`HParams.from_gguf(gf)` reads and sanity-checks the keys every decoder has (the common part
+below), hands them to the file's architecture (runtime/arch/<name>.py: `read_hparams`) for its
+own keys and checks, then checks that each weight tensor has the shape the arch's tensor schema
+implies, so a model that loads is one the engine can run. Defaults follow llama.cpp's loader:
+n_head_kv = n_head, head sizes = n_embd / n_head unless key_length / value_length say otherwise,
+n_rot = head size, rope base 10000, no sliding window. This module names no architecture.
 """
 from __future__ import annotations
 
@@ -15,22 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.ggml_types import TYPES, type_name
+from runtime.arch import get_arch, is_supported, unsupported_message
 from runtime.gguf_file import GGUFFile, GGUFValueType
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-# llama_model_rope_type: llama rotates adjacent pairs, the others rotate the two halves
-ROPE_TYPES = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
-QK_NORM_ARCHS = ("qwen3", "gemma3")
-GEMMA3_SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
-ROPE_SCALING_TYPES = ("none", "linear")  # the kernels implement no yarn / longrope
+ROPE_SCALING_TYPES = ("none", "linear")  # the kernels implement no yarn
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 MAX_DIM = 1 << 20  # sanity cap on widths and head counts
 
 
 @dataclass
 class HParams:
-    """Hyper-parameters of one model. Per-layer values are uniform in the supported archs,
-    except the sliding-window flag (`swa_layers[il]`)."""
+    """Hyper-parameters of one model: the fields every decoder has. An architecture with keys
+    of its own declares a subclass with those extras (runtime/arch/<name>.py). Per-layer values
+    are uniform except the sliding-window flag (`swa_layers[il]`); a subclass may override the
+    per-layer methods."""
 
     arch: str
     n_vocab: int
@@ -84,7 +82,7 @@ class HParams:
         return 0 <= il < self.n_layer
 
     def rope_base(self, il: int) -> float:
-        """RoPE frequency base of layer il (sliding layers have their own in gemma3)."""
+        """RoPE frequency base of layer il (sliding layers may have their own, rope.freq_base_swa)."""
         return self.rope_freq_base_swa if self.is_swa(il) else self.rope_freq_base
 
     def rope_scale(self, il: int) -> float:
@@ -106,122 +104,76 @@ class HParams:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_gguf(cls, gf: GGUFFile, check_tensors: bool = True) -> "HParams":
-        """Read and validate; ModelFileError (one line: file, key, problem) on any violation."""
-        arch = gf.arch
-        if arch not in SUPPORTED_ARCHS:
-            gf.fail("general.architecture",
-                    f"architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
-        k = lambda name: f"{arch}.{name}"  # noqa: E731
-
-        n_layer = _scalar_int(gf, k("block_count"), 1, MAX_LAYERS)
-        n_embd = _scalar_int(gf, k("embedding_length"), 1, MAX_DIM)
-        n_ff = _scalar_int(gf, k("feed_forward_length"), 1, MAX_DIM)
-        n_ctx_train = gf.get_int(k("context_length"), min_value=1)
-        n_head = _scalar_int(gf, k("attention.head_count"), 1, MAX_DIM)
-        n_head_kv = _scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head)
-        if n_head % n_head_kv:
-            gf.fail(k("attention.head_count_kv"),
-                    f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-        if k("attention.key_length") not in gf.metadata or k("attention.value_length") not in gf.metadata:
-            if n_embd % n_head:
-                gf.fail(k("attention.head_count"),
-                        f"embedding_length {n_embd} is not divisible by head_count {n_head} "
-                        f"(and no key_length/value_length given)")
-        head_k = _scalar_int(gf, k("attention.key_length"), 1, MAX_DIM, default=n_embd // n_head)
-        head_v = _scalar_int(gf, k("attention.value_length"), 1, MAX_DIM, default=n_embd // n_head)
-        n_rot = _scalar_int(gf, k("rope.dimension_count"), 1, MAX_DIM, default=head_k)
-        if arch == "llama" and n_rot != head_k:
-            gf.fail(k("rope.dimension_count"), f"{n_rot} must equal the head size {head_k} for llama")
-        if n_rot > head_k or n_rot % 2:
-            gf.fail(k("rope.dimension_count"), f"{n_rot} must be even and at most the head size {head_k}")
-
-        norm_eps = gf.get_float(k("attention.layer_norm_rms_epsilon"))
-        if not 0.0 < norm_eps < 1.0:
-            gf.fail(k("attention.layer_norm_rms_epsilon"), f"{norm_eps} is not in (0, 1)")
-
-        rope_base = _positive(gf, k("rope.freq_base"), 10000.0)
-        scaling = gf.get_str(k("rope.scaling.type"), "linear")
-        if scaling not in ROPE_SCALING_TYPES:
-            gf.fail(k("rope.scaling.type"),
-                    f"rope scaling '{scaling}' is not supported; supported: {', '.join(ROPE_SCALING_TYPES)}")
-        factor = gf.get_float(k("rope.scaling.factor"), None)
-        if factor is None:
-            factor = gf.get_float(k("rope.scale_linear"), 0.0)
-        if factor < 0:
-            gf.fail(k("rope.scaling.factor"), f"{factor} is negative")
-        rope_scale = 1.0 if factor == 0.0 else 1.0 / factor
-        n_ctx_orig = gf.get_int(k("rope.scaling.original_context_length"), n_ctx_train, min_value=1)
-
-        n_vocab = _vocab_size(gf, arch)
-
-        swa_layers = [False] * n_layer
-        n_swa, swa_pattern = 0, 0
-        rope_base_swa = rope_base
-        embed_scale, final_softcap = 1.0, 0.0
-        kq_scale = 1.0 / math.sqrt(head_k)
-        if arch == "gemma3":
-            n_swa = gf.get_int(k("attention.sliding_window"), 0, min_value=0)
-            if n_swa > 0:
-                swa_layers, swa_pattern = _swa_layers(gf, k("attention.sliding_window_pattern"), n_layer)
-                rope_base_swa = _positive(gf, k("rope.freq_base_swa"), 10000.0)
-            embed_scale = math.sqrt(n_embd)
-            final_softcap = gf.get_float(k("final_logit_softcapping"), 0.0)
-            if n_layer == 62:  # the 27B model scales by n_embd / n_head instead of the head size
-                kq_scale = 1.0 / math.sqrt(n_embd / n_head)
-
-        hp = cls(
-            arch=arch, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
-            n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=head_k, n_embd_head_v=head_v,
-            n_ff=n_ff, norm_eps=norm_eps, rope_type=ROPE_TYPES[arch], n_rot=n_rot,
-            rope_freq_base=rope_base, rope_freq_scale=rope_scale, rope_freq_base_swa=rope_base_swa,
-            n_swa=n_swa, swa_layers=swa_layers, use_qk_norm=arch in QK_NORM_ARCHS,
-            tied_output="output.weight" not in gf.tensors, attn_logit_softcap=0.0,
-            final_logit_softcap=final_softcap, embed_scale=embed_scale, kq_scale=kq_scale,
-            rope_scaling_type=scaling, n_ctx_orig=n_ctx_orig, swa_pattern=swa_pattern,
-        )
+        """Read and validate; ModelFileError (one line: file, key, problem) on any violation.
+        The result is of the architecture's HParams class (this one or a subclass with extras)."""
+        if not is_supported(gf.arch):
+            gf.fail("general.architecture", unsupported_message(gf.arch))
+        arch = get_arch(gf.arch)
+        hp = arch.read_hparams(gf, read_common(gf, arch))
         if check_tensors:
             validate_tensors(gf, hp)
         return hp
 
 
+def read_common(gf: GGUFFile, arch) -> dict:
+    """The HParams fields every architecture has, read from `<arch>.*` keys and validated.
+    `arch` supplies rope_type, qk_norm and whether RoPE must span the whole head."""
+    k = lambda name: f"{arch.name}.{name}"  # noqa: E731
+
+    n_layer = scalar_int(gf, k("block_count"), 1, MAX_LAYERS)
+    n_embd = scalar_int(gf, k("embedding_length"), 1, MAX_DIM)
+    n_ff = scalar_int(gf, k("feed_forward_length"), 1, MAX_DIM)
+    n_ctx_train = gf.get_int(k("context_length"), min_value=1)
+    n_head = scalar_int(gf, k("attention.head_count"), 1, MAX_DIM)
+    n_head_kv = scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head)
+    if n_head % n_head_kv:
+        gf.fail(k("attention.head_count_kv"),
+                f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    if k("attention.key_length") not in gf.metadata or k("attention.value_length") not in gf.metadata:
+        if n_embd % n_head:
+            gf.fail(k("attention.head_count"),
+                    f"embedding_length {n_embd} is not divisible by head_count {n_head} "
+                    f"(and no key_length/value_length given)")
+    head_k = scalar_int(gf, k("attention.key_length"), 1, MAX_DIM, default=n_embd // n_head)
+    head_v = scalar_int(gf, k("attention.value_length"), 1, MAX_DIM, default=n_embd // n_head)
+    n_rot = scalar_int(gf, k("rope.dimension_count"), 1, MAX_DIM, default=head_k)
+    if arch.full_rotary and n_rot != head_k:
+        gf.fail(k("rope.dimension_count"), f"{n_rot} must equal the head size {head_k} for {arch.name}")
+    if n_rot > head_k or n_rot % 2:
+        gf.fail(k("rope.dimension_count"), f"{n_rot} must be even and at most the head size {head_k}")
+
+    norm_eps = gf.get_float(k("attention.layer_norm_rms_epsilon"))
+    if not 0.0 < norm_eps < 1.0:
+        gf.fail(k("attention.layer_norm_rms_epsilon"), f"{norm_eps} is not in (0, 1)")
+
+    rope_base = positive(gf, k("rope.freq_base"), 10000.0)
+    scaling = gf.get_str(k("rope.scaling.type"), "linear")
+    known = ROPE_SCALING_TYPES + tuple(arch.rope_scaling_types)
+    if scaling not in known:
+        gf.fail(k("rope.scaling.type"), f"rope scaling '{scaling}' is not supported; supported: {', '.join(known)}")
+    factor = gf.get_float(k("rope.scaling.factor"), None)
+    if factor is None:
+        factor = gf.get_float(k("rope.scale_linear"), 0.0)
+    if factor < 0:
+        gf.fail(k("rope.scaling.factor"), f"{factor} is negative")
+    rope_scale = 1.0 if factor == 0.0 else 1.0 / factor
+    n_ctx_orig = gf.get_int(k("rope.scaling.original_context_length"), n_ctx_train, min_value=1)
+
+    return dict(
+        arch=arch.name, n_vocab=_vocab_size(gf, arch.name), n_ctx_train=n_ctx_train, n_embd=n_embd,
+        n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=head_k,
+        n_embd_head_v=head_v, n_ff=n_ff, norm_eps=norm_eps, rope_type=arch.rope_type, n_rot=n_rot,
+        rope_freq_base=rope_base, rope_freq_scale=rope_scale, rope_freq_base_swa=rope_base, n_swa=0,
+        swa_layers=[False] * n_layer, use_qk_norm=arch.qk_norm,
+        tied_output="output.weight" not in gf.tensors, kq_scale=1.0 / math.sqrt(head_k),
+        rope_scaling_type=scaling, n_ctx_orig=n_ctx_orig,
+    )
+
+
 # ---------------------------------------------------------------------- tensor schema
 def expected_tensors(hp: HParams) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """name -> (shape in ggml ne order, required) for every weight the arch may use."""
-    e, v, ff = hp.n_embd, hp.n_vocab, hp.n_ff
-    q_dim = hp.n_embd_head_k * hp.n_head
-    out_in = hp.n_embd_head_v * hp.n_head
-    kd, vd = hp.n_embd_k_gqa(), hp.n_embd_v_gqa()
-    t = {
-        "token_embd.weight": ((e, v), True),
-        "output_norm.weight": ((e,), True),
-        "output.weight": ((e, v), False),
-    }
-    for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        t.update({
-            p + "attn_norm.weight": ((e,), True),
-            p + "attn_q.weight": ((e, q_dim), True),
-            p + "attn_k.weight": ((e, kd), True),
-            p + "attn_v.weight": ((e, vd), True),
-            p + "attn_output.weight": ((out_in, e), True),
-            p + "ffn_norm.weight": ((e,), True),
-            p + "ffn_gate.weight": ((e, ff), True),
-            p + "ffn_up.weight": ((e, ff), True),
-            p + "ffn_down.weight": ((ff, e), True),
-        })
-        t.update({p + "attn_q.bias": ((q_dim,), False), p + "attn_k.bias": ((kd,), False),
-                      p + "attn_v.bias": ((vd,), False)})
-        if hp.arch == "llama":
-            t.update({p + "attn_output.bias": ((e,), False), p + "ffn_gate.bias": ((ff,), False),
-                      p + "ffn_up.bias": ((ff,), False), p + "ffn_down.bias": ((e,), False),
-                      p + "rope_freqs.weight": ((hp.n_rot // 2,), False)})
-        if hp.use_qk_norm:
-            t.update({p + "attn_q_norm.weight": ((hp.n_embd_head_k,), True),
-                      p + "attn_k_norm.weight": ((hp.n_embd_head_k,), True)})
-        if hp.arch == "gemma3":
-            t.update({p + "post_attention_norm.weight": ((e,), True),
-                      p + "post_ffw_norm.weight": ((e,), True)})
-    return t
+    """name -> (shape in ggml ne order, required) for every weight the arch may use (its schema)."""
+    return get_arch(hp.arch).tensors(hp).expected()
 
 
 def validate_tensors(gf: GGUFFile, hp: HParams) -> None:
@@ -240,7 +192,7 @@ def validate_tensors(gf: GGUFFile, hp: HParams) -> None:
 
 
 # ---------------------------------------------------------------------- key helpers
-def _scalar_int(gf: GGUFFile, key: str, lo: int, hi: int, default=...) -> int:
+def scalar_int(gf: GGUFFile, key: str, lo: int, hi: int, default=...) -> int:
     """An integer key; a per-layer array is accepted only if all its entries are equal."""
     if key in gf.metadata and gf.value_types[key][0] == GGUFValueType.ARRAY:
         arr = gf.metadata[key]
@@ -256,7 +208,7 @@ def _scalar_int(gf: GGUFFile, key: str, lo: int, hi: int, default=...) -> int:
     return v
 
 
-def _positive(gf: GGUFFile, key: str, default: float) -> float:
+def positive(gf: GGUFFile, key: str, default: float) -> float:
     v = gf.get_float(key, default)
     if v <= 0:
         gf.fail(key, f"{v} must be positive")
@@ -274,13 +226,14 @@ def _vocab_size(gf: GGUFFile, arch: str) -> int:
     return n
 
 
-def _swa_layers(gf: GGUFFile, key: str, n_layer: int) -> tuple[list[bool], int]:
-    """Sliding-window flags per layer: an explicit bool array, or `n` meaning layers
-    il % n < n - 1 slide and every n-th is global (n = 0: every layer slides)."""
+def swa_layers(gf: GGUFFile, key: str, n_layer: int, default_pattern: int) -> tuple[list[bool], int]:
+    """Sliding-window flags per layer (llama_hparams::set_swa_pattern): an explicit bool array
+    at `key`, or `n` (key, else default_pattern) meaning layers il % n < n - 1 slide and every
+    n-th is global (n = 0: every layer slides). Returns (flags, n; 0 for an explicit array)."""
     if key in gf.metadata and gf.value_types[key] == (GGUFValueType.ARRAY, GGUFValueType.BOOL):
         arr = gf.metadata[key]
         if len(arr) != n_layer:
             gf.fail(key, f"has {len(arr)} entries for {n_layer} layers")
         return [bool(x) for x in arr], 0
-    n = gf.get_int(key, GEMMA3_SWA_PATTERN, min_value=0)
+    n = gf.get_int(key, default_pattern, min_value=0)
     return [n == 0 or il % n < n - 1 for il in range(n_layer)], n

@@ -1,18 +1,22 @@
-"""A loaded model: GGUF file, hyper-parameters, vocabulary, weights, and its architecture's forward.
+"""A loaded model: GGUF file, hyper-parameters, vocabulary, weights, and its architecture.
 
-Weights stay in their GGUF block formats (QMatrix views on the mmap). Projections that read the
-same input and share a format are fused at load — Q|K|V into one matrix, gate|up into one — so
-each layer issues fewer, larger matmul launches; that copies rows, it never dequantizes them.
+Nothing here names an architecture: the arch (runtime/arch/<name>.py) gives the tensor schema
+the weights are loaded from, the fusions applied at load, the forward pass and the memory.
+Weights stay in their GGUF block formats (QMatrix on the mmap'd rows). Projections that read the
+same input and share a format are fused at load as the arch declares (Q|K|V into one matrix,
+gate|up into one), so each layer issues fewer, larger matmul launches; that copies rows, it
+never dequantizes them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from kernels.ggml_types import GGMLType
 from kernels.matmul import QMatrix
+from runtime.arch import get_arch, is_supported, unsupported_message
 from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
 from runtime.gguf_split import open_gguf
@@ -28,38 +32,21 @@ LLAMA_FTYPE_NAMES = {
 }
 
 
-@dataclass
-class Layer:
-    """The weights of one transformer block. Optional ones are None when the file has none."""
+class Layer(SimpleNamespace):
+    """The weights of one block: one attribute per entry of the arch's tensor schema (QMatrix for
+    matrices, f32 vectors for norms and biases, None for an optional weight the file lacks), plus
+    the fused matrices and biases its fusions declare."""
 
-    attn_norm: np.ndarray  # [n_embd] f32
-    wqkv: QMatrix | None  # fused Q|K|V rows when all three share a format
-    wq: QMatrix | None
-    wk: QMatrix | None
-    wv: QMatrix | None
-    bqkv: np.ndarray | None  # [q_dim + k_dim + v_dim] f32 (qwen2)
-    wo: QMatrix
-    bo: np.ndarray | None
-    ffn_norm: np.ndarray
-    w_gate_up: QMatrix | None  # fused gate|up rows when both share a format
-    w_gate: QMatrix | None
-    w_up: QMatrix | None
-    w_down: QMatrix
-    b_gate: np.ndarray | None = None
-    b_up: np.ndarray | None = None
-    b_down: np.ndarray | None = None
-    q_norm: np.ndarray | None = None  # [head_dim] f32 (qwen3, gemma3)
-    k_norm: np.ndarray | None = None
-    post_attn_norm: np.ndarray | None = None  # gemma3
-    post_ffn_norm: np.ndarray | None = None
+    def __repr__(self) -> str:
+        held = ", ".join(k for k, v in vars(self).items() if v is not None)
+        return f"{type(self).__name__}({held})"
 
 
-@dataclass
-class Weights:
-    tok_embd: QMatrix  # [n_vocab, n_embd] rows
-    output: QMatrix  # tok_embd itself when the output is tied
-    output_norm: np.ndarray
-    layers: list[Layer] = field(default_factory=list)
+class Weights(SimpleNamespace):
+    """Model-level weights by schema attribute (tok_embd, output_norm, output, ...) and `layers`.
+    `output` is tok_embd itself when the file has no output.weight (tied head)."""
+
+    __repr__ = Layer.__repr__
 
 
 class Model:
@@ -71,24 +58,21 @@ class Model:
         self.hparams = hparams
         self.vocab = vocab
         self.weights = weights
-        self.arch = arch  # module from runtime.arch with forward(model, ubatch, mctx)
+        self.arch = arch  # runtime.arch.<name>.ARCH: schema, forward, create_memory
 
     @classmethod
     def load(cls, path) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it."""
-        from runtime.arch import ARCHS
         from runtime.text.vocab import Vocab
 
         gf = open_gguf(path)  # a split model's parts open as one file
         try:
-            arch = ARCHS.get(gf.arch)
-            if arch is None:
-                raise ModelFileError(
-                    f"{gf.path}: architecture '{gf.arch}' is not supported; "
-                    f"supported: {', '.join(ARCHS)}")
+            if not is_supported(gf.arch):
+                raise ModelFileError(f"{gf.path}: {unsupported_message(gf.arch)}")
+            arch = get_arch(gf.arch)
             hp = HParams.from_gguf(gf)
             vocab = Vocab.from_gguf(gf)
-            weights = load_weights(gf, hp)
+            weights = load_weights(gf, hp, arch)
         except BaseException:
             gf.close()
             raise
@@ -97,6 +81,10 @@ class Model:
     def forward(self, ubatch, mctx) -> np.ndarray:
         """Logits f32 [n_outputs, n_vocab] for the ubatch's tokens flagged as outputs."""
         return self.arch.forward(self, ubatch, mctx)
+
+    def create_memory(self, cparams):
+        """The memory this model needs for cparams (llama_model::create_memory)."""
+        return self.arch.create_memory(self.hparams, cparams)
 
     # ---- description (info, bench) ----------------------------------------------------------
     @property
@@ -145,9 +133,8 @@ def _vector(gf: GGUFFile, name: str) -> np.ndarray | None:
     gf.fail(name, f"a 1-D weight must be F32 or F16, not {GGMLType(int(ti.ggml_type)).name}")
 
 
-def _fused(gf: GGUFFile, names: list[str]) -> QMatrix | None:
+def _fused(infos: list) -> QMatrix | None:
     """One QMatrix over the rows of several same-format matrices of equal row length, else None."""
-    infos = [gf.tensors[n] for n in names]
     t0, k0 = int(infos[0].ggml_type), int(infos[0].shape[0])
     if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
         return None
@@ -155,48 +142,48 @@ def _fused(gf: GGUFFile, names: list[str]) -> QMatrix | None:
     return QMatrix(raw, t0, k0)
 
 
-def _concat_bias(parts: list[np.ndarray | None], sizes: list[int]) -> np.ndarray | None:
-    if all(p is None for p in parts):
+def _load_one(gf: GGUFFile, spec):
+    """A schema entry: QMatrix for a matrix, f32 vector for a 1-D weight, None if absent."""
+    if spec.name not in gf.tensors:
         return None
-    return np.concatenate([p if p is not None else np.zeros(n, np.float32) for p, n in zip(parts, sizes)])
+    return _qmatrix(gf, spec.name) if len(spec.shape) == 2 else _vector(gf, spec.name)
 
 
-def load_layer(gf: GGUFFile, hp: HParams, il: int) -> Layer:
-    p = f"blk.{il}."
-    qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-    wqkv = _fused(gf, qkv)
-    sizes = [hp.n_embd_head_k * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)]
-    gate_up = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-    w_gate_up = _fused(gf, gate_up)
-    b_gate, b_up = _vector(gf, p + "ffn_gate.bias"), _vector(gf, p + "ffn_up.bias")
-    if b_gate is not None or b_up is not None:
-        w_gate_up = None  # keep the bias path simple: separate projections
-    return Layer(
-        attn_norm=_vector(gf, p + "attn_norm.weight"),
-        wqkv=wqkv,
-        wq=None if wqkv else _qmatrix(gf, qkv[0]),
-        wk=None if wqkv else _qmatrix(gf, qkv[1]),
-        wv=None if wqkv else _qmatrix(gf, qkv[2]),
-        bqkv=_concat_bias([_vector(gf, p + f"attn_{x}.bias") for x in "qkv"], sizes),
-        wo=_qmatrix(gf, p + "attn_output.weight"),
-        bo=_vector(gf, p + "attn_output.bias"),
-        ffn_norm=_vector(gf, p + "ffn_norm.weight"),
-        w_gate_up=w_gate_up,
-        w_gate=None if w_gate_up else _qmatrix(gf, gate_up[0]),
-        w_up=None if w_gate_up else _qmatrix(gf, gate_up[1]),
-        w_down=_qmatrix(gf, p + "ffn_down.weight"),
-        b_gate=b_gate, b_up=b_up, b_down=_vector(gf, p + "ffn_down.bias"),
-        q_norm=_vector(gf, p + "attn_q_norm.weight"),
-        k_norm=_vector(gf, p + "attn_k_norm.weight"),
-        post_attn_norm=_vector(gf, p + "post_attention_norm.weight"),
-        post_ffn_norm=_vector(gf, p + "post_ffw_norm.weight"),
-    )
+def load_group(gf: GGUFFile, specs: dict, fusions=()) -> dict:
+    """attribute -> loaded weight for one schema group (the model level or one layer), with the
+    fusions that apply to it (all their parts declared) done before any QMatrix is built, so a
+    fused projection's rows are held once."""
+    out: dict = {}
+    for f in fusions:
+        if not all(p in specs for p in f.parts):
+            continue
+        biases = [_vector(gf, specs[b].name) if b in specs else None for b in f.biases]
+        has_bias = any(b is not None for b in biases)
+        if f.bias_into is not None:
+            sizes = [specs[p].shape[1] for p in f.parts]
+            out[f.bias_into] = np.concatenate(
+                [b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)]
+            ) if has_bias else None
+            out.update({b: None for b in f.biases})  # folded into bias_into
+        infos = [gf.tensors.get(specs[p].name) for p in f.parts]
+        fused = None
+        if all(i is not None for i in infos) and (f.bias_into is not None or not has_bias):
+            fused = _fused(infos)
+        if fused is not None:
+            out[f.into] = fused
+            out.update({p: None for p in f.parts})
+        elif f.into not in specs:  # a target the schema also declares (phi3's attn_qkv) loads below
+            out[f.into] = None
+    for attr, spec in specs.items():
+        if attr not in out:
+            out[attr] = _load_one(gf, spec)
+    return out
 
 
-def load_weights(gf: GGUFFile, hp: HParams) -> Weights:
-    if "blk.0.rope_freqs.weight" in gf.tensors or "rope_freqs.weight" in gf.tensors:
-        gf.fail("rope_freqs.weight", "per-frequency RoPE factors (llama 3.1 style) are not supported yet")
-    tok_embd = _qmatrix(gf, "token_embd.weight")
-    output = tok_embd if hp.tied_output else _qmatrix(gf, "output.weight")
-    return Weights(tok_embd=tok_embd, output=output, output_norm=_vector(gf, "output_norm.weight"),
-                   layers=[load_layer(gf, hp, il) for il in range(hp.n_layer)])
+def load_weights(gf: GGUFFile, hp: HParams, arch) -> Weights:
+    schema = arch.tensors(hp)
+    w = Weights(**load_group(gf, schema.model),
+                layers=[Layer(**load_group(gf, specs, arch.fusions)) for specs in schema.layers])
+    if getattr(w, "output", None) is None:
+        w.output = w.tok_embd  # tied head
+    return w

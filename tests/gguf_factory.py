@@ -32,7 +32,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from kernels.ggml_types import GGMLType
-from runtime.hparams import ROPE_TYPES, HParams, expected_tensors
+from runtime.arch import ARCHS, get_arch
+from runtime.hparams import HParams, expected_tensors
 
 CHATML = (
     "{% for message in messages %}"
@@ -110,8 +111,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
     if unknown:
         raise TypeError(f"unknown write_tiny_model options: {sorted(unknown)}")
     opts.update(overrides)
-    if arch not in ROPE_TYPES:
-        raise ValueError(f"arch must be one of {sorted(ROPE_TYPES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}")
     path = Path(path)
     rng = np.random.default_rng(seed)
 
@@ -194,9 +195,9 @@ def _hparams_for_shapes(arch, n_layer, n_embd, n_head, n_head_kv, head, n_ff, n_
     """Just enough of an HParams for expected_tensors() to list the shapes."""
     return HParams(arch=arch, n_vocab=n_vocab, n_ctx_train=1, n_embd=n_embd, n_layer=n_layer,
                    n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=head, n_embd_head_v=head,
-                   n_ff=n_ff, norm_eps=1e-6, rope_type=ROPE_TYPES[arch], n_rot=head,
+                   n_ff=n_ff, norm_eps=1e-6, rope_type=get_arch(arch).rope_type, n_rot=head,
                    rope_freq_base=1e4, rope_freq_scale=1.0, rope_freq_base_swa=1e4, n_swa=0,
-                   swa_layers=[False] * n_layer, use_qk_norm=arch in ("qwen3", "gemma3"),
+                   swa_layers=[False] * n_layer, use_qk_norm=get_arch(arch).qk_norm,
                    tied_output=True)
 
 

@@ -9,7 +9,7 @@ from runtime.context import Context
 from runtime.cparams import ContextParams, resolve_cparams
 from runtime.memory.kv_cache import KVCache
 from runtime.memory.kv_cache_iswa import KVCacheISWA
-from runtime.memory.interface import create_memory
+from runtime.arch import create_memory
 
 from memory_stubs import StubModel, make_hparams
 

@@ -1,4 +1,35 @@
-"""Architecture registry: GGUF `general.architecture` -> module with `forward(model, ubatch, mctx)`."""
-from runtime.arch import gemma3, llama, qwen2, qwen3
+"""Architecture registry: GGUF `general.architecture` -> the module under runtime/arch/ that
+holds that architecture's whole story (runtime/arch/base.py lists what a module declares).
 
-ARCHS = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "gemma3": gemma3}
+Adding an architecture is one new module plus one line in ARCHS. The modules are imported on
+first use, so runtime.hparams and runtime.model can look an architecture up without importing
+every forward pass (and without an import cycle: each arch module imports runtime.hparams).
+"""
+from __future__ import annotations
+
+import importlib
+
+ARCHS = {  # general.architecture -> module runtime.arch.<name> (its ARCH object)
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+}
+
+
+def get_arch(name: str):
+    """The Arch object of a supported architecture; KeyError for any other name."""
+    return importlib.import_module(f"runtime.arch.{ARCHS[name]}").ARCH
+
+
+def is_supported(name: str) -> bool:
+    return name in ARCHS
+
+
+def unsupported_message(name: str) -> str:
+    return f"architecture '{name}' is not supported; supported: {', '.join(ARCHS)}"
+
+
+def create_memory(hparams, cparams):
+    """The memory the model of `hparams` needs (llama_model::create_memory): asked of its arch."""
+    return get_arch(hparams.arch).create_memory(hparams, cparams)

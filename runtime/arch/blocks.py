@@ -27,21 +27,28 @@ def embed(model, tokens) -> np.ndarray:
     return x
 
 
+def opt(L, name: str):
+    """An optional weight of a layer: None when the arch's schema does not declare it or the
+    file lacks it (the layer namespaces hold only what the schema declares)."""
+    return getattr(L, name, None)
+
+
 def qkv_projection(L, h, sizes):
     """Q, K, V rows of h ([n, n_embd] f32) -> three [n, size] f32 arrays (column views of one
     fused product when the layer has a fused QKV matrix)."""
-    if L.wqkv is not None:
+    bqkv = opt(L, "bqkv")
+    if opt(L, "wqkv") is not None:
         qkv = L.wqkv.matmul(h)  # [n, q + k + v] f32
-        if L.bqkv is not None:
-            qkv += L.bqkv
+        if bqkv is not None:
+            qkv += bqkv
         a, b = sizes[0], sizes[0] + sizes[1]
         return qkv[:, :a], qkv[:, a:b], qkv[:, b:]
     q, k, v = L.wq.matmul(h), L.wk.matmul(h), L.wv.matmul(h)
-    if L.bqkv is not None:
+    if bqkv is not None:
         a, b = sizes[0], sizes[0] + sizes[1]
-        q += L.bqkv[:a]
-        k += L.bqkv[a:b]
-        v += L.bqkv[b:]
+        q += bqkv[:a]
+        k += bqkv[a:b]
+        v += bqkv[b:]
     return q, k, v
 
 
@@ -54,7 +61,7 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
     q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos, hp.n_rot,
                           hp.rope_base(il), hp.rope_scale(il), hp.rope_type == "neox",
-                          L.q_norm, L.k_norm, hp.norm_eps)
+                          opt(L, "q_norm"), opt(L, "k_norm"), hp.norm_eps)
     rot_k, rot_v = mctx.get_rot(il)  # quantized caches hold Hadamard-rotated K/V
     if rot_k:
         q, k = rotate(q, rot_k), rotate(k, rot_k)
@@ -97,24 +104,24 @@ def _v_trans(mctx, il) -> bool:
 
 def output_projection(L, attn):
     out = L.wo.matmul(attn)  # [n, n_embd] f32
-    if L.bo is not None:
+    if opt(L, "bo") is not None:
         out += L.bo
     return out
 
 
 def feed_forward(L, h, n_ff, use_gelu):
     """Gated FFN: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU."""
-    if L.w_gate_up is not None:
+    if opt(L, "w_gate_up") is not None:
         a = glu_fused(L.w_gate_up.matmul(h), n_ff, use_gelu)
     else:
         g, u = L.w_gate.matmul(h), L.w_up.matmul(h)
-        if L.b_gate is not None:
+        if opt(L, "b_gate") is not None:
             g += L.b_gate
-        if L.b_up is not None:
+        if opt(L, "b_up") is not None:
             u += L.b_up
         a = geglu(g, u) if use_gelu else swiglu(g, u)
     out = L.w_down.matmul(a)
-    if L.b_down is not None:
+    if opt(L, "b_down") is not None:
         out += L.b_down
     return out
 

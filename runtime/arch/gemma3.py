@@ -2,15 +2,23 @@
 and after both attention and FFN, GeGLU (tanh GELU), local RoPE base on sliding-window layers.
 
 Sliding-window layers attend through the SWA cache: the iSWA memory context routes cpy_k /
-get_k / kq_mask by hparams.is_swa(il). The attention scale is hparams.kq_scale (1/sqrt(head
-size), or 1/sqrt(n_embd/n_head) for the 27B); GGUF norm weights already include Gemma's +1.
+get_k / kq_mask by hparams.is_swa(il). SWA layout: `sliding_window_pattern` n (default 6: five
+sliding layers then one global) or an explicit per-layer bool array. The attention scale is
+1/sqrt(head size), or 1/sqrt(n_embd/n_head) for the 27B (62 layers); GGUF norm weights already
+include Gemma's +1.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from kernels.norm import rms_norm
+from runtime.arch.base import Arch, Tensor
 from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
+from runtime.hparams import HParams, positive, swa_layers
+
+SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
 
 
 def forward(model, ubatch, mctx) -> np.ndarray:
@@ -33,3 +41,36 @@ def forward(model, ubatch, mctx) -> np.ndarray:
         cur = rms_norm(feed_forward(L, h, hp.n_ff, use_gelu=True), L.post_ffn_norm, eps)
         x += cur
     return logits(model, x)
+
+
+class Gemma3(Arch):
+    name = "gemma3"
+    rope_type = "neox"
+    qk_norm = True
+
+    def read_hparams(self, gf, fields) -> HParams:
+        k = lambda name: f"gemma3.{name}"  # noqa: E731
+        n_layer = fields["n_layer"]
+        n_swa = gf.get_int(k("attention.sliding_window"), 0, min_value=0)
+        if n_swa > 0:
+            fields["swa_layers"], fields["swa_pattern"] = swa_layers(
+                gf, k("attention.sliding_window_pattern"), n_layer, SWA_PATTERN)
+            fields["rope_freq_base_swa"] = positive(gf, k("rope.freq_base_swa"), 10000.0)
+        fields["n_swa"] = n_swa
+        fields["embed_scale"] = math.sqrt(fields["n_embd"])
+        fields["final_logit_softcap"] = gf.get_float(k("final_logit_softcapping"), 0.0)
+        if n_layer == 62:  # the 27B model scales by n_embd / n_head instead of the head size
+            fields["kq_scale"] = 1.0 / math.sqrt(fields["n_embd"] / fields["n_head"])
+        return HParams(**fields)
+
+    def layer_tensors(self, hp, il):
+        t = super().layer_tensors(hp, il)
+        p, e = f"blk.{il}.", hp.n_embd
+        t.update({"post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
+                  "post_ffn_norm": Tensor(p + "post_ffw_norm.weight", (e,))})
+        return t
+
+    forward = staticmethod(forward)
+
+
+ARCH = Gemma3()

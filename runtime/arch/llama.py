@@ -1,14 +1,17 @@
-"""llama (SmolLM2, Llama 2/3, Mistral-style files) — and, through the optional pieces, qwen2/qwen3.
+"""llama (src/models/llama.cpp): SmolLM2, Llama 2/3, Mistral-style files.
 
 Per layer: x += Wo·attn(rope(Q), rope(K), V) of RMSNorm(x); x += down(silu(gate)·up) of
-RMSNorm(x). Q/K/V biases (qwen2) and QK-norm (qwen3) apply when the layer has them. After the
-last layer's attention only the rows of output tokens are carried on (llama.cpp's inp_out_ids).
+RMSNorm(x), with the optional output and FFN biases llama.cpp allows. RoPE spans the whole
+head. After the last layer's attention only the rows of output tokens are carried on
+(llama.cpp's inp_out_ids). qwen2 and qwen3 reuse this forward (biases / QK-norm apply when the
+layer has them).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from kernels.norm import rms_norm
+from runtime.arch.base import Arch, Tensor
 from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
 
 
@@ -30,3 +33,29 @@ def forward(model, ubatch, mctx) -> np.ndarray:
         h = rms_norm(x, L.ffn_norm, hp.norm_eps)
         x += feed_forward(L, h, hp.n_ff, use_gelu=False)
     return logits(model, x)
+
+
+class Llama(Arch):
+    name = "llama"
+    rope_type = "norm"
+    full_rotary = True  # llama.cpp asserts n_rot == head size for llama
+
+    def read_hparams(self, gf, fields):
+        if "rope_freqs.weight" in gf.tensors:
+            gf.fail("rope_freqs.weight", "per-frequency RoPE factors (llama 3.1 style) are not supported yet")
+        return super().read_hparams(gf, fields)
+
+    def layer_tensors(self, hp, il):
+        e, ff = hp.n_embd, hp.n_ff
+        p = f"blk.{il}."
+        t = super().layer_tensors(hp, il)
+        t.update({"bo": Tensor(p + "attn_output.bias", (e,), False),
+                  "b_gate": Tensor(p + "ffn_gate.bias", (ff,), False),
+                  "b_up": Tensor(p + "ffn_up.bias", (ff,), False),
+                  "b_down": Tensor(p + "ffn_down.bias", (e,), False)})
+        return t
+
+    forward = staticmethod(forward)
+
+
+ARCH = Llama()

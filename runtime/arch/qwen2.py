@@ -1,3 +1,14 @@
-"""qwen2: the llama block with biases on Q, K and V (added after the fused QKV matmul) and
-neox RoPE (hparams). The forward is llama's; this module names the architecture."""
-from runtime.arch.llama import forward  # noqa: F401  (Q/K/V biases are applied when present)
+"""qwen2 (src/models/qwen2.cpp): the llama block with biases on Q, K and V (added after the
+fused QKV matmul) and neox RoPE; llama's forward."""
+from runtime.arch import llama
+from runtime.arch.base import Arch
+
+
+class Qwen2(Arch):
+    name = "qwen2"
+    rope_type = "neox"
+
+    forward = staticmethod(llama.forward)
+
+
+ARCH = Qwen2()

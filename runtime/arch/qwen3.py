@@ -1,4 +1,15 @@
-"""qwen3: the llama block with per-head RMSNorm of Q and K before RoPE (QK-norm) and neox RoPE.
-The forward is llama's; QK-norm applies because every qwen3 layer has attn_q_norm/attn_k_norm
-(hparams requires them)."""
-from runtime.arch.llama import forward  # noqa: F401
+"""qwen3 (src/models/qwen3.cpp): the llama block with per-head RMSNorm of Q and K before RoPE
+(QK-norm, attn_q_norm / attn_k_norm required in every layer) and neox RoPE; llama's forward."""
+from runtime.arch import llama
+from runtime.arch.base import Arch
+
+
+class Qwen3(Arch):
+    name = "qwen3"
+    rope_type = "neox"
+    qk_norm = True
+
+    forward = staticmethod(llama.forward)
+
+
+ARCH = Qwen3()

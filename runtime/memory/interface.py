@@ -5,9 +5,9 @@ each goes, decided by a dry run that leaves the memory untouched. Only `MemoryCo
 mutates memory - one ubatch at a time, right before its forward pass - so a decode that fails
 to find room changes nothing, and one that fails mid-way can be undone precisely.
 
-`create_memory` picks the implementation as llama_model::create_memory does for the
-architectures kvchat runs: a sliding-window model (n_swa > 0 and some SWA layers) gets the
-base + SWA cache pair, every other causal decoder a plain KV cache.
+Which memory a model gets is the model's business (llama_model::create_memory): each
+architecture declares it (runtime/arch/base.py: create_memory; runtime.arch.create_memory asks
+the arch of the hparams).
 """
 from __future__ import annotations
 
@@ -209,25 +209,3 @@ class Memory:
     def state_apply(self, parsed, seq_id: int = -1) -> None:
         """Install a parsed state; raises (with memory unchanged) if it cannot be placed."""
         raise NotImplementedError
-
-
-def model_uses_iswa(hparams) -> bool:
-    """True when the model interleaves sliding-window layers (llama.cpp: swa_type != NONE)."""
-    n_swa = int(getattr(hparams, "n_swa", 0) or 0)
-    layers = getattr(hparams, "swa_layers", None) or []
-    return n_swa > 0 and any(bool(x) for x in layers)
-
-
-def create_memory(hparams, cparams) -> Memory:
-    """The memory for a model: KVCacheISWA for SWA models, else KVCache (n_ctx_seq cells)."""
-    from runtime.memory.kv_cache import KVCache
-    from runtime.memory.kv_cache_iswa import KVCacheISWA
-
-    if model_uses_iswa(hparams):
-        return KVCacheISWA(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
-                           swa_full=cparams.swa_full, unified=cparams.kv_unified,
-                           kv_size=cparams.n_ctx_seq, n_seq_max=cparams.n_seq_max,
-                           n_ubatch=cparams.n_ubatch)
-    return KVCache(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
-                   unified=cparams.kv_unified, kv_size=cparams.n_ctx_seq,
-                   n_seq_max=cparams.n_seq_max, n_swa=0)
