@@ -60,7 +60,8 @@ def main(argv=None) -> None:
     try:
         rc = app(args=args, prog_name="kvchat", standalone_mode=False)
     except KvchatError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from cli.wording import error_text
+        print(f"error: {error_text(e)}", file=sys.stderr)
         sys.exit(1)
     except _click_exc.UsageError as e:
         command = e.ctx.command_path if e.ctx is not None else "kvchat"

@@ -20,29 +20,38 @@ import typer
 from runtime.errors import KvchatError
 
 
-def _fill(ctx, tokens, n_batch, pos0=0):
-    from runtime.batch import Batch
-    for j in range(0, len(tokens), n_batch):
-        part = tokens[j:j + n_batch]
-        rc = ctx.decode(Batch.one_seq(part, pos0 + j))  # logits for the last token only
-        if rc != 0:
-            raise KvchatError(f"decode failed (code {rc}: {ctx.last_error}); try a larger context")
+def _fill(ctx, tokens, pos0=0):
+    """Decode tokens into sequence 0 in n_batch pieces (no logits kept: only the cost counts)."""
+    from runtime.generate import DecodeError, decode_tokens
+    try:
+        decode_tokens(ctx, tokens, pos0, 0, logits="none")
+    except DecodeError as e:
+        raise KvchatError(f"{e} ({ctx.last_error}); try a larger context") from None
 
 
-def run_test(ctx, kind: str, n: int, depth: int, n_batch: int, rng) -> float:
-    """One timed repetition; returns tokens per second."""
+def run_test(ctx, kind: str, n: int, depth: int, rng) -> float:
+    """One timed repetition; returns tokens per second.
+
+    pp: n random tokens decoded as a prompt. tg: n tokens one at a time through generate(),
+    the chat's own loop, drawing random tokens instead of sampling (llama-bench's tg)."""
+    from runtime.generate import generate
     n_vocab = ctx.model.hparams.n_vocab
     ctx.memory.clear(True)
     if depth:
-        _fill(ctx, list(rng.integers(0, n_vocab, depth)), n_batch)
-    toks = list(rng.integers(0, n_vocab, n))
+        _fill(ctx, list(rng.integers(0, n_vocab, depth)), 0)
+    toks = [int(t) for t in rng.integers(0, n_vocab, n)]
     t0 = time.perf_counter()
     if kind == "pp":
-        _fill(ctx, toks, n_batch, depth)
+        _fill(ctx, toks, depth)
     else:
-        _fill(ctx, toks[:1], n_batch, depth)
-        for i in range(1, n):
-            _fill(ctx, toks[i:i + 1], n_batch, depth + i)
+        # the prompt token, then n - 1 decoded steps (the n-th drawn token is not decoded)
+        source = iter(toks[1:] + toks[:1])
+        steps = generate(ctx, lambda logits: next(source), prompt=toks[:1], pos0=depth,
+                         max_tokens=n)
+        for _ in steps:
+            pass
+        if steps.n_decoded != n - 1:
+            raise KvchatError(f"generation stopped early ({steps.stop}) after {steps.n_decoded} tokens")
     return n / (time.perf_counter() - t0)
 
 
@@ -88,9 +97,9 @@ def register(app: typer.Typer) -> None:
                 continue
             print(f"bench: {kind}{n} warm-up ...", file=sys.stderr)
             t0 = time.perf_counter()
-            run_test(ctx, kind, n, depth, n_batch, rng)  # warm-up, not counted
+            run_test(ctx, kind, n, depth, rng)  # warm-up, not counted
             warm = time.perf_counter() - t0
-            speeds = [run_test(ctx, kind, n, depth, n_batch, rng) for _ in range(reps)]
+            speeds = [run_test(ctx, kind, n, depth, rng) for _ in range(reps)]
             name = f"{kind}{n}" + (f" @ d{depth}" if depth else "")
             rows.append(dict(model=model_desc(m), model_filename=str(m.path), size_bytes=m.size_bytes,
                              n_params=m.n_params, n_threads=n_threads, type_k=cache_type_k,

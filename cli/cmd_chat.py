@@ -15,9 +15,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.conversation import Conversation, ConversationConfig, Interrupted
 from cli.options import ChatSettings, with_settings
 from cli.render import Renderer
+from cli.wording import event_text
+from runtime.conversation import Conversation, ConversationConfig, Interrupted, StopReason
 from runtime.errors import KvchatError
 from runtime.sampling import Sampler, SamplingParams
 
@@ -56,7 +57,9 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event) -> Engin
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
     with renderer.spinner("compiling kernels (first use only; cached afterwards)"):
-        warm_up(ctx, model.vocab)
+        from runtime.generate import warm_up
+        bos = getattr(model.vocab, "bos", None)
+        warm_up(ctx, bos if bos is not None and bos >= 0 else 0)
     if settings.chat_template_file is not None:
         template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
     else:
@@ -64,18 +67,6 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event) -> Engin
         template = ChatTemplate.from_gguf(model.gguf, model.vocab)
     identity = model_identity(path, getattr(model.gguf, "data_offset", None))
     return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
-
-
-def warm_up(ctx, vocab) -> None:
-    """Run the prompt path (2 tokens) and the generation path (1 token) once, then forget them,
-    so numba's compilation happens here under a spinner instead of inside the first answer."""
-    from runtime.batch import Batch
-    t = vocab.bos if getattr(vocab, "bos", None) is not None and vocab.bos >= 0 else 0
-    try:
-        if ctx.decode(Batch.one_seq([t, t], 0, 0)) == 0:
-            ctx.decode(Batch.one_seq([t], 2, 0))
-    finally:
-        ctx.memory.seq_rm(0, -1, -1)
 
 
 def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event,
@@ -88,7 +79,8 @@ def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer
     except ValueError as e:
         raise KvchatError(str(e)) from None
     conv = Conversation(engine.ctx, engine.vocab, None if raw else engine.template, sampler, config,
-                        notify=renderer.notice, stop_event=stop_event)
+                        notify=lambda event: renderer.notice(event_text(event)),
+                        stop_event=stop_event)
     if settings.verbose_prompt:
         conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
     return conv
@@ -214,5 +206,5 @@ def register(app: typer.Typer) -> None:
             save_conversation(settings.session, conv, engine.identity, engine.cache)
         if settings.show_timings:
             renderer.timings(stats)
-        if stats.stop == "interrupted":
+        if stats.stop == StopReason.INTERRUPTED:
             raise typer.Exit(130)

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from cli.cmd_chat import apply_saved_sampling, sigint_sets
-from cli.conversation import Interrupted
+from cli.wording import error_text, stop_text
+from runtime.generate import Interrupted
 from runtime.errors import KvchatError
 from runtime.sampling import Sampler, SamplingParams
 
@@ -162,7 +163,7 @@ class Repl:
                 else:
                     self.turn(lambda on_text: self.conv.ask(text, on_text=on_text))
             except KvchatError as e:  # SessionError included: the conversation is unchanged
-                self.r.error(str(e))
+                self.r.error(error_text(e, in_chat=True))
             except KeyboardInterrupt:  # a second Ctrl-C, or one during a slash command
                 self.conv.repair()
                 self.r.notice("interrupted")
@@ -182,10 +183,9 @@ class Repl:
             self.r.end_answer()
             raise
         self.r.end_answer()
-        if stats.stop == "interrupted":
-            self.r.notice("stopped (the partial answer is kept)")
-        elif stats.stop == "limit":
-            self.r.notice(f"answer cut at -n {self.conv.config.n_predict} tokens")
+        line = stop_text(stats, self.conv.config.n_predict)
+        if line:
+            self.r.notice(line)
         if self.settings.show_timings:
             self.r.timings(stats)
         self.autosave()

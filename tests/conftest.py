@@ -1,4 +1,10 @@
-"""Shared fixtures: the two real models, fetched once into KVCHAT_CACHE (default ~/.cache/kvchat)."""
+"""Shared fixtures: tiny models written by tests/gguf_factory.py (the fast lane), and the two
+real models, fetched once into KVCHAT_CACHE (default ~/.cache/kvchat), for agreement with llama.cpp.
+
+`python -m pytest -q -m "not real_model"` runs without the real models: every test that asks for
+`smollm2_path` / `gemma3_path` is marked `real_model` here, whatever its module says.
+"""
+import json
 import sys
 from pathlib import Path
 
@@ -9,6 +15,32 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 REFERENCE_DIR = ROOT.parent / "shared" / "reference"
+
+
+REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch="llama", **opts) -> Path of a tiny random GGUF (ChatML template, the
+    factory's vocabulary), written once per session for each distinct (arch, opts)."""
+    from tests.gguf_factory import write_tiny_model
+    made = {}
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    def make(arch: str = "llama", **opts) -> Path:
+        key = json.dumps([arch, sorted(opts.items())], default=repr)
+        if key not in made:
+            made[key] = write_tiny_model(root / f"{arch}-{len(made)}.gguf", arch=arch, **opts)
+        return made[key]
+
+    return make
 
 
 def _model(name):

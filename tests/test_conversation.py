@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cli.conversation import (Conversation, ConversationConfig, Interrupted, PromptTooLong,
-                              common_prefix)
+from cli.wording import event_text
+from runtime.conversation import (Conversation, ConversationConfig, Interrupted, PromptTooLong,
+                                  common_prefix)
 from runtime.errors import KvchatError, SessionError
 from runtime.sampling import Sampler, SamplingParams
 
@@ -136,7 +137,8 @@ def make(n_ctx=64, system="SYS", eog_at=None, **cfg):
     ctx = FakeContext(n_ctx=n_ctx, eog_at=eog_at)
     notes = []
     conv = Conversation(ctx, FakeVocab(), FakeTemplate(), Sampler(SamplingParams(temp=0.0, seed=1)),
-                        ConversationConfig(system_prompt=system, **cfg), notify=notes.append,
+                        ConversationConfig(system_prompt=system, **cfg),
+                        notify=lambda event: notes.append(event_text(event)),
                         batch_factory=lambda toks, pos0, seq: (list(toks), pos0, seq),
                         stream_decoder=FakeDecoder)
     ctx.abort_callback = conv.stop_event.is_set

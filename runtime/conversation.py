@@ -1,4 +1,4 @@
-"""A conversation on top of one sequence of a Context: messages in, streamed answers out.
+"""A conversation on top of one sequence of a Context: messages in, generated answers out.
 
 Two lists describe the state. `messages` is the chat as the user sees it. `tokens` is that chat
 as tokens *as if nothing had ever been dropped*; context shifts remove one contiguous run
@@ -8,31 +8,60 @@ as tokens *as if nothing had ever been dropped*; context shifts remove one conti
 Each turn renders the messages through the chat template, compares the result with `tokens`,
 keeps the common prefix (`seq_rm` of the rest) and decodes only what is new — so a follow-up
 costs its own tokens, and /undo, /system or a re-tokenized answer cost only from the first
-difference on. When the cache is full, the overflow policy applies: with context shift, keep the
-first n_keep tokens, drop half of the rest (`seq_rm` + `seq_add` with a negative delta) and go on;
-without it, stop the answer. A prompt that cannot fit at all is refused with both numbers.
+difference on. A memory that refuses a partial removal (a recurrent state has no per-position
+cells: `seq_rm` returns False) is cleared and the prompt decoded whole. When the cache is full,
+the overflow policy applies: with context shift, keep the first n_keep tokens, drop half of the
+rest (`seq_rm` + `seq_add` with a negative delta) and go on; without it, stop the answer. A prompt
+that cannot fit at all is refused with both numbers.
+
+The answer loop is `runtime.generate.generate`. What happens is reported as data — a StopReason
+in the turn's stats, ContextShifted / ContextFull events to `notify` — and cli/ words it.
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
-from runtime.errors import KvchatError
+from runtime.errors import KvchatError, SessionError
+from runtime.generate import DecodeError, Interrupted, StopReason, decode_tokens, generate
+
+__all__ = ["Conversation", "ConversationConfig", "TurnStats", "StopReason", "Interrupted",
+           "DecodeError", "PromptTooLong", "ContextShifted", "ContextFull", "FullCause",
+           "common_prefix"]
 
 
 class PromptTooLong(KvchatError):
     """The new tokens of a turn cannot fit in the context, even after dropping old ones."""
 
+    def __init__(self, n_new: int, room: int, n_ctx: int):
+        super().__init__(f"the prompt needs {n_new} new tokens but only {room} fit in the "
+                         f"context of {n_ctx} tokens")
+        self.n_new, self.room, self.n_ctx = n_new, room, n_ctx
 
-class Interrupted(Exception):
-    """The user stopped a prompt evaluation (Ctrl-C); the cache holds what was decoded before."""
+
+class FullCause(str, Enum):
+    """Why a full context stopped the answer instead of shifting."""
+    SHIFT_OFF = "shift_off"        # --no-context-shift
+    CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full, recurrent)
 
 
-class DecodeError(KvchatError):
-    """Context.decode failed in a way the user cannot fix by retrying."""
+@dataclass(frozen=True)
+class ContextShifted:
+    """A context shift dropped `n_dropped` tokens after the first `n_keep`."""
+    n_dropped: int
+    n_keep: int
+
+
+@dataclass(frozen=True)
+class ContextFull:
+    """The answer stopped at a full context (`n_cached` of `n_ctx`) for `cause`."""
+    n_cached: int
+    n_ctx: int
+    cause: FullCause
 
 
 @dataclass
@@ -43,7 +72,7 @@ class TurnStats:
     n_gen_decoded: int = 0    # answer tokens decoded (the last one usually is not)
     t_gen: float = 0.0
     n_shifted: int = 0        # tokens dropped by context shifts during this turn
-    stop: str = ""            # "eog" | "limit" | "interrupted" | "ctx_full"
+    stop: StopReason | str = ""  # why the answer ended ("" while running or after an exception)
 
     @property
     def prompt_tps(self) -> float:
@@ -79,7 +108,8 @@ class Conversation:
 
     ctx: a Context (decode, get_logits_ith, memory, n_ctx, cparams.n_batch).
     vocab: a Vocab; template: a ChatTemplate or None (raw mode); sampler: runtime.sampling.Sampler.
-    notify(text): one-line notices for the user (context shifts, stops).
+    notify(event): ContextShifted / ContextFull as they happen (cli/wording.py words them).
+    batch_factory(tokens, pos0, seq, all_logits=False) and stream_decoder(vocab) are for tests.
     """
 
     def __init__(self, ctx, vocab, template, sampler, config: ConversationConfig | None = None,
@@ -91,11 +121,8 @@ class Conversation:
         self.sampler = sampler
         self.config = config or ConversationConfig()
         self.seq_id = seq_id
-        self.notify = notify or (lambda text: None)
-        if batch_factory is None:
-            from runtime.batch import Batch
-            batch_factory = Batch.one_seq
-        self._batch = batch_factory
+        self.notify = notify or (lambda event: None)
+        self._batch = batch_factory  # None: runtime.batch.Batch.one_seq
         if stream_decoder is None:
             from runtime.text.vocab import StreamDecoder as stream_decoder
         self._stream_decoder = stream_decoder
@@ -186,19 +213,58 @@ class Conversation:
 
     # ---- cache edits -------------------------------------------------------------------------
 
-    def _rewind(self, p: int) -> None:
-        """Keep tokens[:p] (indices of the undropped list) and remove the rest from the cache."""
+    def _rewind(self, p: int) -> int:
+        """Keep tokens[:p] (indices of the undropped list), remove the rest from the cache.
+
+        Returns the index of `tokens` from which the caller must decode: p, or 0 when the memory
+        could not keep the prefix (a partial `seq_rm` refused, or sliding-window layers that no
+        longer hold the cells the next token attends to) and the sequence was emptied instead.
+        """
         mem = self.ctx.memory
         if self.n_dropped and p < self.n_keep_shift + self.n_dropped:
-            # the kept part differs inside the dropped run: the cache cannot serve it
-            p = min(p, self.n_keep_shift)
-            mem.seq_rm(self.seq_id, p, -1)
-            self.tokens = self.tokens[:p]
-            self.n_dropped = 0
-            self.n_keep_shift = 0
+            # the prefix runs into the dropped part: keep what is still cached (the first
+            # n_keep_shift) and count the common tokens after it as dropped, which they are
+            kept = min(p, self.n_keep_shift)
+            self.n_keep_shift, self.n_dropped = (kept, p - kept) if p > kept else (0, 0)
         else:
-            mem.seq_rm(self.seq_id, p - self.n_dropped, -1)
-            self.tokens = self.tokens[:p]
+            kept = p - self.n_dropped
+        self.tokens = self.tokens[:p]
+        self.logits = None
+        self._regen = None
+        if not self._remove_from(kept):
+            self._forget_all()
+            return 0
+        return p
+
+    def _remove_from(self, kept: int) -> bool:
+        """seq_rm of cache positions >= kept; False if the memory cannot serve the kept prefix:
+        a refused partial removal (a recurrent state), or sliding-window layers that no longer
+        hold the cells the token at `kept` attends to. The caches keep each sequence's positions
+        contiguous (pos_min..pos_max all held), so pos_min tells whether that window survives."""
+        mem = self.ctx.memory
+        if not mem.seq_rm(self.seq_id, kept, -1):
+            return False
+        if kept == 0:
+            return True
+        if mem.seq_pos_max(self.seq_id) != kept - 1:
+            return False
+        n_swa = self._swa_window()
+        return not n_swa or mem.seq_pos_min(self.seq_id) <= max(0, kept - n_swa + 1)
+
+    def _swa_window(self) -> int:
+        """n_swa when sliding-window layers keep only a window of cells (iSWA without swa_full)."""
+        hp, cp = getattr(self.ctx, "hparams", None), getattr(self.ctx, "cparams", None)
+        if hp is None or getattr(cp, "swa_full", False) or not any(getattr(hp, "swa_layers", ()) or ()):
+            return 0
+        return int(getattr(hp, "n_swa", 0) or 0)
+
+    def _forget_all(self) -> None:
+        """Empty the sequence and the token mirror (the messages stay)."""
+        if not self.ctx.memory.seq_rm(self.seq_id, -1, -1):
+            raise KvchatError("the memory refused to clear the conversation's sequence")
+        self.tokens = []
+        self.n_dropped = 0
+        self.n_keep_shift = 0
         self.logits = None
         self._regen = None
 
@@ -212,13 +278,14 @@ class Conversation:
             if n_left <= 0:
                 break
             n_discard = max(1, n_left // 2)
-            mem.seq_rm(self.seq_id, n_keep, n_keep + n_discard)
+            if not mem.seq_rm(self.seq_id, n_keep, n_keep + n_discard):
+                break  # this memory cannot drop a middle run: the caller stops instead
             mem.seq_add(self.seq_id, n_keep + n_discard, self.n_cached, -n_discard)
             self.n_keep_shift = n_keep
             self.n_dropped += n_discard
             total += n_discard
         if total:
-            self.notify(f"context full: dropped {total} tokens after the first {n_keep} to make room")
+            self.notify(ContextShifted(total, n_keep))
         return total
 
     def _can_shift(self) -> bool:
@@ -227,21 +294,15 @@ class Conversation:
         return self.config.context_shift and (can() if callable(can) else True)
 
     def _decode(self, ids: list[int]) -> None:
-        """Decode ids at the end of the cache, in n_batch chunks; logits of the last one kept."""
-        n_batch = int(getattr(getattr(self.ctx, "cparams", None), "n_batch", 0) or len(ids) or 1)
-        for i in range(0, len(ids), n_batch):
-            chunk = ids[i:i + n_batch]
-            batch = self._batch(np.asarray(chunk, dtype=np.int32), self.n_cached, self.seq_id)
-            rc = self.ctx.decode(batch)
-            if rc == 2:
-                raise Interrupted()
-            if rc == 1:
-                raise DecodeError(f"no room in the KV cache for {len(chunk)} tokens "
-                                  f"({self.n_cached}/{self.n_ctx} used)")
-            if rc != 0:
-                raise DecodeError(f"decode failed with code {rc}")
-            self.tokens.extend(int(t) for t in chunk)
-            self.logits = np.array(self.ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
+        """Decode ids at the end of the cache; the mirror follows what reached memory."""
+        try:
+            self.logits = decode_tokens(self.ctx, ids, self.n_cached, self.seq_id,
+                                        batch_factory=self._batch)
+        except (Interrupted, DecodeError) as e:
+            self.tokens.extend(int(t) for t in ids[:e.n_done])
+            self.logits = None
+            raise
+        self.tokens.extend(int(t) for t in ids)
 
     def prefill(self, desired: list[int]) -> int:
         """Make the cache hold `desired` (full-list indices), decoding only what differs.
@@ -262,10 +323,9 @@ class Conversation:
         shift = self._can_shift()
         keep = min(self.n_keep(), base) if shift else base
         if n_new + keep > self.n_ctx or (not shift and base + n_new > self.n_ctx):
-            room = self.n_ctx - keep
-            raise PromptTooLong(f"the prompt needs {n_new} new tokens but only {room} fit in the "
-                                f"context of {self.n_ctx} tokens; shorten it, /clear, or raise -c")
-        self._rewind(p)
+            raise PromptTooLong(n_new, self.n_ctx - keep, self.n_ctx)
+        p = self._rewind(p)
+        n_new = len(desired) - p
         if self.on_prompt is not None:
             self.on_prompt(desired[p:])
         if self.n_cached + n_new > self.n_ctx:
@@ -304,11 +364,12 @@ class Conversation:
         self.stop_event.clear()
         self.messages.pop()
         stats = self.last_stats = TurnStats()
-        if self._regen is not None and self._regen[2] == self.n_dropped:
-            start, logits, _ = self._regen
-            self.ctx.memory.seq_rm(self.seq_id, start - self.n_dropped, -1)
+        regen, self._regen = self._regen, None
+        if regen is not None and regen[2] == self.n_dropped and self._remove_from(regen[0] - self.n_dropped):
+            start, logits, _ = regen
             self.tokens = self.tokens[:start]
             self.logits = logits.copy()
+            self._regen = regen
         else:
             t0 = time.perf_counter()
             stats.n_prompt = self.prefill(self.render(self.messages))
@@ -317,63 +378,60 @@ class Conversation:
         return self._answer(stats, on_text)
 
     def _answer(self, stats: TurnStats, on_text) -> TurnStats:
+        """Generate the answer from self.logits; the message holds whatever was streamed."""
         on_text = on_text or (lambda s: None)
         decoder = self._stream_decoder(self.vocab)
         pieces: list[str] = []
         cfg = self.config
-        t0 = time.perf_counter()
+        gen = generate(self.ctx, self._sample, logits=self.logits, pos0=self.n_cached,
+                       seq=self.seq_id, max_tokens=cfg.n_predict,
+                       is_eog=None if cfg.ignore_eos else self.vocab.is_eog,
+                       stop_event=self.stop_event, make_room=self._make_room,
+                       on_decoded=self._decoded, batch_factory=self._batch)
         try:
-            while True:
-                if self.stop_event.is_set():
-                    stats.stop = "interrupted"
-                    break
-                if self.n_cached + 1 > self.n_ctx:
-                    if not self._can_shift():
-                        stats.stop = "ctx_full"
-                        why = ("context shift is off" if not cfg.context_shift else
-                               "this model's cache cannot shift (sliding-window layers: restart "
-                               "with --swa-full to allow it)")
-                        self.notify(f"context full ({self.n_cached}/{self.n_ctx} tokens) and {why}: "
-                                    "answer stopped (/clear, /undo, or restart with a larger -c)")
-                        break
-                    stats.n_shifted += self.context_shift(1)
-                    if self.n_cached + 1 > self.n_ctx:
-                        stats.stop = "ctx_full"
-                        break
-                logits = self.logits
-                if cfg.ignore_eos and self._eog_ids.size:
-                    logits = logits.copy()
-                    logits[self._eog_ids[self._eog_ids < logits.shape[0]]] = -np.inf
-                tok = self.sampler.sample(logits, self._recent(self.sampler.params.repeat_last_n))
-                if not cfg.ignore_eos and self.vocab.is_eog(tok):
-                    stats.stop = "eog"
-                    break
+            for step in gen:
                 stats.n_gen += 1
-                piece = decoder.feed(tok)
+                piece = decoder.feed(step.token)
                 if piece:
                     pieces.append(piece)
                     on_text(piece)
-                if 0 <= cfg.n_predict <= stats.n_gen:
-                    stats.stop = "limit"
-                    break
-                try:
-                    self._decode([tok])
-                except Interrupted:
-                    stats.stop = "interrupted"
-                    break
-                stats.n_gen_decoded += 1
         finally:
             tail = decoder.flush()
             if tail:
                 pieces.append(tail)
                 on_text(tail)
-            stats.t_gen = time.perf_counter() - t0
+            stats.t_gen = gen.seconds
+            stats.n_gen_decoded = gen.n_decoded
+            stats.stop = gen.stop or ""
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
         return stats
 
+    def _sample(self, logits: np.ndarray) -> int:
+        """The sampler on the last logits, end-of-turn tokens masked under --ignore-eos."""
+        if self.config.ignore_eos and self._eog_ids.size:
+            logits = logits.copy()
+            logits[self._eog_ids[self._eog_ids < logits.shape[0]]] = -np.inf
+        return self.sampler.sample(logits, self._recent(self.sampler.params.repeat_last_n))
+
+    def _decoded(self, token: int, logits: np.ndarray) -> None:
+        self.tokens.append(int(token))
+        self.logits = logits
+
+    def _make_room(self, pos: int, n: int) -> int | None:
+        """The overflow policy while answering: shift the context when allowed, else stop."""
+        if self.n_cached + n <= self.n_ctx:
+            return self.n_cached
+        if not self._can_shift():
+            cause = FullCause.SHIFT_OFF if not self.config.context_shift else FullCause.CANNOT_SHIFT
+            self.notify(ContextFull(self.n_cached, self.n_ctx, cause))
+            return None
+        self.last_stats.n_shifted += self.context_shift(n)
+        return self.n_cached if self.n_cached + n <= self.n_ctx else None
+
     def repair(self) -> None:
         """After an exception escaped mid-decode: drop any cell beyond the tokens we track."""
-        self.ctx.memory.seq_rm(self.seq_id, self.n_cached, -1)
+        if not self._remove_from(self.n_cached):
+            self._forget_all()
 
     # ---- editing the conversation --------------------------------------------------------------
 
@@ -396,13 +454,8 @@ class Conversation:
 
     def clear(self, keep_system: bool = True) -> None:
         """A new conversation: messages (but the system prompt) and the sequence's cache emptied."""
-        self.ctx.memory.seq_rm(self.seq_id, -1, -1)
+        self._forget_all()
         self.messages = [m for m in self.messages[:1] if keep_system and m["role"] == "system"]
-        self.tokens = []
-        self.n_dropped = 0
-        self.n_keep_shift = 0
-        self.logits = None
-        self._regen = None
         self._first_prompt_len = 0
 
     def set_system(self, text: str | None) -> None:
@@ -436,7 +489,6 @@ class Conversation:
             if self.ctx.state_seq_set_data(before, self.seq_id) != len(before) and before:
                 raise KvchatError("the memory state was refused and the previous one could not be "
                                   "put back; use /clear")
-            from runtime.errors import SessionError
             raise SessionError("the saved memory state does not fit this context "
                                "(refused; the conversation is unchanged)")
         self.messages = [dict(m) for m in messages]

@@ -1,0 +1,229 @@
+"""The two loops every command runs on a Context: decode a run of tokens, and generate.
+
+`decode_tokens(ctx, ids, pos0, seq)` decodes a run of one sequence's tokens in pieces of n_batch,
+as llama.cpp's tools do (one `llama_decode` per n_batch slice of the prompt). Chat prefill,
+`bench`, `perplexity`, the kernel warm-up and `logprobs` all go through it, so a decode failure
+means the same thing everywhere: `Interrupted` (the abort callback fired) or `DecodeError`, each
+saying how many tokens of the run made it into memory.
+
+`generate(ctx, sample, ...)` is the sample → decode loop, modelled on mlx-lm's `generate_step`:
+an iterator of `Step`s (the token and, on demand, its log-probability under the model), which
+ends for a reason that is data — `StopReason` — so each caller words it for its own users. What
+to do when the sequence is full is the caller's policy (`make_room`): the chat's context shift,
+or stopping.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from runtime.errors import KvchatError
+
+
+class StopReason(str, Enum):
+    """Why a generation ended. A str, so `stats.stop == "eog"` reads naturally."""
+    EOG = "eog"                  # the model ended its turn (an end-of-generation token)
+    LIMIT = "limit"              # max_tokens reached
+    INTERRUPTED = "interrupted"  # the stop event was set, or the abort callback stopped a decode
+    CTX_FULL = "ctx_full"        # no room for the next token and make_room could not make any
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Interrupted(Exception):
+    """The abort callback stopped a decode (Ctrl-C). `n_done` tokens of the run are in memory
+    (the pieces before the stopped one); the stopped piece was rolled back by the Context."""
+
+    def __init__(self, n_done: int = 0):
+        super().__init__(f"interrupted after {n_done} tokens")
+        self.n_done = n_done
+
+
+class DecodeError(KvchatError):
+    """Context.decode refused or failed a piece (`code` as llama_decode returns it: 1 = no room
+    in the memory, -1 invalid batch, -2/-3 failures); `n_done` tokens of the run are in memory."""
+
+    def __init__(self, message: str, code: int = 0, n_done: int = 0):
+        super().__init__(message)
+        self.code = code
+        self.n_done = n_done
+
+
+def _one_seq_batch(tokens, pos0, seq_id, all_logits=False):
+    from runtime.batch import Batch
+    return Batch.one_seq(tokens, pos0, seq_id, all_logits=all_logits)
+
+
+def n_batch_of(ctx) -> int:
+    """The most tokens one decode() call takes (cparams.n_batch)."""
+    return int(getattr(getattr(ctx, "cparams", None), "n_batch", 0) or 0)
+
+
+def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: str = "last",
+                  batch_factory: Optional[Callable] = None) -> Optional[np.ndarray]:
+    """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call.
+
+    logits: "last" → a copy of the last token's logits, f32 [n_vocab]; "all" → every token's,
+    f32 [len(ids), n_vocab] (perplexity, logprobs); "none" → None (bench, cache fills), only the
+    last token of each piece is computed as an output.
+    batch_factory(tokens i32[n], pos0, seq, all_logits=False) builds the batch (tests plug in
+    their own). Raises Interrupted or DecodeError; the pieces before a failed one stay decoded.
+    """
+    ids = np.asarray(ids, dtype=np.int32)  # [n]
+    if ids.size == 0:
+        raise ValueError("decode_tokens: no tokens to decode")
+    if logits not in ("last", "all", "none"):
+        raise ValueError(f"decode_tokens: logits must be 'last', 'all' or 'none', not {logits!r}")
+    make = batch_factory or _one_seq_batch
+    step = n_batch_of(ctx) or int(ids.size)
+    rows = []
+    for i in range(0, int(ids.size), step):
+        piece = ids[i:i + step]
+        batch = make(piece, pos0 + i, seq, all_logits=True) if logits == "all" else make(piece, pos0 + i, seq)
+        rc = ctx.decode(batch)
+        if rc == 2:
+            raise Interrupted(i)
+        if rc != 0:
+            raise DecodeError(_decode_failure(ctx, rc, len(piece), pos0 + i), rc, i)
+        if logits == "all":
+            rows.append(np.array(ctx.get_logits(), dtype=np.float32, copy=True))
+    if logits == "last":
+        return np.array(ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
+    if logits == "all":
+        return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)
+    return None
+
+
+def _decode_failure(ctx, rc: int, n: int, pos: int) -> str:
+    if rc == 1:
+        return f"no room in the KV cache for {n} tokens ({pos}/{ctx.n_ctx} used)"
+    why = getattr(ctx, "last_error", "")
+    return f"decode failed with code {rc}" + (f": {why}" if why else "")
+
+
+def log_softmax_at(logits: np.ndarray, token: int) -> float:
+    """Natural-log probability of `token` under softmax(logits), in float64. logits f32 [n_vocab]."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    return float(x[token] - m - np.log(np.exp(x - m).sum()))
+
+
+@dataclass
+class Step:
+    """One generated token. `logits` f32 [n_vocab] are the model's raw scores it was drawn from."""
+    token: int
+    logits: np.ndarray
+    index: int  # 0 for the first generated token
+
+    @property
+    def logprob(self) -> float:
+        """log p(token) under the model (before sampling's penalties and temperature)."""
+        return log_softmax_at(self.logits, self.token)
+
+
+class Generation:
+    """The iterator `generate()` returns. Iterate it for Steps; afterwards `.stop` says why it
+    ended (None if the consumer stopped early), `.n_decoded` how many generated tokens were
+    decoded (the last one usually is not: it is sampled, yielded, and the limit stops), `.seconds`
+    the wall time spent inside the loop, `.pos` the position the next token would take."""
+
+    def __init__(self, ctx, sample, logits, pos, seq, max_tokens, is_eog, stop_event, make_room,
+                 on_decoded, batch_factory):
+        self.ctx = ctx
+        self.sample = sample
+        self.logits = logits
+        self.pos = pos
+        self.seq = seq
+        self.max_tokens = max_tokens
+        self.is_eog = is_eog
+        self.stop_event = stop_event
+        self.make_room = make_room or self._fits
+        self.on_decoded = on_decoded
+        self.batch_factory = batch_factory
+        self.stop: Optional[StopReason] = None
+        self.n_sampled = 0
+        self.n_decoded = 0
+        self.seconds = 0.0
+
+    def _fits(self, pos: int, n: int) -> Optional[int]:
+        """Default room policy: no shifting; stop when the sequence's context is full."""
+        n_ctx = int(getattr(self.ctx, "n_ctx_seq", 0) or self.ctx.n_ctx)
+        return pos if pos + n <= n_ctx else None
+
+    def __iter__(self) -> Iterator[Step]:
+        t0 = time.perf_counter()
+        try:
+            self.stop = yield from self._steps()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _steps(self):
+        while True:
+            if self.stop_event is not None and self.stop_event.is_set():
+                return StopReason.INTERRUPTED
+            pos = self.make_room(self.pos, 1)
+            if pos is None:
+                return StopReason.CTX_FULL
+            self.pos = pos
+            token = int(self.sample(self.logits))
+            if self.is_eog is not None and self.is_eog(token):
+                return StopReason.EOG
+            self.n_sampled += 1
+            yield Step(token, self.logits, self.n_sampled - 1)
+            if 0 <= self.max_tokens <= self.n_sampled:
+                return StopReason.LIMIT
+            try:
+                self.logits = decode_tokens(self.ctx, [token], self.pos, self.seq,
+                                            batch_factory=self.batch_factory)
+            except Interrupted:
+                return StopReason.INTERRUPTED
+            self.pos += 1
+            self.n_decoded += 1
+            if self.on_decoded is not None:
+                self.on_decoded(token, self.logits)
+
+
+def generate(ctx, sample: Callable[[np.ndarray], int], *, prompt: Sequence[int] = (),
+             logits: Optional[np.ndarray] = None, pos0: int = 0, seq: int = 0,
+             max_tokens: int = -1, is_eog: Optional[Callable[[int], bool]] = None,
+             stop_event=None, make_room: Optional[Callable[[int, int], Optional[int]]] = None,
+             on_decoded: Optional[Callable[[int, np.ndarray], None]] = None,
+             batch_factory: Optional[Callable] = None) -> Generation:
+    """Generate tokens on sequence `seq`: sample, yield, decode, repeat.
+
+    Start from `prompt` (decoded first at pos0, in n_batch pieces) or, when the caller has
+    prefilled already, from the `logits` after its last token (then pos0 = the next position).
+    sample(logits f32 [n_vocab]) -> token id: a Sampler with its history bound, or any source.
+    max_tokens: most tokens yielded (-1: no limit). is_eog(token): True ends the generation
+    (StopReason.EOG) without yielding that token. stop_event (threading.Event): set = stop
+    before the next token. make_room(pos, n) -> the position to decode at, or None when the
+    sequence cannot take n more tokens (default: stop at n_ctx); a context-shift policy moves
+    the sequence down and returns the lower position. on_decoded(token, logits) follows each decode.
+    Interrupted while decoding the prompt propagates (nothing was generated); during generation
+    it ends the loop with StopReason.INTERRUPTED.
+    """
+    if len(prompt):
+        logits = decode_tokens(ctx, prompt, pos0, seq, batch_factory=batch_factory)
+        pos0 += len(prompt)
+    if logits is None:
+        raise ValueError("generate: give a prompt or the logits to start from")
+    return Generation(ctx, sample, logits, pos0, seq, max_tokens, is_eog, stop_event, make_room,
+                      on_decoded, batch_factory)
+
+
+def warm_up(ctx, token: int, seq: int = 0) -> None:
+    """Run the prompt path (2 tokens) and the generation path (1 token) once, then remove them,
+    so numba compiles its kernels here rather than inside the first answer."""
+    try:
+        decode_tokens(ctx, [token, token], 0, seq, logits="none")
+        decode_tokens(ctx, [token], 2, seq, logits="none")
+    except (Interrupted, DecodeError):
+        pass  # a refused warm-up costs only the compile it would have saved
+    finally:
+        if not ctx.memory.seq_rm(seq, -1, -1):
+            ctx.memory.clear(True)
