@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.app import app
-from cli.cmd_perplexity import compute_perplexity
+from runtime.perplexity import compute_perplexity
 from runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 from tests.test_forward_logits import reference_forward

@@ -1,0 +1,55 @@
+"""Base files exchanged with llama-perplexity itself (SmolLM2, 2 chunks of GPL-3): a file it
+writes is read by `kvchat perplexity --kl-divergence`, a file we write is read by its
+`--kl-divergence`. Skipped when no llama.cpp build is at hand (KVCHAT_LLAMA_PERPLEXITY or a
+llama-perplexity binary under /work/llamacpp)."""
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+
+
+def _llama_perplexity():
+    exe = os.environ.get("KVCHAT_LLAMA_PERPLEXITY")
+    if exe and Path(exe).is_file():
+        return Path(exe)
+    root = Path("/work/llamacpp")
+    if root.is_dir():
+        for p in root.rglob("llama-perplexity"):
+            if p.is_file() and os.access(p, os.X_OK):
+                return p
+    return None
+
+
+LLAMA = _llama_perplexity()
+pytestmark = [pytest.mark.real_model, pytest.mark.slow,
+              pytest.mark.skipif(LLAMA is None, reason="no llama-perplexity build found")]
+
+
+def _mean_kld(text):
+    return float(re.search(r"Mean    KLD:\s+(\S+)", text).group(1))
+
+
+def test_files_from_each_tool_are_read_by_the_other(smollm2_path, reference_dir, tmp_path):
+    text = reference_dir / "texts" / "GPL-3.txt"
+    theirs, ours = tmp_path / "llama.kld", tmp_path / "kvchat.kld"
+    common = ["-m", str(smollm2_path), "-c", "512", "--chunks", "2", "-t", "2", "-fa", "on"]
+    subprocess.run([str(LLAMA), *common, "-f", str(text), "--kl-divergence-base", str(theirs)],
+                   check=True, capture_output=True, timeout=600)
+    out = CliRunner().invoke(app, ["perplexity", "-m", str(smollm2_path), "--kl-divergence-base",
+                                   str(theirs), "--kl-divergence"])
+    assert out.exit_code == 0, out.output
+    assert 0 < _mean_kld(out.stdout) < 0.01  # measured 0.003: two engines, same model
+    assert float(re.search(r"Same top p:\s+(\S+)", out.stdout).group(1)) > 90
+
+    out = CliRunner().invoke(app, ["perplexity", "-m", str(smollm2_path), "-f", str(text),
+                                   "--chunks", "2", "--kl-divergence-base", str(ours)])
+    assert out.exit_code == 0, out.output
+    r = subprocess.run([str(LLAMA), *common, "--kl-divergence-base", str(ours), "--kl-divergence"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 0 < _mean_kld(r.stdout + r.stderr) < 0.01
