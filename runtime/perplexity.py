@@ -36,13 +36,6 @@ class PerplexityResult:
     kld: Optional[KLDStats] = None  # set when scored against a base file
 
 
-def kv_caches(memory) -> list:
-    """The KVCache objects of a memory (one, or base + SWA for iSWA models)."""
-    if hasattr(memory, "get_base") and hasattr(memory, "get_swa"):
-        return [memory.get_base(), memory.get_swa()]
-    return [memory]
-
-
 def make_context(model, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512, type_k: str = "f16",
                  type_v: str = "f16", flash_attn: str = "on", n_threads: Optional[int] = None,
                  rotation: bool = True):
@@ -51,6 +44,7 @@ def make_context(model, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512, typ
     from runtime.context import Context
     from runtime.cparams import ContextParams
     from runtime.errors import CParamsError
+    from runtime.memory.kv_convert import kv_caches_of
 
     n_batch = min(n_batch, n_ctx)
     try:
@@ -60,7 +54,7 @@ def make_context(model, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512, typ
     except CParamsError as e:
         raise KvchatError(str(e)) from None
     if not rotation:
-        for kv in kv_caches(ctx.memory):
+        for kv in kv_caches_of(ctx.memory):
             kv.n_rot_k = kv.n_rot_v = 0
     return ctx
 
