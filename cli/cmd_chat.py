@@ -37,7 +37,8 @@ class Engine:
         return self.model.vocab
 
 
-def open_engine(settings: ChatSettings, renderer: Renderer, stop_event) -> Engine:
+def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_max: int = 1,
+                kv_unified: bool = True) -> Engine:
     """Model + Context + template from the flags; KvchatError (one line) for bad input."""
     from cli.models import resolve_model
     from cli.session import cache_config, model_identity
@@ -52,7 +53,8 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event) -> Engin
     params = ContextParams(n_ctx=settings.ctx_size, n_batch=settings.batch_size,
                            n_ubatch=settings.ubatch_size, type_k=settings.cache_type_k,
                            type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
-                           swa_full=settings.swa_full, n_threads=settings.threads)
+                           swa_full=settings.swa_full, n_threads=settings.threads,
+                           n_seq_max=n_seq_max, kv_unified=kv_unified)
     ctx = Context(model, params, abort_callback=stop_event.is_set)
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
@@ -175,16 +177,44 @@ def register(app: typer.Typer) -> None:
                                                          rich_help_panel="Input")] = None,
             raw: Annotated[bool, typer.Option("--raw", help="plain completion: no chat template",
                                               rich_help_panel="Input")] = False,
+            parallel: Annotated[int, typer.Option("-np", "--parallel", min=1, rich_help_panel="Parallel",
+                                                  help="N answers of the prompt (seeds S..S+N-1), or N "
+                                                       "prompts of --prompts-file at a time")] = 1,
+            prompts_file: Annotated[Optional[Path], typer.Option(
+                "--prompts-file", rich_help_panel="Parallel",
+                help="answer every prompt of FILE (one per line, or .jsonl with prompt/messages)")] = None,
+            jsonl: Annotated[bool, typer.Option("--jsonl", rich_help_panel="Parallel",
+                                                help="one JSON object per answer on stdout")] = False,
+            kv_unified: Annotated[bool, typer.Option("-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
+                                                     rich_help_panel="Parallel",
+                                                     help="one cell pool for all sequences (else one "
+                                                          "stream of n_ctx/N cells each)")] = True,
             settings: ChatSettings = None):
         """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
         import threading
-        text = read_prompt(prompt, file)
+        from cli import run_parallel
+        if prompts_file is not None and (prompt is not None or file is not None):
+            raise KvchatError("give either --prompts-file or a prompt (-p / -f), not both")
+        if (parallel > 1 or prompts_file is not None or jsonl) and settings.session is not None:
+            raise KvchatError("--session works with one answer; drop -np / --prompts-file / --jsonl")
+        text = read_prompt(prompt, file) if prompts_file is None else None
         lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
-        engine = open_engine(settings, renderer, stop)
+        engine = open_engine(settings, renderer, stop,
+                             n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
+                             kv_unified=kv_unified)
         raw = raw or not engine.has_template
         conv = make_conversation(engine, settings, renderer, stop, raw=raw)
+        if prompts_file is not None or parallel > 1 or jsonl:
+            with sigint_sets(stop):
+                if prompts_file is not None:
+                    run_parallel.run_prompts_file(engine, conv, settings, prompts_file, parallel,
+                                                  jsonl, stop, renderer)
+                else:
+                    run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl,
+                                                  stop, renderer)
+            return
         if settings.session is not None and settings.session.exists():
             # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
             from cli.session import load_conversation
