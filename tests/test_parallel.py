@@ -5,7 +5,7 @@ sequences free their cells; a short newcomer produces before a long one's prefil
 import numpy as np
 import pytest
 
-from cli.conversation import Conversation, ConversationConfig
+from runtime.conversation import Conversation, ConversationConfig
 from runtime.context import Context
 from runtime.cparams import ContextParams
 from runtime.model import Model

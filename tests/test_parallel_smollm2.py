@@ -42,7 +42,7 @@ def test_sampled_alternatives_equal_runs_with_seed_s_plus_i_with_a_stream_per_se
 
 
 def test_sixteen_prompts_on_four_sequences_give_the_solo_greedy_answers(smollm2_path):
-    from cli.conversation import Conversation, ConversationConfig
+    from runtime.conversation import Conversation, ConversationConfig
     from runtime.context import Context
     from runtime.cparams import ContextParams
     from runtime.model import Model
