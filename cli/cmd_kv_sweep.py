@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         n_pp: int = typer.Option(512, "--pp", min=0, help="prompt tokens of the speed test (0: skip)"),
         n_tg: int = typer.Option(128, "--tg", min=0, help="generated tokens of the speed test (0: skip)"),
         depth: int = typer.Option(-1, "--depth", min=-1, help="cache depth of the tg test "
-                                  "(-1: n_ctx - tg, so generation ends at n_ctx)"),
+                                  "(-1: n_ctx - tg - 1, so generation ends at n_ctx)"),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write rows + provenance as JSON"),
         csv_out: Optional[Path] = typer.Option(None, "--csv", help="write the rows as CSV"),
@@ -117,6 +117,12 @@ def register(app: typer.Typer) -> None:
         n_chunks = {n: (len(tokens) // n if chunks < 0 else min(chunks, len(tokens) // n)) for n in ctxs}
         steps = sum(n_chunks[n] * (len(configs) + 1) for n in ctxs)
         steps += len(ctxs) * (len(configs) + 1) * (1 if (n_pp or n_tg) else 0)
+        cases = []
+        if needle:
+            from runtime.kv_needle import default_lengths, needle_cases
+            lengths = _ints("--needle-len", needle_len) if needle_len else default_lengths(m, len(tokens))
+            cases = needle_cases(m, tokens, lengths)
+            steps += len(cases) * (len(configs) + 1)
         err.print(f"kv-sweep: {len(configs)} configurations + f16/f16 reference, "
                   f"{', '.join(f'{n_chunks[n]} chunks of {n}' for n in ctxs)}, {len(tokens)} tokens")
 
@@ -144,21 +150,31 @@ def register(app: typer.Typer) -> None:
                                           flash_attn=flash_attn, on_step=step, state_size=state_size)
                 dicts = [ref_row.as_dict(m.hparams)] + [r.as_dict(m.hparams) for r in rows]
                 if n_pp or n_tg:
-                    d = n_ctx - n_tg if depth < 0 else depth
+                    d = n_ctx - n_tg - 1 if depth < 0 else depth
                     for row, dd in zip([ref_row] + rows, dicts):
                         dd.update(measure_speed(m, row.config, n_pp, n_tg, max(d, 0), threads))
                         step(f"speed {row.config.label} @ {n_ctx}")
                 mark_pareto(dicts)
                 all_rows += dicts
                 pairs += _pairs([ref_row] + rows, n_ctx)
+            needle_rows = []
+            if cases:
+                from runtime.kv_needle import run_needle
+                results = run_needle(m, [ref_row.config] + configs, cases, threads, flash_attn, step)
+                for cfg, res in zip([ref_row.config] + configs, results):
+                    needle_rows += [dict(type_k=cfg.type_k, type_v=cfg.type_v,
+                                         rot="auto" if cfg.rotation else "off", **c) for c in res.cases]
         render_table(all_rows, out)
         _print_pairs(pairs, out)
+        if needle_rows:
+            from runtime.kv_needle import render_needle
+            render_needle(needle_rows, out)
         flags = dict(k=ks, v=vs, ctx_sizes=ctxs, chunks=chunks, rot=rot, flash_attn=flash_attn,
                      pp=n_pp, tg=n_tg, depth=depth, threads=threads)
         if json_out or csv_out:
             prov = provenance(model_path, file, flags, threads)
             if json_out:
-                write_json(json_out, prov, all_rows, pairs)
+                write_json(json_out, prov, all_rows, pairs, needle_rows)
                 err.print(f"wrote {json_out}")
             if csv_out:
                 write_csv(csv_out, all_rows)

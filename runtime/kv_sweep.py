@@ -181,8 +181,9 @@ def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: i
 def measure_speed(model, config: SweepConfig, n_pp: int, n_tg: int, depth: int,
                   n_threads: Optional[int] = None, seed: int = 1234) -> dict:
     """llama-bench's pp / tg tests on this configuration, one timed run each after an untimed
-    warm-up: {"pp512": t/s, "tg128 @ d384": t/s}. Random tokens, as llama-bench uses."""
-    from runtime.batch import Batch
+    warm-up: {"pp512": t/s, "tg128 @ d383": t/s} (tg: n_tg timed tokens after `depth` cached
+    ones and one untimed token). Random tokens, as llama-bench uses."""
+    from runtime.generate import DecodeError, decode_tokens
 
     rng = np.random.default_rng(seed)
     n_vocab = int(model.hparams.n_vocab)
@@ -192,13 +193,13 @@ def measure_speed(model, config: SweepConfig, n_pp: int, n_tg: int, depth: int,
                        config.rotation)
 
     def fill(toks, pos0):
-        for j in range(0, len(toks), ctx.n_batch):
-            part = toks[j:j + ctx.n_batch]
-            if ctx.decode(Batch.one_seq(part, pos0 + j)) != 0:
-                raise KvchatError(f"speed test: decode failed ({ctx.last_error})")
+        try:
+            decode_tokens(ctx, toks, pos0, 0, logits="none")
+        except DecodeError as e:
+            raise KvchatError(f"speed test of {config.label}: {e}") from None
 
     if n_pp > 0:
-        for timed in (False, True):
+        for timed in (False, True):  # the first run compiles and touches the weights
             ctx.memory.clear(True)
             toks = rng.integers(0, n_vocab, n_pp)
             t0 = time.perf_counter()
@@ -209,10 +210,10 @@ def measure_speed(model, config: SweepConfig, n_pp: int, n_tg: int, depth: int,
         ctx.memory.clear(True)
         if depth:
             fill(rng.integers(0, n_vocab, depth), 0)
-        toks = rng.integers(0, n_vocab, n_tg)
-        fill(toks[:1], depth)  # warm-up token (one-token kernels)
+        toks = rng.integers(0, n_vocab, n_tg + 1)
+        fill(toks[:1], depth)  # an untimed first token (one-token kernels)
         t0 = time.perf_counter()
-        for j in range(1, n_tg):
+        for j in range(1, n_tg + 1):
             fill(toks[j:j + 1], depth + j)
-        out[f"tg{n_tg}" + (f" @ d{depth}" if depth else "")] = (n_tg - 1) / (time.perf_counter() - t0)
+        out[f"tg{n_tg}" + (f" @ d{depth}" if depth else "")] = n_tg / (time.perf_counter() - t0)
     return out

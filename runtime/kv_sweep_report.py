@@ -92,8 +92,11 @@ def _clean(x):
     return x
 
 
-def write_json(path, prov: dict, rows: list[dict], pairs: list[dict]) -> None:
-    _atomic_text(path, json.dumps(_clean(dict(provenance=prov, rows=rows, pairs=pairs)), indent=2) + "\n")
+def write_json(path, prov: dict, rows: list[dict], pairs: list[dict], needle: list[dict] | None = None) -> None:
+    doc = dict(provenance=prov, rows=rows, pairs=pairs)
+    if needle:
+        doc["needle"] = needle
+    _atomic_text(path, json.dumps(_clean(doc), indent=2) + "\n")
 
 
 def depth_string(profile: list[dict]) -> str:
