@@ -20,10 +20,10 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-from cli import cmd_pull, cmd_info, cmd_tokenize, cmd_chat, cmd_perplexity, cmd_bench  # noqa: E402
+from cli import cmd_pull, cmd_info, cmd_tokenize, cmd_chat, cmd_run, cmd_perplexity, cmd_bench  # noqa: E402
 from cli import cmd_bench_batched, cmd_session, cmd_kv_sweep  # noqa: E402
 
-for _module in (cmd_chat, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
+for _module in (cmd_chat, cmd_run, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
                 cmd_bench_batched, cmd_session, cmd_kv_sweep):
     _module.register(app)
 

@@ -12,11 +12,11 @@ import json
 import statistics
 import sys
 import time
-from typing import Optional
 
 import numpy as np
 import typer
 
+from cli.options import ChatSettings, with_settings
 from runtime.errors import KvchatError
 
 
@@ -60,33 +60,30 @@ def model_desc(model) -> str:
     return f"{model.hparams.arch} {label} {model.ftype_name}"
 
 
+BENCH_FLAGS = ("model", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v",
+               "flash_attn")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("bench")
+    @with_settings(names=BENCH_FLAGS)
     def bench(
-        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a .gguf path"),
         n_prompt: int = typer.Option(512, "-p", "--n-prompt", min=0, help="prompt tokens (0: skip pp)"),
         n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, help="generated tokens (0: skip tg)"),
         reps: int = typer.Option(3, "-r", "--repetitions", min=1, help="timed repetitions per test"),
         depth: int = typer.Option(0, "-d", "--n-depth", min=0, help="tokens already in the cache"),
-        batch_size: int = typer.Option(2048, "-b", "--batch-size", min=1),
-        ubatch_size: int = typer.Option(512, "-ub", "--ubatch-size", min=1),
-        cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k"),
-        cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v"),
-        flash_attn: str = typer.Option("auto", "-fa", "--flash-attn", help="on, off or auto"),
-        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+        settings: ChatSettings = None,
     ):
         """Measure pp (prompt) and tg (generation) speed, llama-bench style."""
         from cli.models import resolve_model
         from runtime.context import Context
-        from runtime.cparams import ContextParams
         from runtime.model import Model
 
-        m = Model.load(resolve_model(model))
+        m = Model.load(resolve_model(settings.model))
         n_ctx = depth + max(n_prompt, n_gen) + 1
-        ctx = Context(m, ContextParams(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-                                       type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn,
-                                       n_threads=threads))
+        ctx = Context(m, settings.context_params(n_ctx=n_ctx))
+        cache_type_k, cache_type_v, threads = settings.cache_type_k, settings.cache_type_v, settings.threads
         n_batch = ctx.cparams.n_batch
         import numba
         n_threads = threads or numba.get_num_threads()

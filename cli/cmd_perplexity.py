@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 
+from cli.options import CACHE_FLAGS, ChatSettings, at_least, with_settings
 from runtime.errors import KvchatError
 
 
@@ -55,26 +56,33 @@ def _progress(label: str):
     return progress, progress.add_task(label, total=None, info="")
 
 
+# the shared context / cache flags (cli/options.py) with llama-perplexity's defaults
+PERPLEXITY_DEFAULTS = {
+    "ctx_size": {"default": 512, "help": "tokens per chunk", "check": at_least(16)},
+    "batch_size": {"default": 512, "help": "logical batch size"},
+    "ubatch_size": {"default": 512, "help": "physical batch size"},
+    "flash_attn": {"default": "on"},
+}
+
+
 def register(app: typer.Typer) -> None:
     @app.command("perplexity")
+    @with_settings(names=CACHE_FLAGS, overrides=PERPLEXITY_DEFAULTS)
     def perplexity(
-        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a .gguf path"),
         file: Optional[Path] = typer.Option(None, "-f", "--file", help="text file to evaluate"),
-        ctx_size: int = typer.Option(512, "-c", "--ctx-size", min=16, help="tokens per chunk"),
-        batch_size: int = typer.Option(512, "-b", "--batch-size", min=1, help="logical batch size"),
-        ubatch_size: int = typer.Option(512, "-ub", "--ubatch-size", min=1, help="physical batch size"),
-        cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="K cache type"),
-        cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="V cache type"),
-        flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="on, off or auto"),
         chunks: int = typer.Option(-1, "--chunks", help="max chunks to evaluate (-1: all)"),
-        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads"),
         kl_base: Optional[Path] = typer.Option(
             None, "--kl-divergence-base", help="logits file: written from -f TEXT, or read with "
             "--kl-divergence (llama-perplexity's format; files from either tool work in both)"),
         kl_divergence: bool = typer.Option(
             False, "--kl-divergence", help="score against --kl-divergence-base FILE: KLD, Δp, same top"),
+        settings: ChatSettings = None,
     ):
         """Perplexity of a text, as llama-perplexity computes it (second half of each chunk)."""
+        model, ctx_size, threads = settings.model, settings.ctx_size, settings.threads
+        batch_size, ubatch_size = settings.batch_size, settings.ubatch_size
+        cache_type_k, cache_type_v, flash_attn = (settings.cache_type_k, settings.cache_type_v,
+                                                  settings.flash_attn)
         from cli.models import resolve_model
         from runtime.kld import KLDStats, LogitsFile
         from runtime.model import Model

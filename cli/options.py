@@ -1,17 +1,23 @@
-"""The flags `kvchat chat` and `kvchat run` share, named as llama.cpp names them.
+"""Every flag kvchat's commands share, declared once, named as llama.cpp names them.
 
-Each flag is declared once in OPTIONS (name, type, default, spellings, help, --help panel). The
-decorator `with_settings` appends them to a command's signature, so typer sees ordinary
-parameters, and hands the command one `ChatSettings` object instead of thirty arguments.
+`OPTIONS` is the one table: per flag its `ChatSettings` field, type, spellings, help, --help panel,
+the range check, and — for what can change mid-chat — where `/set` applies it. From it:
+- `with_settings(...)` appends the flags to a typer command (all of them for chat/run; a subset
+  such as `CACHE_FLAGS` with other defaults for bench, perplexity, logprobs) and hands the command
+  one `ChatSettings` instead of thirty arguments;
+- the REPL's `/set` (names, parsing, listing) and the `/set` line of `/help` (cli/repl.py).
+A value is refused by the same check whether it comes from a flag (usage error, exit 2) or from
+`/set` (an error line, the chat goes on): `check_value(option, value)`.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -65,90 +71,247 @@ class ChatSettings:
                               repeat_penalty=self.repeat_penalty,
                               repeat_last_n=self.repeat_last_n, seed=self.seed)
 
+    def context_params(self, **override):
+        """The runtime's ContextParams from the context / cache flags."""
+        from runtime.cparams import ContextParams
+        values = dict(n_ctx=self.ctx_size, n_batch=self.batch_size, n_ubatch=self.ubatch_size,
+                      type_k=self.cache_type_k, type_v=self.cache_type_v, flash_attn=self.flash_attn,
+                      swa_full=self.swa_full, n_threads=self.threads)
+        return ContextParams(**(values | override))
 
-_D = ChatSettings()
 
-# (field, type, spellings, help, panel, extra typer.Option kwargs)
+# ---- range checks: value -> value (possibly normalised), ValueError with the reason ---------------
+
+def at_least(lo, finite: bool = True) -> Callable:
+    def check(v):
+        if v is None:
+            return v
+        if finite and isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"must be a finite number (got {v})")
+        if v < lo:
+            raise ValueError(f"must be >= {lo} (got {v})")
+        return v
+    check.text = f"x>={lo}"
+    return check
+
+
+def within(lo, hi) -> Callable:
+    def check(v):
+        if v is None:
+            return v
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"must be a finite number within {lo}..{hi} (got {v})")
+        if not lo <= v <= hi:
+            raise ValueError(f"must be within {lo}..{hi} (got {v})")
+        return v
+    check.text = f"{lo}<=x<={hi}"
+    return check
+
+
+def above(lo) -> Callable:
+    def check(v):
+        if v is None:
+            return v
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"must be a finite number (got {v})")
+        if v <= lo:
+            raise ValueError(f"must be > {lo} (got {v})")
+        return v
+    check.text = f"x>{lo}"
+    return check
+
+
+def seed_value(v):
+    """-1 means a random seed (llama.cpp's LLAMA_DEFAULT_SEED), as does leaving it out."""
+    if v is None or v == -1:
+        return None
+    if not 0 <= v < 2**64:
+        raise ValueError(f"must be -1 (random) or within 0..2^64-1 (got {v})")
+    return v
+
+
+seed_value.text = "-1 or 0<=x<2^64"
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+SAMPLING, CONVERSATION, OUTPUT = "sampling", "conversation", "output"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str                         # the ChatSettings field
+    type: Any                         # the annotation typer sees
+    flags: tuple                      # spellings, llama.cpp's first
+    help: str
+    panel: str
+    check: Optional[Callable] = None  # value -> value, ValueError("must be ...")
+    live: Optional[str] = None        # what /set changes mid-chat: SAMPLING, CONVERSATION, OUTPUT
+    extra: dict = field(default_factory=dict)  # more typer.Option keywords
+    default: Any = None               # set from ChatSettings below (with_settings may override)
+
+    @property
+    def key(self) -> str:
+        """The /set name: the long flag without its dashes (`--top-k` -> `top-k`)."""
+        long = next(f for f in self.flags if f.startswith("--"))
+        return long.split("/")[0][2:]
+
+    @property
+    def value_type(self):
+        t = self.type
+        return {Optional[int]: int, Optional[str]: str, Optional[Path]: Path}.get(t, t)
+
+
 OPTIONS = [
-    ("model", Optional[str], ("-m", "--model"),
-     "model: a short name (smollm2, gemma3; fetched on first use) or a .gguf path",
-     PANEL_MODEL, {"show_default": "smollm2"}),
-    ("chat_template_file", Optional[Path], ("--chat-template-file",),
-     "Jinja chat template to use instead of the model's", PANEL_MODEL, {}),
-    ("threads", Optional[int], ("-t", "--threads"),
-     "CPU threads for the kernels", PANEL_MODEL, {"min": 1, "show_default": "all cores"}),
-    ("ctx_size", int, ("-c", "--ctx-size"),
-     "context size in tokens (0 = the model's training length; padded up to 256)", PANEL_CONTEXT,
-     {"min": 0}),
-    ("batch_size", int, ("-b", "--batch-size"), "most tokens per decode call", PANEL_CONTEXT, {"min": 1}),
-    ("ubatch_size", int, ("-ub", "--ubatch-size"), "most tokens per forward pass", PANEL_CONTEXT,
-     {"min": 1}),
-    ("cache_type_k", str, ("-ctk", "--cache-type-k"),
-     "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1", PANEL_CONTEXT, {}),
-    ("cache_type_v", str, ("-ctv", "--cache-type-v"),
-     "V cache type (quantized types need flash attention)", PANEL_CONTEXT, {}),
-    ("flash_attn", FlashAttn, ("-fa", "--flash-attn"), "flash attention", PANEL_CONTEXT,
-     {"case_sensitive": False}),
-    ("swa_full", bool, ("--swa-full",),
-     "full-size cache for sliding-window layers (lets iSWA models context-shift)", PANEL_CONTEXT, {}),
-    ("keep", Optional[int], ("--keep",),
-     "tokens kept at the start when the context shifts (-1 = the whole first prompt)",
-     PANEL_CONTEXT, {"min": -1, "show_default": "the system prompt"}),
-    ("context_shift", bool, ("--context-shift/--no-context-shift",),
-     "when the context is full: drop half of the older tokens and go on (or stop the answer)",
-     PANEL_CONTEXT, {}),
-    ("n_predict", int, ("-n", "--n-predict"), "most tokens per answer (-1 = until end of turn)",
-     PANEL_SAMPLING, {"min": -1}),
-    ("temp", float, ("--temp",), "temperature (0 = greedy)", PANEL_SAMPLING, {"min": 0.0}),
-    ("top_k", int, ("--top-k",), "keep the k most likely tokens (0 = off)", PANEL_SAMPLING, {"min": 0}),
-    ("top_p", float, ("--top-p",), "nucleus: smallest set with this probability mass (1 = off)",
-     PANEL_SAMPLING, {"min": 0.0, "max": 1.0}),
-    ("min_p", float, ("--min-p",), "drop tokens below this fraction of the best one (0 = off)",
-     PANEL_SAMPLING, {"min": 0.0, "max": 1.0}),
-    ("repeat_penalty", float, ("--repeat-penalty",), "penalty for recently seen tokens (1 = off)",
-     PANEL_SAMPLING, {"min": 0.0}),
-    ("repeat_last_n", int, ("--repeat-last-n",), "how many recent tokens the penalty looks at "
-     "(0 = off, -1 = context)", PANEL_SAMPLING, {"min": -1}),
-    ("seed", Optional[int], ("-s", "--seed"), "random seed", PANEL_SAMPLING,
-     {"min": 0, "show_default": "random"}),
-    ("ignore_eos", bool, ("--ignore-eos",), "keep generating past end-of-turn tokens", PANEL_SAMPLING, {}),
-    ("system_prompt", Optional[str], ("-sys", "--system-prompt"),
-     "system prompt", PANEL_CHAT, {"show_default": "the model's default, if any"}),
-    ("session", Optional[Path], ("--session",),
-     "resume from FILE if it exists, save to it after every turn", PANEL_CHAT, {}),
-    ("show_timings", bool, ("--show-timings",), "print prompt and generation speeds after each answer",
-     PANEL_OUTPUT, {}),
-    ("verbose_prompt", bool, ("--verbose-prompt",), "print the prompt tokens before decoding them",
-     PANEL_OUTPUT, {}),
-    ("markdown", bool, ("--markdown",), "render the answer as Markdown when it is complete",
-     PANEL_OUTPUT, {}),
+    Option("model", Optional[str], ("-m", "--model"),
+           "model: a short name (smollm2, gemma3; fetched on first use) or a .gguf path",
+           PANEL_MODEL, extra={"show_default": "smollm2"}),
+    Option("chat_template_file", Optional[Path], ("--chat-template-file",),
+           "Jinja chat template to use instead of the model's", PANEL_MODEL),
+    Option("threads", Optional[int], ("-t", "--threads"), "CPU threads for the kernels", PANEL_MODEL,
+           at_least(1), extra={"show_default": "all cores"}),
+    Option("ctx_size", int, ("-c", "--ctx-size"),
+           "context size in tokens (0 = the model's training length; padded up to 256)", PANEL_CONTEXT,
+           at_least(0)),
+    Option("batch_size", int, ("-b", "--batch-size"), "most tokens per decode call", PANEL_CONTEXT,
+           at_least(1)),
+    Option("ubatch_size", int, ("-ub", "--ubatch-size"), "most tokens per forward pass", PANEL_CONTEXT,
+           at_least(1)),
+    Option("cache_type_k", str, ("-ctk", "--cache-type-k"),
+           "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1", PANEL_CONTEXT),
+    Option("cache_type_v", str, ("-ctv", "--cache-type-v"),
+           "V cache type (quantized types need flash attention)", PANEL_CONTEXT),
+    Option("flash_attn", FlashAttn, ("-fa", "--flash-attn"), "flash attention", PANEL_CONTEXT,
+           extra={"case_sensitive": False}),
+    Option("swa_full", bool, ("--swa-full",),
+           "full-size cache for sliding-window layers (lets iSWA models context-shift)", PANEL_CONTEXT),
+    Option("keep", Optional[int], ("--keep",),
+           "tokens kept at the start when the context shifts (-1 = the whole first prompt)",
+           PANEL_CONTEXT, at_least(-1), CONVERSATION, {"show_default": "the system prompt"}),
+    Option("context_shift", bool, ("--context-shift/--no-context-shift",),
+           "when the context is full: drop half of the older tokens and go on (or stop the answer)",
+           PANEL_CONTEXT, live=CONVERSATION),
+    Option("n_predict", int, ("-n", "--n-predict"), "most tokens per answer (-1 = until end of turn)",
+           PANEL_SAMPLING, at_least(-1), CONVERSATION),
+    Option("temp", float, ("--temp",), "temperature (0 = greedy)", PANEL_SAMPLING, at_least(0.0),
+           SAMPLING),
+    Option("top_k", int, ("--top-k",), "keep the k most likely tokens (0 = off)", PANEL_SAMPLING,
+           at_least(0), SAMPLING),
+    Option("top_p", float, ("--top-p",), "nucleus: smallest set with this probability mass (1 = off)",
+           PANEL_SAMPLING, within(0.0, 1.0), SAMPLING),
+    Option("min_p", float, ("--min-p",), "drop tokens below this fraction of the best one (0 = off)",
+           PANEL_SAMPLING, within(0.0, 1.0), SAMPLING),
+    Option("repeat_penalty", float, ("--repeat-penalty",), "penalty for recently seen tokens (1 = off)",
+           PANEL_SAMPLING, above(0.0), SAMPLING),
+    Option("repeat_last_n", int, ("--repeat-last-n",), "how many recent tokens the penalty looks at "
+           "(0 = off, -1 = context)", PANEL_SAMPLING, at_least(-1), SAMPLING),
+    Option("seed", Optional[int], ("-s", "--seed"), "random seed (-1 = random)", PANEL_SAMPLING,
+           seed_value, SAMPLING, {"show_default": "random"}),
+    Option("ignore_eos", bool, ("--ignore-eos",), "keep generating past end-of-turn tokens",
+           PANEL_SAMPLING, live=CONVERSATION),
+    Option("system_prompt", Optional[str], ("-sys", "--system-prompt"), "system prompt", PANEL_CHAT,
+           extra={"show_default": "the model's default, if any"}),
+    Option("session", Optional[Path], ("--session",),
+           "resume from FILE if it exists, save to it after every turn", PANEL_CHAT),
+    Option("show_timings", bool, ("--show-timings",), "print prompt and generation speeds after each answer",
+           PANEL_OUTPUT, live=OUTPUT),
+    Option("verbose_prompt", bool, ("--verbose-prompt",), "print the prompt tokens before decoding them",
+           PANEL_OUTPUT),
+    Option("markdown", bool, ("--markdown",), "render the answer as Markdown when it is complete",
+           PANEL_OUTPUT, live=OUTPUT),
 ]
+OPTIONS = [replace(o, default=getattr(ChatSettings(), o.name)) for o in OPTIONS]
+BY_NAME = {o.name: o for o in OPTIONS}
+LIVE = [o for o in OPTIONS if o.live]            # what /set can change, in --help order
+LIVE_BY_KEY = {o.key: o for o in LIVE}
+assert set(BY_NAME) == {f.name for f in fields(ChatSettings)}
 
-assert {o[0] for o in OPTIONS} == {f.name for f in fields(ChatSettings)}
+# the flags of a command that makes a Context of its own (perplexity, logprobs; bench without -c);
+# add "swa_full" where the command passes it on
+CACHE_FLAGS = ("model", "threads", "ctx_size", "batch_size", "ubatch_size", "cache_type_k",
+               "cache_type_v", "flash_attn")
 
 
-def _parameter(name, typ, decls, help_, panel, extra) -> inspect.Parameter:
-    default = getattr(_D, name)
-    if typ is FlashAttn:
+def check_value(option: Option, value):
+    """The option's range check (ValueError with the reason); returns the normalised value."""
+    return option.check(value) if option.check is not None else value
+
+
+def parse_bool(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("on", "true", "1", "yes"):
+        return True
+    if v in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"expected on or off, got '{text}'")
+
+
+def parse_value(option: Option, text: str):
+    """A /set value: parsed as the flag's type, then range-checked like the flag."""
+    t = option.value_type
+    if t is bool:
+        value = parse_bool(text)
+    elif t is int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected a whole number, got '{text}'") from None
+    elif t is float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got '{text}'") from None
+    else:
+        value = t(text)
+    return check_value(option, value)
+
+
+# ---- typer wiring ---------------------------------------------------------------------------------
+
+def _callback(option: Option):
+    def callback(value):
+        try:
+            return check_value(option, value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    return callback
+
+
+def _parameter(option: Option) -> inspect.Parameter:
+    default = option.default
+    if option.type is FlashAttn and default is not None:
         default = FlashAttn(default)
-    extra = {"show_default": default is not None, **extra}
-    option = typer.Option(*decls, help=help_, rich_help_panel=panel, **extra)
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[typ, option])
+    extra = {"show_default": default is not None, **option.extra}
+    cb = _callback(option) if option.check is not None else None
+    text = getattr(option.check, "text", None)
+    help_ = f"{option.help} \\[{text}]" if text else option.help  # a literal "[", not rich markup
+    opt = typer.Option(*option.flags, help=help_, rich_help_panel=option.panel, callback=cb, **extra)
+    return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[option.type, opt])
 
 
-def with_settings(func):
-    """Give a typer command every shared flag; it receives them as `settings: ChatSettings`."""
+def with_settings(func=None, *, names=None, overrides=None):
+    """Give a typer command the shared flags; it receives them as `settings: ChatSettings`.
+
+    names: which flags (default: all of OPTIONS). overrides: {field: {"default"|"help"|"check"|
+    "panel": ...}} for a command whose flag means something narrower (perplexity's -c is the
+    chunk size). Flags not taken keep ChatSettings' defaults in `settings`."""
+    if func is None:
+        return functools.partial(with_settings, names=names, overrides=overrides)
+    chosen = [BY_NAME[n] for n in (names or BY_NAME)]
+    over = overrides or {}
+    chosen = [replace(o, **over.get(o.name, {})) for o in chosen]
     own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "settings"]
-    shared = [_parameter(*o) for o in OPTIONS]
-    names = [o[0] for o in OPTIONS]
+    shared = [_parameter(o) for o in chosen]
+    taken = [o.name for o in chosen]
+    fixed = {n: o["default"] for n, o in over.items() if n not in taken and "default" in o}
 
     @functools.wraps(func)
     def command(**kwargs):
-        values = {n: kwargs.pop(n) for n in names}
-        if isinstance(values["flash_attn"], FlashAttn):
+        values = {n: kwargs.pop(n) for n in taken}
+        if isinstance(values.get("flash_attn"), FlashAttn):
             values["flash_attn"] = values["flash_attn"].value
-        return func(settings=ChatSettings(**values), **kwargs)
+        return func(settings=ChatSettings(**(fixed | values)), **kwargs)
 
     del command.__wrapped__  # typer must see the new signature, not the wrapped one
     params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared

@@ -13,7 +13,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from cli.cmd_chat import apply_saved_sampling, sigint_sets
+from cli.chat_setup import apply_saved_sampling, sigint_sets
+from cli.options import CONVERSATION, LIVE, LIVE_BY_KEY, OUTPUT, SAMPLING, parse_value
 from cli.wording import error_text, stop_text
 from runtime.generate import Interrupted
 from runtime.errors import KvchatError
@@ -28,8 +29,7 @@ COMMANDS = {
     "/regen": "drop the last answer and sample a new one (no prompt re-evaluation)",
     "/undo": "drop the last exchange (your message and its answer)",
     "/system": "/system TEXT sets the system prompt; /system alone shows it; /system - removes it",
-    "/set": "/set PARAM VALUE (temp, top-k, top-p, min-p, repeat-penalty, repeat-last-n, seed, "
-            "n-predict, keep, context-shift, ignore-eos, markdown, show-timings); /set alone lists",
+    "/set": f"/set PARAM VALUE ({', '.join(o.key for o in LIVE)}); /set alone lists",
     "/save": "/save FILE: save the conversation and its cache state",
     "/load": "/load FILE: resume a saved conversation (no tokens re-processed)",
     "/stats": "tokens and speeds of the last turn, context use",
@@ -37,11 +37,6 @@ COMMANDS = {
     "/kv": "map of the KV cache cells: sequence and position of each cell, empty cells, head",
 }
 ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help"}
-
-SAMPLING_PARAMS = {"temp": ("temp", float), "top-k": ("top_k", int), "top-p": ("top_p", float),
-                   "min-p": ("min_p", float), "repeat-penalty": ("repeat_penalty", float),
-                   "repeat-last-n": ("repeat_last_n", int), "seed": ("seed", int)}
-
 
 def history_path() -> Path:
     from cli.models import cache_dir
@@ -53,15 +48,6 @@ def _read_stdin_line(prompt: str) -> str:
     if not line:
         raise EOFError
     return line.rstrip("\n")
-
-
-def parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("on", "true", "1", "yes"):
-        return True
-    if v in ("off", "false", "0", "no"):
-        return False
-    raise KvchatError(f"expected on or off, got '{value}'")
 
 
 class Repl:
@@ -253,50 +239,49 @@ class Repl:
         self.r.notice("system prompt removed" if arg == "-" else "system prompt set (applies from the next turn)")
 
     def cmd_set(self, arg: str) -> None:
-        conv, p = self.conv, self.conv.sampler.params
+        """/set PARAM VALUE: the flags marked live in cli/options.py, checked as the flags are."""
         if not arg:
-            values = {k: getattr(p, f) for k, (f, _) in SAMPLING_PARAMS.items()}
-            values["seed"] = conv.sampler.seed
-            values.update({"n-predict": conv.config.n_predict, "keep": conv.config.keep,
-                           "context-shift": conv.config.context_shift,
-                           "ignore-eos": conv.config.ignore_eos, "markdown": self.r.markdown,
-                           "show-timings": self.settings.show_timings})
-            self.r.notice(" · ".join(f"{k} {v}" for k, v in values.items()))
+            self.r.notice(" · ".join(f"{o.key} {self._current(o)}" for o in LIVE))
             return
         try:
             key, value = shlex.split(arg)
         except ValueError:
             raise KvchatError("usage: /set PARAM VALUE (/set alone lists the parameters)") from None
         key = key.lower().replace("_", "-")
+        option = LIVE_BY_KEY.get(key)
+        if option is None:
+            close = difflib.get_close_matches(key, list(LIVE_BY_KEY), n=1)
+            hint = f" — did you mean {close[0]}?" if close else ""
+            raise KvchatError(f"unknown parameter '{key}'{hint}")
         try:
-            if key in SAMPLING_PARAMS:
-                field, typ = SAMPLING_PARAMS[key]
-                new = SamplingParams.from_dict(p.to_dict() | {field: typ(value)})
-                sampler = Sampler(new)
-                if key != "seed":
-                    sampler.rng, sampler.seed = conv.sampler.rng, conv.sampler.seed
-                    sampler.params.seed = p.seed
-                conv.sampler = sampler
-            elif key == "n-predict":
-                conv.config.n_predict = int(value)
-            elif key == "keep":
-                conv.config.keep = int(value)
-            elif key == "context-shift":
-                conv.config.context_shift = parse_bool(value)
-            elif key == "ignore-eos":
-                conv.config.ignore_eos = parse_bool(value)
-            elif key == "markdown":
-                self.r.markdown = parse_bool(value)
-            elif key == "show-timings":
-                self.settings.show_timings = parse_bool(value)
-            else:
-                close = difflib.get_close_matches(key, list(SAMPLING_PARAMS) + [
-                    "n-predict", "keep", "context-shift", "ignore-eos", "markdown", "show-timings"], n=1)
-                hint = f" — did you mean {close[0]}?" if close else ""
-                raise KvchatError(f"unknown parameter '{key}'{hint}")
+            self._apply(option, parse_value(option, value))
         except ValueError as e:
             raise KvchatError(f"/set {key}: {e}") from None
         self.r.notice(f"{key} = {value}")
+
+    def _current(self, option):
+        conv = self.conv
+        if option.live == SAMPLING:
+            return conv.sampler.seed if option.name == "seed" else getattr(conv.sampler.params, option.name)
+        if option.live == CONVERSATION:
+            return getattr(conv.config, option.name)
+        return getattr(self.r, option.name, getattr(self.settings, option.name))
+
+    def _apply(self, option, value) -> None:
+        conv = self.conv
+        if option.live == SAMPLING:
+            p = conv.sampler.params
+            sampler = Sampler(SamplingParams.from_dict(p.to_dict() | {option.name: value}))
+            if option.name != "seed":  # the random stream goes on; /set seed restarts it
+                sampler.rng, sampler.seed = conv.sampler.rng, conv.sampler.seed
+                sampler.params.seed = p.seed
+            conv.sampler = sampler
+        elif option.live == CONVERSATION:
+            setattr(conv.config, option.name, value)
+        elif option.live == OUTPUT:
+            setattr(self.settings, option.name, value)
+            if hasattr(self.r, option.name):
+                setattr(self.r, option.name, value)
 
     def cmd_save(self, arg: str) -> None:
         if not arg:

@@ -1,0 +1,130 @@
+"""What `kvchat chat` and `kvchat run` share: from the flags to a live Conversation.
+
+open_engine = resolve the model name, load it, make a Context from the flags, warm the kernels
+up (numba compiles them on first use; the spinner says so), pick the chat template.
+make_conversation = the Conversation on it, its notices worded by cli/wording.py. Also the
+Ctrl-C handling while an answer streams, the --session lock, and sampling settings taken
+from a resumed session. The REPL and both commands import this module; it imports neither.
+"""
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from cli.options import ChatSettings
+from cli.render import Renderer
+from cli.wording import event_text
+from runtime.conversation import Conversation, ConversationConfig
+from runtime.errors import KvchatError
+from runtime.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Engine:
+    model: object
+    ctx: object
+    template: object          # ChatTemplate, or None when the model has none and none was given
+    has_template: bool        # the model (or --chat-template-file) provides one
+    identity: dict            # session.model_identity
+    cache: dict               # session.cache_config
+
+    @property
+    def vocab(self):
+        return self.model.vocab
+
+
+def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_max: int = 1,
+                kv_unified: bool = True) -> Engine:
+    """Model + Context + template from the flags; KvchatError (one line) for bad input."""
+    from cli.models import resolve_model
+    from cli.session import cache_config, model_identity
+    from runtime.text.chat_template import ChatTemplate
+    from runtime.context import Context
+    from runtime.model import Model
+
+    path = resolve_model(settings.model, renderer.err)
+    with renderer.spinner(f"loading {Path(path).name}"):
+        model = Model.load(path)
+    ctx = Context(model, settings.context_params(n_seq_max=n_seq_max, kv_unified=kv_unified),
+                  abort_callback=stop_event.is_set)
+    for w in getattr(ctx.cparams, "warnings", []):
+        renderer.warn(w)
+    with renderer.spinner("compiling kernels (first use only; cached afterwards)"):
+        from runtime.generate import warm_up
+        bos = getattr(model.vocab, "bos", None)
+        warm_up(ctx, bos if bos is not None and bos >= 0 else 0)
+    if settings.chat_template_file is not None:
+        template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
+    else:
+        has = isinstance(model.gguf.get("tokenizer.chat_template"), str)
+        template = ChatTemplate.from_gguf(model.gguf, model.vocab)
+    identity = model_identity(path, getattr(model.gguf, "data_offset", None))
+    return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
+
+
+def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event,
+                      raw: bool = False) -> Conversation:
+    config = ConversationConfig(n_predict=settings.n_predict, context_shift=settings.context_shift,
+                                keep=settings.keep, ignore_eos=settings.ignore_eos, raw=raw,
+                                system_prompt=None if raw else settings.system_prompt)
+    try:
+        sampler = Sampler(settings.sampling())
+    except ValueError as e:
+        raise KvchatError(str(e)) from None
+    conv = Conversation(engine.ctx, engine.vocab, None if raw else engine.template, sampler, config,
+                        notify=lambda event: renderer.notice(event_text(event)),
+                        stop_event=stop_event)
+    if settings.verbose_prompt:
+        conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
+    return conv
+
+
+@contextmanager
+def sigint_sets(event):
+    """While generating, Ctrl-C sets `event` (stop at the next token) instead of raising."""
+    if not hasattr(signal, "SIGINT"):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if event.is_set():  # a second Ctrl-C while stopping: give up the normal way
+            raise KeyboardInterrupt
+        event.set()
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def apply_saved_sampling(conv: Conversation, saved: dict, settings: ChatSettings | None) -> None:
+    """Sampling settings from a session, except those given explicitly on the command line."""
+    defaults = ChatSettings()
+    merged = conv.sampler.params.to_dict()
+    for key, value in SamplingParams.from_dict(saved).to_dict().items():
+        if settings is None or getattr(settings, key) == getattr(defaults, key):
+            merged[key] = value
+    try:
+        conv.sampler = Sampler(SamplingParams.from_dict(merged))
+    except ValueError as e:
+        raise KvchatError(f"session sampling settings: {e}") from None
+
+
+def hold_session_lock(path):
+    """Lock a --session file for this process's life (None without one); SessionError naming
+    the process that holds it, so two processes never save over each other's turns."""
+    if path is None:
+        return None
+    import atexit
+    from cli.session_file import SessionLock
+    lock = SessionLock(path).acquire()
+    atexit.register(lock.release)  # removes the lock file; the kernel drops the lock anyway
+    return lock
