@@ -8,7 +8,7 @@ import pytest
 from kernels.ggml_types import GGMLType
 from runtime.cparams import ContextParams, check_kv_fits, kv_cache_bytes, resolve_cparams
 from runtime.errors import CParamsError, ModelOutputError
-from runtime.memory.interface import create_memory
+from runtime.arch import create_memory
 from runtime.sampling import Sampler, SamplingParams, check_logits
 from runtime.text.utf8 import clean_text, decode_bytes
 
