@@ -1,8 +1,11 @@
 """Rotary position embedding (RoPE), the two layouts llama.cpp knows.
 
 "norm" (LLAMA_ROPE_TYPE_NORM) rotates adjacent pairs (x[2i], x[2i+1]); "neox" rotates
-(x[i], x[i + n_rot/2]). Used by the forward pass on fresh Q/K and by the KV cache's K-shift,
-which re-rotates cached keys by a position delta (rotation by a then by b == rotation by a+b).
+(x[i], x[i + n_rot/2]); dims from n_rot on pass through (partial rotary; n_rot 0 = no RoPE).
+Used by the forward pass on fresh Q/K and by the KV cache's K-shift, which re-rotates cached
+keys by a position delta (rotation by a then by b == rotation by a+b). As ggml_rope_ext:
+optional per-pair frequency divisors (`freq_factors`, f32 [n_rot/2]: Llama-3 rope_freqs,
+LongRoPE factors) and `attn_factor` multiplying cos and sin (LongRoPE's scaling).
 
 Compiled without fast-math: the rotation a*c - b*s could be fused into an FMA one way in one loop
 nest and another way in the other, and a token's result must be the same whether prepare_qkv runs
@@ -18,15 +21,16 @@ PARALLEL_MIN_TOKENS = 16  # fewer tokens: prepare_qkv runs its serial twin
 
 
 @njit(cache=True, inline="always")
-def _rope_cache(p, half, theta_scale, fs, cs):
+def _rope_cache(p, half, theta_scale, fs, ff, mscale, cs):
     """cs [half, 2] f32 <- (cos, sin) of position p. ggml's rope cache: theta_0 = p,
-    theta_{i+1} = theta_i * base^(-2/n_rot), all in float32, then theta * freq_scale per pair
-    (no YaRN ramp: ext_factor 0, attn_factor 1)."""
+    theta_{i+1} = theta_i * base^(-2/n_rot), all in float32; pair i turns by
+    freq_scale * theta_i / ff[i] and its cos and sin are multiplied by mscale (attn_factor;
+    no YaRN ramp: ext_factor 0). ff = ones and mscale = 1 give the plain rotation, bit for bit."""
     theta = np.float32(p)
     for i in range(half):
-        th = fs * theta
-        cs[i, 0] = np.float32(np.cos(th))
-        cs[i, 1] = np.float32(np.sin(th))
+        th = fs * np.float32(theta / ff[i])
+        cs[i, 0] = np.float32(np.cos(th)) * mscale
+        cs[i, 1] = np.float32(np.sin(th)) * mscale
         theta = np.float32(theta * theta_scale)
 
 
@@ -49,26 +53,23 @@ def _rotate(xh, cs, half, neox):
 
 
 @njit(cache=True, parallel=True)
-def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox):
-    """Rotate x in place. x: [n_tokens, n_head, head_dim] f32; pos: [n_tokens] i32 (or a delta)."""
+def _rope_inplace(x, pos, n_rot, theta_scale, fs, ff, mscale, neox):
     n_tokens, n_head, head_dim = x.shape
     half = n_rot // 2
-    theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
-    fs = np.float32(freq_scale)
     for t in prange(n_tokens):
         cs = np.empty((half, 2), dtype=np.float32)  # [half, (cos, sin)] f32
-        _rope_cache(pos[t], half, theta_scale, fs, cs)
+        _rope_cache(pos[t], half, theta_scale, fs, ff, mscale, cs)
         for h in range(n_head):
             _rotate(x[t, h], cs, half, neox)
 
 
 @njit(cache=True, inline="always")
 def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
-                neox, q_out, k_out, v_out, cs):
+                ff, mscale, neox, q_out, k_out, v_out, cs):
     n_head, dk = q_out.shape[1], q_out.shape[2]
     n_head_kv = k_out.shape[1]
     half = n_rot // 2
-    _rope_cache(pos[t], half, theta_scale, fs, cs)
+    _rope_cache(pos[t], half, theta_scale, fs, ff, mscale, cs)
     for h in range(n_head):
         for c in range(dk):
             q_out[t, h, c] = q_in[t, h * dk + c]
@@ -87,29 +88,51 @@ def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, 
 
 @njit(cache=True, parallel=True)
 def _prep_qkv_par(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
-                  neox, q_out, k_out, v_out):
+                  ff, mscale, neox, q_out, k_out, v_out):
     for t in prange(q_out.shape[0]):
         cs = np.empty((n_rot // 2, 2), dtype=np.float32)
         _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
-                    fs, neox, q_out, k_out, v_out, cs)
+                    fs, ff, mscale, neox, q_out, k_out, v_out, cs)
 
 
 @njit(cache=True)
 def _prep_qkv_ser(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
-                  neox, q_out, k_out, v_out):
+                  ff, mscale, neox, q_out, k_out, v_out):
     cs = np.empty((n_rot // 2, 2), dtype=np.float32)
     for t in range(q_out.shape[0]):
         _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
-                    fs, neox, q_out, k_out, v_out, cs)
+                    fs, ff, mscale, neox, q_out, k_out, v_out, cs)
 
 
 _ONE = np.ones(1, dtype=np.float32)
 
 
+def _theta_scale(freq_base, n_rot) -> np.float32:
+    """base^(-2/n_rot) in float32, as ggml computes it (1 when nothing rotates)."""
+    return np.float32(np.float64(freq_base) ** (-2.0 / n_rot)) if n_rot else np.float32(1.0)
+
+
+def _factors(freq_factors, n_rot) -> np.ndarray:
+    """Per-pair divisors f32 [n_rot/2] (ones when the model has none)."""
+    if freq_factors is None:
+        return np.ones(max(n_rot // 2, 1), dtype=np.float32)
+    ff = np.ascontiguousarray(freq_factors, dtype=np.float32)
+    if ff.shape[0] < n_rot // 2:
+        raise ValueError(f"rope: {ff.shape[0]} frequency factors for {n_rot // 2} rotated pairs")
+    return ff
+
+
+def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox, freq_factors=None, attn_factor=1.0):
+    """Rotate x in place. x: [n_tokens, n_head, head_dim] f32; pos: [n_tokens] i32 (or a delta)."""
+    _rope_inplace(x, pos, int(n_rot), _theta_scale(freq_base, n_rot), np.float32(freq_scale),
+                  _factors(freq_factors, n_rot), np.float32(attn_factor), bool(neox))
+
+
 def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_base, freq_scale,
-                neox, q_norm=None, k_norm=None, eps=1e-6):
+                neox, q_norm=None, k_norm=None, eps=1e-6, freq_factors=None, attn_factor=1.0):
     """Fresh Q/K/V of one layer in one launch: split (q_in/k_in/v_in may be column views of a
-    fused QKV product, [n, width] f32), optional per-head RMSNorm of Q and K (QK-norm), RoPE.
+    fused QKV product, [n, width] f32), optional per-head RMSNorm of Q and K (QK-norm), RoPE
+    of the first n_rot dims of each head (0 = none; freq_factors / attn_factor as ggml_rope_ext).
 
     Returns q [n, n_head, head_dim], k [n, n_head_kv, head_dim], v [n, v_width] (f32, contiguous).
     """
@@ -118,9 +141,9 @@ def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_
     k = np.empty((n, n_head_kv, head_dim), dtype=np.float32)
     v = np.empty((n, v_in.shape[1]), dtype=np.float32)
     has_norm = q_norm is not None
-    theta_scale = np.float32(np.float64(freq_base) ** (-2.0 / n_rot))
     fn = _prep_qkv_par if n >= PARALLEL_MIN_TOKENS else _prep_qkv_ser
     fn(q_in, k_in, v_in, q_norm if has_norm else _ONE, k_norm if has_norm else _ONE, has_norm,
-       np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), int(n_rot), theta_scale,
-       np.float32(freq_scale), bool(neox), q, k, v)
+       np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), int(n_rot),
+       _theta_scale(freq_base, n_rot), np.float32(freq_scale), _factors(freq_factors, n_rot),
+       np.float32(attn_factor), bool(neox), q, k, v)
     return q, k, v

@@ -58,6 +58,11 @@ class HParams:
     rope_scaling_type: str = "linear"
     n_ctx_orig: int = 0  # rope.scaling.original_context_length (default n_ctx_train)
     swa_pattern: int = 0  # n of "every n-th layer is global" when given that way (0 = none)
+    rope_layers: list[bool] | None = None  # per layer: applies RoPE (None = every layer)
+    rope_freq_factors: np.ndarray | None = None  # f32 [n_rot/2] divisors for every layer (rope_freqs)
+    rope_factors_long: np.ndarray | None = None  # LongRoPE: used when n_ctx_seq > n_ctx_orig
+    rope_factors_short: np.ndarray | None = None
+    rope_attn_factor: float = 1.0  # multiplies RoPE's cos and sin (rope.scaling.attn_factor)
 
     def __post_init__(self) -> None:
         # hand-built HParams (tests, stubs) get the same defaults as the loader
@@ -87,6 +92,27 @@ class HParams:
 
     def rope_scale(self, il: int) -> float:
         return self.rope_freq_scale_swa if self.is_swa(il) else self.rope_freq_scale
+
+    def has_rope(self, il: int) -> bool:
+        """Whether layer il rotates Q and K (NoPE layers do not; nor does the K-shift touch them)."""
+        return self.rope_layers is None or bool(self.rope_layers[il])
+
+    def rope_factors(self, il: int, n_ctx_seq: int) -> np.ndarray | None:
+        """Per-pair frequency divisors of layer il for a context of n_ctx_seq cells per sequence
+        (llama_model::get_rope_factors): rope_freqs if the model has them, else LongRoPE's long
+        set when n_ctx_seq > n_ctx_orig and the short one otherwise; None = no factors."""
+        if self.rope_freq_factors is not None:
+            return self.rope_freq_factors
+        if n_ctx_seq > self.n_ctx_orig:
+            return self.rope_factors_long
+        return self.rope_factors_short
+
+    def rope_args(self, il: int, n_ctx_seq: int) -> dict:
+        """Keyword arguments of kernels.rope for layer il: n_rot (0 for a NoPE layer), freq_base,
+        freq_scale, freq_factors, attn_factor."""
+        return dict(n_rot=self.n_rot if self.has_rope(il) else 0, freq_base=self.rope_base(il),
+                    freq_scale=self.rope_scale(il), freq_factors=self.rope_factors(il, n_ctx_seq),
+                    attn_factor=self.rope_attn_factor)
 
     @property
     def can_shift(self) -> bool:
@@ -158,6 +184,7 @@ def read_common(gf: GGUFFile, arch) -> dict:
         gf.fail(k("rope.scaling.factor"), f"{factor} is negative")
     rope_scale = 1.0 if factor == 0.0 else 1.0 / factor
     n_ctx_orig = gf.get_int(k("rope.scaling.original_context_length"), n_ctx_train, min_value=1)
+    attn_factor = positive(gf, k("rope.scaling.attn_factor"), 1.0)
 
     return dict(
         arch=arch.name, n_vocab=_vocab_size(gf, arch.name), n_ctx_train=n_ctx_train, n_embd=n_embd,
@@ -166,7 +193,7 @@ def read_common(gf: GGUFFile, arch) -> dict:
         rope_freq_base=rope_base, rope_freq_scale=rope_scale, rope_freq_base_swa=rope_base, n_swa=0,
         swa_layers=[False] * n_layer, use_qk_norm=arch.qk_norm,
         tied_output="output.weight" not in gf.tensors, kq_scale=1.0 / math.sqrt(head_k),
-        rope_scaling_type=scaling, n_ctx_orig=n_ctx_orig,
+        rope_scaling_type=scaling, n_ctx_orig=n_ctx_orig, rope_attn_factor=attn_factor,
     )
 
 
@@ -189,6 +216,20 @@ def validate_tensors(gf: GGUFFile, hp: HParams) -> None:
             gf.fail(f"tensor {name}", f"shape {list(ti.shape)} does not match the metadata, expected {list(shape)}")
         if int(ti.ggml_type) not in TYPES:
             gf.fail(f"tensor {name}", f"type {type_name(ti.ggml_type)} is not supported by kvchat")
+
+
+def rope_factor_tensor(gf: GGUFFile, name: str, n_rot: int) -> np.ndarray | None:
+    """A RoPE frequency-factor tensor (rope_freqs / rope_factors_long / _short: f32 [n_rot/2],
+    positive) as a private array; None if the file has none."""
+    ti = gf.tensors.get(name)
+    if ti is None:
+        return None
+    if tuple(ti.shape) != (n_rot // 2,) or int(ti.ggml_type) != 0:
+        gf.fail(f"tensor {name}", f"must be F32 of shape [{n_rot // 2}], got {type_name(ti.ggml_type)} {list(ti.shape)}")
+    ff = np.ascontiguousarray(ti.data).reshape(-1).view(np.float32).copy()
+    if not np.all(np.isfinite(ff)) or np.any(ff <= 0):
+        gf.fail(f"tensor {name}", "frequency factors must be finite and positive")
+    return ff
 
 
 # ---------------------------------------------------------------------- key helpers

@@ -19,7 +19,9 @@ Options beyond the signature's sizes:
   n_swa=16 and swa_pattern=None (gemma3 only), tied=True (False writes output.weight),
   qkv_bias (default True for qwen2), vocab="bpe"|"spm", chat_template=CHATML (None omits it),
   metadata={full key: value} added last (value None deletes a key; (value, GGUFValueType) forces
-  the type), drop_tensors=(names...) to leave tensors out.
+  the type), drop_tensors=(names...) to leave tensors out, extra_tensors={name: f32 array}
+  written after the schema's (e.g. rope_freqs.weight), optional_tensors=(names...) of the
+  schema's optional tensors to write too.
 """
 from __future__ import annotations
 
@@ -106,7 +108,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
     """Write a valid tiny random model of `arch` to `path` and return the path (see module doc)."""
     opts = dict(head_dim=None, n_ctx_train=512, rope_freq_base=10000.0, n_swa=16, swa_pattern=None,
                 tied=True, qkv_bias=arch == "qwen2", vocab="spm" if arch == "gemma3" else "bpe",
-                chat_template=CHATML, metadata=None, drop_tensors=(), norm_eps=1e-6)
+                chat_template=CHATML, metadata=None, drop_tensors=(), norm_eps=1e-6,
+                extra_tensors=None, optional_tensors=())
     unknown = set(overrides) - set(opts)
     if unknown:
         raise TypeError(f"unknown write_tiny_model options: {sorted(unknown)}")
@@ -180,9 +183,11 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
         if not required:
             wanted = (name == "output.weight" and not opts["tied"]) or (
                 opts["qkv_bias"] and name.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias")))
-            if not wanted:
+            if not wanted and name not in opts["optional_tensors"]:
                 continue
         _add_weight(w, name, shape, weight_type, rng)
+    for name, value in (opts["extra_tensors"] or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -59,9 +59,9 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     n = h.shape[0]
     dk = hp.n_embd_head_k
     sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
-    q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos, hp.n_rot,
-                          hp.rope_base(il), hp.rope_scale(il), hp.rope_type == "neox",
-                          opt(L, "q_norm"), opt(L, "k_norm"), hp.norm_eps)
+    q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos,
+                          neox=hp.rope_type == "neox", q_norm=opt(L, "q_norm"), k_norm=opt(L, "k_norm"),
+                          eps=hp.norm_eps, **hp.rope_args(il, ctx_size(mctx)))
     rot_k, rot_v = mctx.get_rot(il)  # quantized caches hold Hadamard-rotated K/V
     if rot_k:
         q, k = rotate(q, rot_k), rotate(k, rot_k)
@@ -77,6 +77,14 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
                     kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
                     n_threads=numba.get_num_threads())
     return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
+
+
+def ctx_size(mctx) -> int:
+    """Cells per sequence of the context (llama.cpp's n_ctx_seq: the KV cache's size), which
+    picks LongRoPE's factor set; the base cache's for an iSWA context."""
+    base = getattr(mctx, "ctx_base", mctx)
+    kv = getattr(base, "kv", None)
+    return int(kv.kv_size) if kv is not None else 0
 
 
 def round_q_like_ggml(q: np.ndarray, type_k: int) -> np.ndarray:

@@ -1,8 +1,10 @@
-"""llama (src/models/llama.cpp): SmolLM2, Llama 2/3, Mistral-style files.
+"""llama (src/models/llama.cpp): SmolLM2, Llama 2/3/3.1/3.2, Mistral-style files.
 
 Per layer: x += Wo·attn(rope(Q), rope(K), V) of RMSNorm(x); x += down(silu(gate)·up) of
 RMSNorm(x), with the optional output and FFN biases llama.cpp allows. RoPE spans the whole
-head. After the last layer's attention only the rows of output tokens are carried on
+head. Llama 3.1/3.2 RoPE scaling is entirely the `rope_freqs.weight` tensor (f32 [head/2], one
+for all layers): per-frequency divisors of the rotation speed, which the converter computed
+from the HF rope_scaling (factor, low/high_freq_factor, original context). After the last layer's attention only the rows of output tokens are carried on
 (llama.cpp's inp_out_ids). qwen2 and qwen3 reuse this forward (biases / QK-norm apply when the
 layer has them).
 """
@@ -13,6 +15,7 @@ import numpy as np
 from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
 from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
+from runtime.hparams import rope_factor_tensor
 
 
 def forward(model, ubatch, mctx) -> np.ndarray:
@@ -41,9 +44,13 @@ class Llama(Arch):
     full_rotary = True  # llama.cpp asserts n_rot == head size for llama
 
     def read_hparams(self, gf, fields):
-        if "rope_freqs.weight" in gf.tensors:
-            gf.fail("rope_freqs.weight", "per-frequency RoPE factors (llama 3.1 style) are not supported yet")
+        fields["rope_freq_factors"] = rope_factor_tensor(gf, "rope_freqs.weight", fields["n_rot"])
         return super().read_hparams(gf, fields)
+
+    def model_tensors(self, hp):
+        t = super().model_tensors(hp)
+        t["rope_freqs"] = Tensor("rope_freqs.weight", (hp.n_rot // 2,), False)
+        return t
 
     def layer_tensors(self, hp, il):
         e, ff = hp.n_embd, hp.n_ff

@@ -20,13 +20,13 @@ from runtime.memory.attn_rotation import rotate
 from runtime.memory.kv_cells import CellsSnapshot
 
 
-def rope_params(hp, il: int) -> tuple[float, float]:
-    """(freq_base, freq_scale) of layer il; SWA layers have their own in gemma3."""
-    if hasattr(hp, "rope_base"):
-        return float(hp.rope_base(il)), float(hp.rope_scale(il))
-    if hp.is_swa(il):
-        return float(hp.rope_freq_base_swa), float(getattr(hp, "rope_freq_scale_swa", 1.0))
-    return float(hp.rope_freq_base), float(hp.rope_freq_scale)
+def rope_args(hp, il: int, kv_size: int) -> dict:
+    """kernels.rope keyword arguments of layer il (n_rot 0 for a NoPE layer); the cache's size
+    is the context per sequence that picks LongRoPE factors (llama.cpp's build_rope_shift)."""
+    if hasattr(hp, "rope_args"):
+        return hp.rope_args(il, kv_size)
+    base = hp.rope_freq_base_swa if hp.is_swa(il) else hp.rope_freq_base
+    return dict(n_rot=hp.n_rot, freq_base=base, freq_scale=hp.rope_freq_scale)
 
 
 def apply_k_shift(kv) -> None:
@@ -42,13 +42,15 @@ def apply_k_shift(kv) -> None:
             continue
         delta = cells.shift[idxs].astype(np.int32)  # [n] i32
         for layer in kv.layers:
-            base, scale = rope_params(hp, layer.il)
+            args = rope_args(hp, layer.il, kv.kv_size)
+            if not args["n_rot"]:
+                continue  # a NoPE layer's keys carry no position
             n = idxs.size
             x = dequantize(layer.k[strm, idxs], kv.type_k, layer.n_embd_k)  # [n, n_embd_k] f32
             if kv.n_rot_k:
                 x = rotate(x, kv.n_rot_k)  # back to plain keys
             x = x.reshape(n, layer.n_embd_k // head_k, head_k)  # [n, n_head_kv, head_dim]
-            rope_inplace(x, delta, int(hp.n_rot), base, scale, neox)
+            rope_inplace(x, delta, neox=neox, **args)
             x = x.reshape(n, layer.n_embd_k)
             if kv.n_rot_k:
                 x = rotate(x, kv.n_rot_k)
