@@ -33,7 +33,6 @@ def unsupported_message(name: str) -> str:
 def create_memory(hparams, cparams):
     """The memory the model of `hparams` needs (llama_model::create_memory): asked of its arch.
     Hyper-parameters naming no registered architecture (test stubs) get the attention default."""
-    if not is_supported(hparams.arch):
-        from runtime.arch.base import create_attention_memory
-        return create_attention_memory(hparams, cparams)
+    if not is_supported(hparams.arch):  # the base Arch (runtime/arch/base.py), found like the others
+        return importlib.import_module("runtime.arch.base").Arch().create_memory(hparams, cparams)
     return get_arch(hparams.arch).create_memory(hparams, cparams)
