@@ -55,6 +55,14 @@ def register(app: typer.Typer) -> None:
                                                      rich_help_panel="Parallel",
                                                      help="one cell pool for all sequences (else one "
                                                           "stream of n_ctx/N cells each)")] = True,
+            prompt_cache: Annotated[Optional[Path], typer.Option(
+                "--prompt-cache", rich_help_panel="Prompt cache", show_default="<cache dir>/prompt-cache",
+                help="directory of the persistent prefix cache")] = None,
+            no_prompt_cache: Annotated[bool, typer.Option("--no-prompt-cache", rich_help_panel="Prompt cache",
+                                                          help="neither read nor write the prefix cache")] = False,
+            prompt_cache_max: Annotated[int, typer.Option("--prompt-cache-max", min=1, rich_help_panel="Prompt cache",
+                                                          help="size limit of the prefix cache in MiB "
+                                                               "(least recently used entries go first)")] = 2048,
             settings: ChatSettings = None):
         """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
         import threading
@@ -91,6 +99,9 @@ def register(app: typer.Typer) -> None:
         renderer.begin_answer()
         try:
             with sigint_sets(stop):
+                if not no_prompt_cache:
+                    from cli import run_prompt_cache
+                    run_prompt_cache.warm(engine, conv, text, prompt_cache, prompt_cache_max, renderer)
                 stats = conv.ask(text, on_text=renderer.piece)
         except Interrupted:  # Ctrl-C while the prompt was being evaluated
             renderer.end_answer()
