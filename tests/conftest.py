@@ -43,6 +43,14 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> Path:
+    """A tiny llama with the ChatML template that answers in printable text and never ends its
+    turn by itself (tests/gguf_factory.write_tiny_chat_model): the CLI contract tests' model."""
+    from tests.gguf_factory import write_tiny_chat_model
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat") / "tiny-chat.gguf")
+
+
 def _model(name):
     from cli.models import resolve_model
     return resolve_model(name)

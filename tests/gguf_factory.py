@@ -21,7 +21,8 @@ Options beyond the signature's sizes:
   metadata={full key: value} added last (value None deletes a key; (value, GGUFValueType) forces
   the type), drop_tensors=(names...) to leave tensors out, extra_tensors={name: f32 array}
   written after the schema's (e.g. rope_freqs.weight), optional_tensors=(names...) of the
-  schema's optional tensors to write too.
+  schema's optional tensors to write too, output_tokens=(ids...) writes an output.weight that
+  makes the model say only those tokens (write_tiny_chat_model uses it).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
     opts = dict(head_dim=None, n_ctx_train=512, rope_freq_base=10000.0, n_swa=16, swa_pattern=None,
                 tied=True, qkv_bias=arch == "qwen2", vocab="spm" if arch == "gemma3" else "bpe",
                 chat_template=CHATML, metadata=None, drop_tensors=(), norm_eps=1e-6,
-                extra_tensors=None, optional_tensors=())
+                extra_tensors=None, optional_tensors=(), output_tokens=None)
     unknown = set(overrides) - set(opts)
     if unknown:
         raise TypeError(f"unknown write_tiny_model options: {sorted(unknown)}")
@@ -181,10 +182,13 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
         if name in opts["drop_tensors"]:
             continue
         if not required:
-            wanted = (name == "output.weight" and not opts["tied"]) or (
+            wanted = (name == "output.weight" and (not opts["tied"] or opts["output_tokens"])) or (
                 opts["qkv_bias"] and name.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias")))
             if not wanted and name not in opts["optional_tensors"]:
                 continue
+        if name == "output.weight" and opts["output_tokens"] is not None:
+            _add_favouring_output(w, shape, opts["output_tokens"], seed)
+            continue
         _add_weight(w, name, shape, weight_type, rng)
     for name, value in (opts["extra_tensors"] or {}).items():
         w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
@@ -194,6 +198,35 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_favouring_output(w: gguf.GGUFWriter, shape: tuple, ids, seed: int) -> None:
+    """output.weight whose rows are zero except for `ids` (N(0, 4/fan_in)): every other token
+    gets logit 0 while some favoured one is far above it, so sampling picks a favoured token."""
+    k, m = shape
+    rng = np.random.default_rng(seed + 7919)
+    x = np.zeros((m, k), dtype=np.float32)  # [n_vocab, n_embd] f32
+    ids = np.asarray(sorted(set(int(i) for i in ids)), dtype=np.int64)
+    x[ids] = (2.0 * rng.standard_normal((ids.size, k)) / math.sqrt(k)).astype(np.float32)
+    w.add_tensor("output.weight", x)
+
+
+def printable_token_ids() -> list[int]:
+    """Ids of the BPE vocabulary's letters, digits, space and punctuation (bytes 0x20..0x7e)
+    and its merged words: what a tiny chat model should say so a terminal shows it plainly."""
+    tokens = bpe_vocab()[0]
+    table = gpt2_byte_chars()
+    wanted = {table[b] for b in range(0x20, 0x7f)} | {t for t in tokens[259:]}
+    return [i for i, t in enumerate(tokens) if t in wanted]
+
+
+def write_tiny_chat_model(path, seed: int = 0, **overrides) -> Path:
+    """A tiny llama with the ChatML template that answers in printable text and never ends its
+    turn by itself (no end-of-generation token is favoured): answers run to -n, and a pty shows
+    them as plain characters. The CLI contract tests chat with it (tests/test_cli_contract*.py)."""
+    opts = dict(arch="llama", n_ctx_train=4096, output_tokens=printable_token_ids())
+    opts.update(overrides)
+    return write_tiny_model(path, seed=seed, **opts)
 
 
 def _hparams_for_shapes(arch, n_layer, n_embd, n_head, n_head_kv, head, n_ff, n_vocab) -> HParams:

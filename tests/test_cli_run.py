@@ -8,7 +8,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.real_model
+# tests that take smollm2_path are marked real_model by tests/conftest.py; --help and usage
+# errors need no model and run in the fast lane
 TIMEOUT = 900  # numba compiles the kernels on the first run; the machine may be shared
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                "<|im_end|>\n<|im_start|>user\nWhat is a KV cache in a transformer?<|im_end|>\n"
