@@ -40,18 +40,14 @@ def top_logprobs(logits: np.ndarray, top: int) -> list[list[list]]:
     return out
 
 
-def score_tokens(ctx, tokens: list[int], top: int, n_batch: int) -> list[list[list]]:
-    """Decode `tokens` from position 0 of sequence 0 in n_batch pieces with every logit, and
-    return top_logprobs of each position."""
-    from runtime.batch import Batch
+def score_tokens(ctx, tokens: list[int], top: int) -> list[list[list]]:
+    """Decode `tokens` from position 0 of sequence 0 in n_batch pieces with every logit
+    (runtime.generate.decode_tokens), and return top_logprobs of each position."""
+    from runtime.generate import decode_tokens
 
     positions = []
-    for p0 in range(0, len(tokens), n_batch):
-        part = tokens[p0:p0 + n_batch]
-        rc = ctx.decode(Batch.one_seq(part, p0, all_logits=True))
-        if rc != 0:
-            raise KvchatError(f"decode failed at token {p0} (code {rc}: {ctx.last_error})")
-        positions += top_logprobs(ctx.get_logits(), top)
+    decode_tokens(ctx, tokens, 0, 0, logits="all",
+                  on_logits=lambda i, rows: positions.extend(top_logprobs(rows, top)))
     return positions
 
 
@@ -79,7 +75,7 @@ def run_logprobs(settings: ChatSettings, file: Path, top: int, parse_special: bo
         if len(tokens) > ctx.n_ctx_seq:
             raise KvchatError(f"the text is {len(tokens)} tokens, more than the context of "
                               f"{ctx.n_ctx_seq}; give -c {len(tokens)} or more")
-        return logprobs_json(tokens, score_tokens(ctx, tokens, top, ctx.n_batch))
+        return logprobs_json(tokens, score_tokens(ctx, tokens, top))
     finally:
         model.close()
 

@@ -7,7 +7,7 @@ user can reach for.
 """
 from __future__ import annotations
 
-from runtime.conversation import ContextFull, ContextShifted, FullCause, PromptTooLong, StopReason
+from runtime.conversation_events import ContextFull, ContextShifted, FullCause, PromptTooLong, StopReason
 
 _FULL_WHY = {
     FullCause.SHIFT_OFF: "context shift is off",

@@ -22,65 +22,17 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
+from runtime.conversation_events import (ContextFull, ContextShifted, FullCause, PromptTooLong,
+                                         TurnStats)
 from runtime.errors import KvchatError, SessionError
 from runtime.generate import DecodeError, Interrupted, StopReason, decode_tokens, generate
 
 __all__ = ["Conversation", "ConversationConfig", "TurnStats", "StopReason", "Interrupted",
            "DecodeError", "PromptTooLong", "ContextShifted", "ContextFull", "FullCause",
            "common_prefix"]
-
-
-class PromptTooLong(KvchatError):
-    """The new tokens of a turn cannot fit in the context, even after dropping old ones."""
-
-    def __init__(self, n_new: int, room: int, n_ctx: int):
-        super().__init__(f"the prompt needs {n_new} new tokens but only {room} fit in the "
-                         f"context of {n_ctx} tokens")
-        self.n_new, self.room, self.n_ctx = n_new, room, n_ctx
-
-
-class FullCause(str, Enum):
-    """Why a full context stopped the answer instead of shifting."""
-    SHIFT_OFF = "shift_off"        # --no-context-shift
-    CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full, recurrent)
-
-
-@dataclass(frozen=True)
-class ContextShifted:
-    """A context shift dropped `n_dropped` tokens after the first `n_keep`."""
-    n_dropped: int
-    n_keep: int
-
-
-@dataclass(frozen=True)
-class ContextFull:
-    """The answer stopped at a full context (`n_cached` of `n_ctx`) for `cause`."""
-    n_cached: int
-    n_ctx: int
-    cause: FullCause
-
-
-@dataclass
-class TurnStats:
-    n_prompt: int = 0         # tokens decoded before the answer (new ones only)
-    t_prompt: float = 0.0     # seconds
-    n_gen: int = 0            # answer tokens sampled
-    n_gen_decoded: int = 0    # answer tokens decoded (the last one usually is not)
-    t_gen: float = 0.0
-    n_shifted: int = 0        # tokens dropped by context shifts during this turn
-    stop: StopReason | str = ""  # why the answer ended ("" while running or after an exception)
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.n_prompt / self.t_prompt if self.t_prompt > 0 else 0.0
-
-    @property
-    def gen_tps(self) -> float:
-        return self.n_gen_decoded / self.t_gen if self.t_gen > 0 else 0.0
 
 
 def common_prefix(a, b) -> int:

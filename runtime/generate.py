@@ -65,12 +65,15 @@ def n_batch_of(ctx) -> int:
 
 
 def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: str = "last",
+                  on_logits: Optional[Callable[[int, np.ndarray], None]] = None,
                   batch_factory: Optional[Callable] = None) -> Optional[np.ndarray]:
     """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call.
 
     logits: "last" → a copy of the last token's logits, f32 [n_vocab]; "all" → every token's,
     f32 [len(ids), n_vocab] (perplexity, logprobs); "none" → None (bench, cache fills), only the
-    last token of each piece is computed as an output.
+    last token of each piece is computed as an output. on_logits(i, rows) with "all": called
+    after each piece with its first index in ids and its rows f32 [n_piece, n_vocab] (valid
+    until the next decode) instead of keeping them — a long text never holds all its logits.
     batch_factory(tokens i32[n], pos0, seq, all_logits=False) builds the batch (tests plug in
     their own). Raises Interrupted or DecodeError; the pieces before a failed one stay decoded.
     """
@@ -90,11 +93,13 @@ def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: s
             raise Interrupted(i)
         if rc != 0:
             raise DecodeError(_decode_failure(ctx, rc, len(piece), pos0 + i), rc, i)
-        if logits == "all":
+        if logits == "all" and on_logits is not None:
+            on_logits(i, ctx.get_logits())
+        elif logits == "all":
             rows.append(np.array(ctx.get_logits(), dtype=np.float32, copy=True))
     if logits == "last":
         return np.array(ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
-    if logits == "all":
+    if logits == "all" and rows:
         return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)
     return None
 

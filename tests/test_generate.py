@@ -139,3 +139,12 @@ def test_log_softmax_at_is_exact_for_huge_logits():
     x = np.array([1000.0, 999.0, -np.inf], dtype=np.float32)
     assert log_softmax_at(x, 0) == pytest.approx(-np.log1p(np.exp(-1.0)), abs=1e-12)
     assert log_softmax_at(x, 2) == -np.inf
+
+
+def test_on_logits_streams_each_piece_instead_of_keeping_them(model):
+    whole = decode_tokens(make_ctx(model), IDS, 0, logits="all")
+    seen = []
+    got = decode_tokens(make_ctx(model, n_batch=16, n_ubatch=16), IDS, 0, logits="all",
+                        on_logits=lambda i, rows: seen.append((i, rows.copy())))
+    assert got is None and [i for i, _ in seen] == [0, 16, 32]
+    assert np.array_equal(np.concatenate([r for _, r in seen]), whole)
