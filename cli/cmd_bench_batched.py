@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Optional
 
 import numpy as np
 import typer
 
+from cli.options import CACHE_FLAGS, ChatSettings, with_settings
 from runtime.errors import KvchatError
 
 
@@ -95,28 +95,29 @@ def table_row(r: dict) -> str:
             f"{r['speed']:8.2f} |")
 
 
+# the shared context / cache flags (cli/options.py); -c 0 here means "what the largest test needs"
+BATCHED_DEFAULTS = {"ctx_size": {"help": "context size (0: what the largest test needs)", "default": 0}}
+
+
 def register(app: typer.Typer) -> None:
     @app.command("bench-batched")
+    @with_settings(names=CACHE_FLAGS, overrides=BATCHED_DEFAULTS)
     def bench_batched(
-        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a .gguf path"),
         npp: str = typer.Option("128", "-npp", help="prompt lengths, comma-separated"),
         ntg: str = typer.Option("64", "-ntg", help="generated tokens per sequence, comma-separated"),
         npl: str = typer.Option("1,2,4,8", "-npl", help="parallel sequence counts, comma-separated"),
         pps: bool = typer.Option(False, "-pps", help="the prompt is shared by all sequences "
                                  "(decoded once, seq_cp'd); default: one prompt per sequence"),
-        ctx_size: int = typer.Option(0, "-c", "--ctx-size", min=0,
-                                     help="context size (0: what the largest test needs)"),
-        batch_size: int = typer.Option(2048, "-b", "--batch-size", min=1),
-        ubatch_size: int = typer.Option(512, "-ub", "--ubatch-size", min=1),
-        cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k"),
-        cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v"),
-        flash_attn: str = typer.Option("auto", "-fa", "--flash-attn", help="on, off or auto"),
         kv_unified: bool = typer.Option(True, "-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
                                         help="one cell pool for all sequences (else a stream each)"),
-        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1),
         output_format: str = typer.Option("md", "--output-format", help="md or jsonl"),
+        settings: ChatSettings = None,
     ):
         """Speeds with B sequences per decode, llama-batched-bench style (PP, TG, B, N_KV, ...)."""
+        model, ctx_size, threads = settings.model, settings.ctx_size, settings.threads
+        batch_size, ubatch_size = settings.batch_size, settings.ubatch_size
+        cache_type_k, cache_type_v, flash_attn = (settings.cache_type_k, settings.cache_type_v,
+                                                  settings.flash_attn)
         from cli.models import resolve_model
         from runtime.context import Context
         from runtime.cparams import CParamsError, ContextParams
