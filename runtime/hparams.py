@@ -135,23 +135,27 @@ class HParams:
         if not is_supported(gf.arch):
             gf.fail("general.architecture", unsupported_message(gf.arch))
         arch = get_arch(gf.arch)
-        hp = arch.read_hparams(gf, read_common(gf, arch))
+        hp = arch.read_hparams(gf, arch.read_common(gf))
         if check_tensors:
             validate_tensors(gf, hp)
         return hp
 
 
-def read_common(gf: GGUFFile, arch) -> dict:
+def read_common(gf: GGUFFile, arch, given: dict | None = None) -> dict:
     """The HParams fields every architecture has, read from `<arch>.*` keys and validated.
-    `arch` supplies rope_type, qk_norm and whether RoPE must span the whole head."""
+    `arch` supplies rope_type, qk_norm and whether RoPE must span the whole head. `given`
+    (n_ff, n_head, n_head_kv) replaces keys an architecture reads its own way (a recurrent
+    model has no attention heads or FFN; LFM2 lists kv heads per layer)."""
     k = lambda name: f"{arch.name}.{name}"  # noqa: E731
+    given = given or {}
 
     n_layer = scalar_int(gf, k("block_count"), 1, MAX_LAYERS)
     n_embd = scalar_int(gf, k("embedding_length"), 1, MAX_DIM)
-    n_ff = scalar_int(gf, k("feed_forward_length"), 1, MAX_DIM)
+    n_ff = given["n_ff"] if "n_ff" in given else scalar_int(gf, k("feed_forward_length"), 1, MAX_DIM)
     n_ctx_train = gf.get_int(k("context_length"), min_value=1)
-    n_head = scalar_int(gf, k("attention.head_count"), 1, MAX_DIM)
-    n_head_kv = scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head)
+    n_head = given["n_head"] if "n_head" in given else scalar_int(gf, k("attention.head_count"), 1, MAX_DIM)
+    n_head_kv = (given["n_head_kv"] if "n_head_kv" in given
+                 else scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head))
     if n_head % n_head_kv:
         gf.fail(k("attention.head_count_kv"),
                 f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")

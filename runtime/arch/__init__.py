@@ -14,6 +14,9 @@ ARCHS = {  # general.architecture -> module runtime.arch.<name> (its ARCH object
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "mamba": "mamba",
+    "lfm2": "lfm2",
+    "qwen35": "qwen35",
 }
 
 

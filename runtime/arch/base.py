@@ -79,6 +79,12 @@ class Arch:
     fusions: tuple[Fuse, ...] = (QKV_FUSION, GATE_UP_FUSION)
 
     # ---- hyper-parameters
+    def read_common(self, gf) -> dict:
+        """The common fields (runtime.hparams.read_common); an architecture whose files lack
+        some of those keys passes them in (read_common's `given`)."""
+        from runtime.hparams import read_common
+        return read_common(gf, self)
+
     def read_hparams(self, gf, fields: dict) -> HParams:
         """The model's HParams from the common fields plus this architecture's keys."""
         return HParams(**fields)

@@ -56,12 +56,20 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     """Multi-head attention of layer il for the ubatch: returns [n_tokens, n_head * head_dim_v] f32
     (before the output projection). QK-norm is applied when the layer has q_norm / k_norm."""
     hp = model.hparams
-    n = h.shape[0]
     dk = hp.n_embd_head_k
     sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
     q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos,
                           neox=hp.rope_type == "neox", q_norm=opt(L, "q_norm"), k_norm=opt(L, "k_norm"),
                           eps=hp.norm_eps, **hp.rope_args(il, ctx_size(mctx)))
+    return attend(model, il, q, k, v, mctx, kq_scale)
+
+
+def attend(model, il, q, k, v, mctx, kq_scale):
+    """Attention of roped q [n, n_head, dk] over the cache after storing this ubatch's k
+    [n, n_head_kv, dk] and v [n, n_embd_v_gqa] through the memory context of layer il;
+    returns [n, n_head * dv] f32."""
+    hp = model.hparams
+    n = q.shape[0]
     rot_k, rot_v = mctx.get_rot(il)  # quantized caches hold Hadamard-rotated K/V
     if rot_k:
         q, k = rotate(q, rot_k), rotate(k, rot_k)

@@ -1,0 +1,130 @@
+"""lfm2 (src/models/lfm2.cpp): LiquidAI LFM2, short-conv layers and GQA attention layers.
+
+A layer attends iff lfm2.attention.head_count_kv[il] > 0; the others are gated short convs:
+    B, C, x = split(in_proj(h))               (three n_embd chunks, in that order)
+    out     = out_proj(C * conv(B * x))       causal conv, kernel L_cache, no bias; its state
+                                              keeps the last L_cache - 1 values of B * x
+Attention layers: per-head RMS QK-norm, NEOX RoPE, scale 1/sqrt(head_dim). Every layer is
+x += op(attn_norm(x)); x += SwiGLU(ffn_norm(x)). The final norm is stored as
+token_embd_norm.weight (llama.cpp's naming). Memory: hybrid (KV cache for the attention
+layers, conv states for the others).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels.norm import rms_norm
+from runtime.arch.base import Arch, Tensor
+from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
+from runtime.arch.recurrent_blocks import causal_conv, create_hybrid_memory, dense
+from runtime.gguf_file import GGUFValueType
+from runtime.hparams import HParams, scalar_int
+
+
+@dataclass
+class LFM2HParams(HParams):
+    l_cache: int = 3
+    kv_heads: list = field(default_factory=list)  # head_count_kv per layer (0: short conv)
+
+    def is_recurrent(self, il: int) -> bool:
+        return self.kv_heads[il] == 0
+
+    def has_kv(self, il: int) -> bool:
+        return 0 <= il < self.n_layer and not self.is_recurrent(il)
+
+    def n_embd_r(self) -> int:
+        return self.n_embd * (self.l_cache - 1)
+
+    def n_embd_s(self) -> int:
+        return 0
+
+
+def shortconv_block(hp, L, h, rctx, il) -> np.ndarray:
+    e = hp.n_embd
+    bcx = L.conv_in_proj.matmul(h)  # [n, 3 * n_embd]: B | C | x
+    bx = np.ascontiguousarray(bcx[:, :e] * bcx[:, 2 * e:])
+    conv = causal_conv(rctx, il, bx, dense(L, "conv"), hp.l_cache)
+    return L.conv_out_proj.matmul(np.ascontiguousarray(bcx[:, e:2 * e] * conv))
+
+
+def forward(model, ubatch, mctx) -> np.ndarray:
+    """Logits f32 [n_outputs, n_vocab]; mctx is the hybrid memory's context."""
+    hp = model.hparams
+    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
+    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
+    out_ids = output_ids(ubatch)
+    last = hp.n_layer - 1
+    for il, L in enumerate(model.weights.layers):
+        h = rms_norm(x, L.attn_norm, hp.norm_eps)
+        if hp.is_recurrent(il):
+            cur = shortconv_block(hp, L, h, mctx.get_recr(), il)
+        else:
+            cur = output_projection(L, self_attention(model, il, L, h, pos, mctx.get_attn(), hp.kq_scale))
+        if il == last and out_ids is not None:
+            cur, x = cur[out_ids], x[out_ids]
+            if x.shape[0] == 0:
+                return np.zeros((0, hp.n_vocab), dtype=np.float32)
+        x = x + cur
+        x += feed_forward(L, rms_norm(x, L.ffn_norm, hp.norm_eps), hp.n_ff, use_gelu=False)
+    return logits(model, x)
+
+
+class LFM2(Arch):
+    name = "lfm2"
+    rope_type = "neox"
+    qk_norm = True
+
+    def read_common(self, gf) -> dict:
+        from runtime.hparams import read_common
+        key = "lfm2.attention.head_count_kv"
+        heads = gf.metadata.get(key)
+        if gf.value_types.get(key, (None,))[0] != GGUFValueType.ARRAY:
+            gf.fail(key, "must list the kv heads of every layer (0 for a short-conv layer)")
+        nz = sorted({int(h) for h in heads if int(h) > 0})
+        if len(nz) != 1:
+            gf.fail(key, f"attention layers must share one kv head count, got {nz or 'none'}")
+        return read_common(gf, self, given={"n_head_kv": nz[0]})
+
+    def read_hparams(self, gf, fields) -> LFM2HParams:
+        heads = [int(h) for h in gf.metadata["lfm2.attention.head_count_kv"]]
+        if len(heads) != fields["n_layer"]:
+            gf.fail("lfm2.attention.head_count_kv", f"has {len(heads)} entries for {fields['n_layer']} layers")
+        return LFM2HParams(**fields, l_cache=scalar_int(gf, "lfm2.shortconv.l_cache", 2, 64),
+                           kv_heads=heads)
+
+    def model_tensors(self, hp):
+        t = super().model_tensors(hp)
+        t["output_norm"] = Tensor("token_embd_norm.weight", (hp.n_embd,))
+        return t
+
+    def layer_tensors(self, hp, il):
+        e, ff = hp.n_embd, hp.n_ff
+        p = f"blk.{il}."
+        t = {"attn_norm": Tensor(p + "attn_norm.weight", (e,)),
+             "ffn_norm": Tensor(p + "ffn_norm.weight", (e,)),
+             "w_gate": Tensor(p + "ffn_gate.weight", (e, ff)),
+             "w_up": Tensor(p + "ffn_up.weight", (e, ff)),
+             "w_down": Tensor(p + "ffn_down.weight", (ff, e))}
+        if hp.is_recurrent(il):
+            t.update({"conv_in_proj": Tensor(p + "shortconv.in_proj.weight", (e, 3 * e)),
+                      "conv": Tensor(p + "shortconv.conv.weight", (hp.l_cache, e)),
+                      "conv_out_proj": Tensor(p + "shortconv.out_proj.weight", (e, e))})
+        else:
+            hd, kd = hp.n_embd_head_k, hp.n_embd_k_gqa(il)
+            t.update({"wq": Tensor(p + "attn_q.weight", (e, hd * hp.n_head)),
+                      "wk": Tensor(p + "attn_k.weight", (e, kd)),
+                      "wv": Tensor(p + "attn_v.weight", (e, hp.n_embd_v_gqa(il))),
+                      "wo": Tensor(p + "attn_output.weight", (hp.n_embd_head_v * hp.n_head, e)),
+                      "q_norm": Tensor(p + "attn_q_norm.weight", (hd,)),
+                      "k_norm": Tensor(p + "attn_k_norm.weight", (hd,))})
+        return t
+
+    forward = staticmethod(forward)
+
+    def create_memory(self, hparams, cparams):
+        return create_hybrid_memory(hparams, cparams)
+
+
+ARCH = LFM2()

@@ -1,0 +1,173 @@
+"""qwen35 (src/models/qwen35.cpp + delta-net-base.cpp): Qwen3.5, gated delta-net linear
+attention with a gated full-attention layer every full_attention_interval-th layer.
+
+Every layer is x += mixer(attn_norm(x)); x += SwiGLU(post_attention_norm(x)).
+Linear layers (gated delta net, H_k = ssm.group_count key heads, H_v = ssm.time_step_rank
+value heads of S = ssm.state_size; value head h reads key head h % H_k):
+    qkv  = silu(conv1d(attn_qkv(h)))                  [q (H_k*S) | k (H_k*S) | v (H_v*S)]
+    q, k = l2_norm(q), l2_norm(k)                     (q is scaled by 1/sqrt(S) in the rule)
+    g    = softplus(ssm_alpha(h) + ssm_dt_bias) * ssm_a    (ssm_a = -exp(A_log), stored so)
+    b    = sigmoid(ssm_beta(h))
+    o    = gated delta rule (kernels/delta_net.py), chunked for prefill, stepwise for decode
+    out  = ssm_out(RMSNorm_ssm_norm(o) * silu(attn_gate(h)))     (per value head)
+Attention layers: attn_q gives per head [query (head_dim) | gate (head_dim)]; QK-norm; IMROPE
+with the text positions [p, p, p, 0], i.e. NEOX rope on the first n_rot dims of each head;
+the attention output is multiplied by sigmoid(gate) before attn_output.
+Memory: hybrid (KV cache for the attention layers, conv + delta states for the others).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels.delta_net import gated_delta_rule
+from kernels.norm import rms_norm
+from kernels.rope import prepare_qkv
+from runtime.arch.base import Arch, Tensor
+from runtime.arch.blocks import (attend, ctx_size, embed, feed_forward, logits, opt, output_ids,
+                                  qkv_projection)
+from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, l2_norm,
+                                           rms_norm_last, sigmoid, silu, softplus)
+from runtime.hparams import MAX_DIM, HParams, scalar_int
+
+
+@dataclass
+class Qwen35HParams(HParams):
+    d_conv: int = 4
+    d_inner: int = 0  # H_v * S
+    d_state: int = 0  # S: key and value head size of the linear layers
+    dt_rank: int = 0  # H_v
+    n_group: int = 0  # H_k
+    recurrent_layers: list = field(default_factory=list)
+
+    def is_recurrent(self, il: int) -> bool:
+        return bool(self.recurrent_layers[il])
+
+    def has_kv(self, il: int) -> bool:
+        return 0 <= il < self.n_layer and not self.is_recurrent(il)
+
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_group * self.d_state
+
+    def n_embd_r(self) -> int:
+        return (self.d_conv - 1) * self.conv_dim()
+
+    def n_embd_s(self) -> int:
+        return self.d_state * self.d_inner
+
+
+def linear_attention(hp, L, h, rctx, il) -> np.ndarray:
+    """Gated delta-net mixer: h f32 [n, n_embd] -> f32 [n, n_embd]."""
+    n, S, h_k, h_v = h.shape[0], hp.d_state, hp.n_group, hp.dt_rank
+    n_rs = rctx.get_n_rs()
+    n_st = n // n_rs
+    kdim = h_k * S
+    qkv = silu(causal_conv(rctx, il, L.ssm_qkv.matmul(h), dense(L, "ssm_conv1d"), hp.d_conv))
+    q = l2_norm(qkv[:, :kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
+    k = l2_norm(qkv[:, kdim:2 * kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
+    v = qkv[:, 2 * kdim:].reshape(n_rs, n_st, h_v, S)
+    g = softplus(L.ssm_alpha.matmul(h) + L.ssm_dt_b) * L.ssm_a  # [n, H_v] log decay
+    b = sigmoid(L.ssm_beta.matmul(h))
+    state = np.ascontiguousarray(rctx.get_s(il).reshape(n_rs, h_v, S, S))  # [.., S_v, S_k]
+    o = gated_delta_rule(q, k, v, g.reshape(n_rs, n_st, h_v), b.reshape(n_rs, n_st, h_v), state,
+                         chunked=n_st > 1)
+    rctx.cpy_s(il, state.reshape(n_rs, -1))
+    z = L.ssm_gate.matmul(h).reshape(n, h_v, S)
+    out = rms_norm_last(o.reshape(n, h_v, S), L.ssm_norm, hp.norm_eps) * silu(z)
+    return L.ssm_out.matmul(np.ascontiguousarray(out.reshape(n, h_v * S), dtype=np.float32))
+
+
+def gated_attention(model, il, L, h, pos, actx) -> np.ndarray:
+    hp = model.hparams
+    n, hd, nh = h.shape[0], hp.n_embd_head_k, hp.n_head
+    q_full, k, v = qkv_projection(L, h, (2 * hd * nh, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)))
+    qg = q_full.reshape(n, nh, 2, hd)
+    gate = np.ascontiguousarray(qg[:, :, 1, :]).reshape(n, nh * hd)
+    q, k, v = prepare_qkv(np.ascontiguousarray(qg[:, :, 0, :]).reshape(n, nh * hd), k, v, nh,
+                          hp.n_head_kv, hd, pos, neox=True, q_norm=opt(L, "q_norm"),
+                          k_norm=opt(L, "k_norm"), eps=hp.norm_eps, **hp.rope_args(il, ctx_size(actx)))
+    out = attend(model, il, q, k, v, actx, hp.kq_scale) * sigmoid(gate)
+    return L.wo.matmul(np.ascontiguousarray(out, dtype=np.float32))
+
+
+def forward(model, ubatch, mctx) -> np.ndarray:
+    """Logits f32 [n_outputs, n_vocab]; mctx is the hybrid memory's context."""
+    hp = model.hparams
+    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
+    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
+    out_ids = output_ids(ubatch)
+    last = hp.n_layer - 1
+    for il, L in enumerate(model.weights.layers):
+        h = rms_norm(x, L.attn_norm, hp.norm_eps)
+        if hp.is_recurrent(il):
+            cur = linear_attention(hp, L, h, mctx.get_recr(), il)
+        else:
+            cur = gated_attention(model, il, L, h, pos, mctx.get_attn())
+        if il == last and out_ids is not None:
+            cur, x = cur[out_ids], x[out_ids]
+            if x.shape[0] == 0:
+                return np.zeros((0, hp.n_vocab), dtype=np.float32)
+        x = x + cur
+        x += feed_forward(L, rms_norm(x, L.post_attn_norm, hp.norm_eps), hp.n_ff, use_gelu=False)
+    return logits(model, x)
+
+
+class Qwen35(Arch):
+    name = "qwen35"
+    rope_type = "neox"  # IMROPE on text positions (see the module docstring)
+    qk_norm = True
+
+    def read_hparams(self, gf, fields) -> Qwen35HParams:
+        k = lambda name: f"qwen35.{name}"  # noqa: E731
+        n_layer = fields["n_layer"]
+        if gf.get_int(k("nextn_predict_layers"), 0) != 0:
+            gf.fail(k("nextn_predict_layers"), "multi-token-prediction layers are not supported")
+        interval = gf.get_int(k("full_attention_interval"), 4, min_value=1)
+        hp = Qwen35HParams(**fields, d_conv=scalar_int(gf, k("ssm.conv_kernel"), 2, 64),
+                           d_inner=scalar_int(gf, k("ssm.inner_size"), 1, MAX_DIM),
+                           d_state=scalar_int(gf, k("ssm.state_size"), 1, MAX_DIM),
+                           dt_rank=scalar_int(gf, k("ssm.time_step_rank"), 1, MAX_DIM),
+                           n_group=scalar_int(gf, k("ssm.group_count"), 1, MAX_DIM),
+                           recurrent_layers=[(il + 1) % interval != 0 for il in range(n_layer)])
+        if hp.d_inner != hp.dt_rank * hp.d_state or hp.dt_rank % hp.n_group:
+            gf.fail(k("ssm.inner_size"), f"{hp.d_inner} must be time_step_rank * state_size "
+                                         f"with time_step_rank a multiple of group_count")
+        return hp
+
+    def layer_tensors(self, hp, il):
+        e, ff = hp.n_embd, hp.n_ff
+        p = f"blk.{il}."
+        t = {"attn_norm": Tensor(p + "attn_norm.weight", (e,)),
+             "post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
+             "w_gate": Tensor(p + "ffn_gate.weight", (e, ff)),
+             "w_up": Tensor(p + "ffn_up.weight", (e, ff)),
+             "w_down": Tensor(p + "ffn_down.weight", (ff, e))}
+        if hp.is_recurrent(il):
+            hv = hp.dt_rank
+            t.update({"ssm_qkv": Tensor(p + "attn_qkv.weight", (e, hp.conv_dim())),
+                      "ssm_gate": Tensor(p + "attn_gate.weight", (e, hp.d_inner)),
+                      "ssm_conv1d": Tensor(p + "ssm_conv1d.weight", (hp.d_conv, hp.conv_dim())),
+                      "ssm_dt_b": Tensor(p + "ssm_dt.bias", (hv,)),
+                      "ssm_a": Tensor(p + "ssm_a", (hv,)),
+                      "ssm_beta": Tensor(p + "ssm_beta.weight", (e, hv)),
+                      "ssm_alpha": Tensor(p + "ssm_alpha.weight", (e, hv)),
+                      "ssm_norm": Tensor(p + "ssm_norm.weight", (hp.d_state,)),
+                      "ssm_out": Tensor(p + "ssm_out.weight", (hp.d_inner, e))})
+        else:
+            hd = hp.n_embd_head_k
+            t.update({"wq": Tensor(p + "attn_q.weight", (e, 2 * hd * hp.n_head)),
+                      "wk": Tensor(p + "attn_k.weight", (e, hp.n_embd_k_gqa(il))),
+                      "wv": Tensor(p + "attn_v.weight", (e, hp.n_embd_v_gqa(il))),
+                      "wo": Tensor(p + "attn_output.weight", (hp.n_embd_head_v * hp.n_head, e)),
+                      "q_norm": Tensor(p + "attn_q_norm.weight", (hd,)),
+                      "k_norm": Tensor(p + "attn_k_norm.weight", (hd,))})
+        return t
+
+    forward = staticmethod(forward)
+
+    def create_memory(self, hparams, cparams):
+        return create_hybrid_memory(hparams, cparams)
+
+
+ARCH = Qwen35()
