@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.checkpoints import SeqCheckpoints
 from runtime.conversation_events import (ContextFull, ContextShifted, FullCause, PromptTooLong,
                                          TurnStats)
 from runtime.errors import KvchatError, SessionError
@@ -90,6 +91,8 @@ class Conversation:
         self.logits: np.ndarray | None = None  # f32 [n_vocab] after the last decoded token
         self._regen = None  # (index in tokens where the last answer starts, logits there, n_dropped)
         self._first_prompt_len = 0
+        # states to rewind to when the memory cannot cut a sequence (recurrent / hybrid)
+        self.checkpoints = SeqCheckpoints(ctx, seq_id)
         self._n_keep_cache = None  # (system text, n_keep)
         self.last_stats = TurnStats()
         self.on_prompt = None  # called with the token ids about to be decoded (--verbose-prompt)
@@ -184,8 +187,13 @@ class Conversation:
         self.logits = None
         self._regen = None
         if not self._remove_from(kept):
-            self._forget_all()
-            return 0
+            n = self.checkpoints.restore(kept) if not self.n_dropped else -1
+            if n < 0:
+                self._forget_all()
+                return 0
+            self.tokens = self.tokens[:n]  # decode again from the checkpoint on
+            return n
+        self.checkpoints.drop_after(kept)
         return p
 
     def _remove_from(self, kept: int) -> bool:
@@ -219,6 +227,7 @@ class Conversation:
         self.n_keep_shift = 0
         self.logits = None
         self._regen = None
+        self.checkpoints.clear()
 
     def context_shift(self, n_needed: int = 1) -> int:
         """Drop half of the tokens after n_keep (repeatedly) until n_needed more fit. Returns the count."""
@@ -243,7 +252,9 @@ class Conversation:
     def _can_shift(self) -> bool:
         mem = self.ctx.memory
         can = getattr(mem, "get_can_shift", None)
-        return self.config.context_shift and (can() if callable(can) else True)
+        trim = getattr(mem, "get_can_trim", None)  # a shift removes a middle run
+        return (self.config.context_shift and (can() if callable(can) else True)
+                and (trim() if callable(trim) else True))
 
     def _decode(self, ids: list[int]) -> None:
         """Decode ids at the end of the cache; the mirror follows what reached memory."""
@@ -300,8 +311,10 @@ class Conversation:
             t0 = time.perf_counter()
             if not any(m["role"] == "assistant" for m in self.messages):
                 self._first_prompt_len = len(desired)
+            self.checkpoints.take(self.n_cached)  # where /undo comes back to
             stats.n_prompt = self.prefill(desired)
             stats.t_prompt = time.perf_counter() - t0
+            self.checkpoints.take(self.n_cached)  # where /regen comes back to
         except BaseException:
             self.messages.pop()
             raise
@@ -317,7 +330,9 @@ class Conversation:
         self.messages.pop()
         stats = self.last_stats = TurnStats()
         regen, self._regen = self._regen, None
-        if regen is not None and regen[2] == self.n_dropped and self._remove_from(regen[0] - self.n_dropped):
+        if regen is not None and regen[2] == self.n_dropped and (
+                self._remove_from(regen[0] - self.n_dropped)
+                or self.checkpoints.restore(regen[0] - self.n_dropped) == regen[0] - self.n_dropped):
             start, logits, _ = regen
             self.tokens = self.tokens[:start]
             self.logits = logits.copy()
@@ -326,6 +341,7 @@ class Conversation:
             t0 = time.perf_counter()
             stats.n_prompt = self.prefill(self.render(self.messages))
             stats.t_prompt = time.perf_counter() - t0
+            self.checkpoints.take(self.n_cached)
             self._regen = (len(self.tokens), self.logits.copy(), self.n_dropped)
         return self._answer(stats, on_text)
 
@@ -451,3 +467,4 @@ class Conversation:
         self._regen = None
         self._n_keep_cache = None
         self._first_prompt_len = 0
+        self.checkpoints.clear()

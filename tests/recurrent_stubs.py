@@ -38,9 +38,10 @@ class RecurrentHParams(HParams):
 
 
 def make_rhparams(recurrent_layers=(True, True), n_vocab=64) -> RecurrentHParams:
+    """arch names the memory the Context creates first (mamba: recurrent, lfm2: hybrid)."""
     n_layer = len(recurrent_layers)
     return RecurrentHParams(
-        arch="stub", n_vocab=n_vocab, n_ctx_train=4096, n_embd=16, n_layer=n_layer, n_head=2,
+        arch="mamba" if all(recurrent_layers) else "lfm2", n_vocab=n_vocab, n_ctx_train=4096, n_embd=16, n_layer=n_layer, n_head=2,
         n_head_kv=1, n_embd_head_k=8, n_embd_head_v=8, n_ff=16, norm_eps=1e-6, rope_type="neox",
         n_rot=8, rope_freq_base=10000.0, rope_freq_scale=1.0, rope_freq_base_swa=10000.0, n_swa=0,
         swa_layers=[False] * n_layer, use_qk_norm=False, tied_output=True,

@@ -73,11 +73,11 @@ def test_info_tiny_gemma3(tmp_path):
 
 
 def test_info_unsupported_arch_describes_then_fails(tmp_path):
-    gf = GGUFFile(write_tiny_model(tmp_path / "m.gguf", metadata={"general.architecture": "mamba"}))
+    gf = GGUFFile(write_tiny_model(tmp_path / "m.gguf", metadata={"general.architecture": "rwkv6"}))
     text, err = render(gf)
-    assert row(text, "architecture", "mamba") and row(text, "parameters", "92.42 K")
+    assert row(text, "architecture", "rwkv6") and row(text, "parameters", "92.42 K")
     assert "layers" not in text
-    assert isinstance(err, ModelFileError) and "'mamba' is not supported" in str(err)
+    assert isinstance(err, ModelFileError) and "'rwkv6' is not supported" in str(err)
 
 
 def test_info_cli_errors_are_one_line(tmp_path, capsys):

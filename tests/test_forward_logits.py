@@ -161,8 +161,8 @@ def test_only_flagged_outputs_are_computed(tmp_path):
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     from runtime.errors import ModelFileError
     path = write_tiny_model(tmp_path / "m.gguf", arch="llama",
-                            metadata={"general.architecture": "mamba"})
-    with pytest.raises(ModelFileError, match=r"mamba.*supported.*llama.*qwen2.*qwen3.*gemma3"):
+                            metadata={"general.architecture": "rwkv6"})
+    with pytest.raises(ModelFileError, match=r"rwkv6.*supported.*llama.*qwen2.*qwen3.*gemma3"):
         Model.load(path)
 
 

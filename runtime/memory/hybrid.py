@@ -79,6 +79,9 @@ class MemoryHybrid(Memory):
     def get_can_shift(self) -> bool:
         return self.mem_attn.get_can_shift()
 
+    def get_can_trim(self) -> bool:
+        return False  # the recurrent part cannot
+
     def seq_checkpoint(self, seq_id: int):
         return self.mem_recr.seq_checkpoint(seq_id)
 

@@ -186,6 +186,11 @@ class Memory:
     def memory_breakdown(self) -> dict:
         raise NotImplementedError
 
+    def get_can_trim(self) -> bool:
+        """Whether seq_rm can remove any run of a sequence's positions (its tail, a middle run
+        for a context shift). False for memories holding a state instead of positions."""
+        return True
+
     def seq_checkpoint(self, seq_id: int) -> SeqCheckpoint:
         """A point seq_restore can return seq_id to. A KV cache keeps every position, so the
         position is enough; a recurrent memory saves the state (it cannot be cut later)."""

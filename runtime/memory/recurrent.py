@@ -26,7 +26,8 @@ import logging
 
 import numpy as np
 
-from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, SeqCheckpoint
+from runtime.memory.interface import Memory, MemoryOpError, MemoryStatus, SeqCheckpoint
+from runtime.memory.recurrent_context import RecurrentContext
 from runtime.memory.recurrent_state import RecurrentStateIO
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,9 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
     def get_can_shift(self) -> bool:
         return True  # only positions move
 
+    def get_can_trim(self) -> bool:
+        return False  # a state cannot lose its last positions (seq_rm of a tail is refused)
+
     def seq_checkpoint(self, seq_id: int) -> SeqCheckpoint:
         """The sequence's state now (a sequence state blob of its cell)."""
         from runtime.memory.state import StateWriter
@@ -390,85 +394,3 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
 
     def init_update(self, optimize: bool = False) -> "RecurrentContext":
         return RecurrentContext(self, MemoryStatus.NO_UPDATE)  # nothing is ever deferred
-
-
-class RecurrentContext(MemoryContext):
-    """A batch's ubatches; per ubatch the states the forward pass reads and writes."""
-
-    def __init__(self, mem: MemoryRecurrent, status: MemoryStatus, ubatches=None, full=False):
-        self.mem = mem
-        self.status = status
-        self.ubatches = ubatches or []
-        self.i_cur = 0
-        self.full = full
-        self.journal: list = []  # (metadata snapshot, head, {rows}) per applied ubatch
-
-    def next(self) -> bool:
-        self.i_cur += 1
-        return self.i_cur < len(self.ubatches)
-
-    def apply(self) -> bool:
-        if self.status in (MemoryStatus.FAILED_PREPARE, MemoryStatus.FAILED_COMPUTE):
-            raise MemoryOpError("apply() on a failed memory context")
-        if not self.ubatches:
-            return True
-        mem = self.mem
-        snap = mem._snapshot()
-        if not mem.find_slot(self.ubatches[self.i_cur]):
-            mem._restore(snap)
-            raise MemoryOpError("recurrent memory: a prepared ubatch no longer fits")
-        lo, hi = mem.head, mem.head + mem.n  # the rows the forward pass may write
-        rows = [(il, mem.r_l[il][lo:hi].copy(), mem.s_l[il][lo:hi].copy()) for il in mem.layers]
-        self.journal.append((snap, lo, rows))
-        return True
-
-    def rollback(self) -> None:
-        """Restore the metadata and every state row this context's ubatches touched."""
-        mem = self.mem
-        for snap, lo, rows in reversed(self.journal):
-            for il, r, s in rows:
-                mem.r_l[il][lo:lo + r.shape[0]] = r
-                mem.s_l[il][lo:lo + s.shape[0]] = s
-            mem._restore(snap)
-        self.journal.clear()
-
-    def get_ubatch(self):
-        return self.ubatches[self.i_cur]
-
-    def get_status(self) -> MemoryStatus:
-        return self.status
-
-    # ---- RecurrentMemoryContext ---------------------------------------------------------------
-
-    def get_n_rs(self) -> int:
-        return self.ubatches[self.i_cur].n_seqs
-
-    def get_head(self) -> int:
-        return 0 if self.full else self.mem.head
-
-    def _gather(self, buf: np.ndarray) -> np.ndarray:
-        """States the ubatch's sequences start from (build_rs): zero the rs_z row, read the
-        main rows from their src0, then materialise the other cells of [head, head + n)."""
-        mem = self.mem
-        lo, n, n_rs = mem.head, mem.n, self.get_n_rs()
-        src0 = mem.cells.src0[lo:lo + n]
-        if mem.rs_z >= 0:
-            buf[mem.rs_z] = 0.0
-        main = buf[src0[:n_rs]]  # a copy: fancy indexing
-        if n > n_rs:
-            buf[lo + n_rs:lo + n] = buf[src0[n_rs:]]
-        return main
-
-    def get_r(self, il: int) -> np.ndarray:
-        return self._gather(self.mem.r_l[il])
-
-    def get_s(self, il: int) -> np.ndarray:
-        return self._gather(self.mem.s_l[il])
-
-    def cpy_r(self, il: int, r: np.ndarray) -> None:
-        lo = self.mem.head
-        self.mem.r_l[il][lo:lo + r.shape[0]] = r.reshape(r.shape[0], -1)
-
-    def cpy_s(self, il: int, s: np.ndarray) -> None:
-        lo = self.mem.head
-        self.mem.s_l[il][lo:lo + s.shape[0]] = s.reshape(s.shape[0], -1)
