@@ -69,13 +69,18 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
         ("tensors", str(len(gf.tensors))),
     ]
     if hp is not None:
+        attn = any(hp.has_kv(il) for il in range(hp.n_layer))
+        rows += [("layers", str(hp.n_layer))]
+        if attn:
+            rows += [
+                ("attention heads", f"{hp.n_head} (kv heads {hp.n_head_kv}, {hp.n_gqa} per group)"),
+                ("head dims", f"k {hp.n_embd_head_k}, v {hp.n_embd_head_v}, rope {hp.n_rot}"),
+            ]
         rows += [
-            ("layers", str(hp.n_layer)),
-            ("attention heads", f"{hp.n_head} (kv heads {hp.n_head_kv}, {hp.n_gqa} per group)"),
-            ("head dims", f"k {hp.n_embd_head_k}, v {hp.n_embd_head_v}, rope {hp.n_rot}"),
             ("embedding", str(hp.n_embd)),
             ("feed-forward", str(hp.n_ff)),
             ("context length", f"{hp.n_ctx_train} (training)"),
+            ("memory", memory_text(hp)),
             ("sliding window", _swa_text(hp)),
             ("rope", _rope_text(hp)),
             ("norm eps", f"{hp.norm_eps:g}"),
@@ -93,6 +98,20 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
     rows += [("vocabulary", vocab),
              ("chat template", "yes" if gf.get("tokenizer.chat_template") else "no (ChatML fallback)")]
     return rows
+
+
+def memory_text(hp: HParams) -> str:
+    """The memory llama.cpp's create_memory picks for the model, and its per-sequence state."""
+    recr = getattr(hp, "is_recurrent", None)
+    n_recr = sum(bool(recr(il)) for il in range(hp.n_layer)) if callable(recr) else 0
+    if n_recr:
+        state = 4 * (hp.n_embd_r() + hp.n_embd_s()) * n_recr
+        kind = "llama_memory_recurrent" if n_recr == hp.n_layer else "llama_memory_hybrid"
+        text = f"{kind}: recurrent state on {n_recr} layers, {human_bytes(state)} per sequence"
+        if n_recr < hp.n_layer:
+            text += f"; KV cache on {hp.n_layer - n_recr} attention layers"
+        return text
+    return "llama_kv_cache_iswa (base + sliding-window caches)" if hp.n_swa else "llama_kv_cache"
 
 
 def _parts_text(gf: GGUFFile) -> str:
@@ -166,7 +185,7 @@ def show_info(gf: GGUFFile, console: Console) -> None:
     for name, count, nbytes in weight_types(gf):
         weights.add_row(name, str(count), human_bytes(nbytes))
     console.print(weights)
-    if hp is not None:
+    if hp is not None and any(hp.has_kv(il) for il in range(hp.n_layer)):
         console.print(kv_table(hp))
     if problem is not None:
         raise problem

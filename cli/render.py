@@ -144,6 +144,13 @@ class Renderer:
                       f"V {mem.get('type_v', '?')} {mem.get('v_bytes', 0) / MIB:.2f} MiB")
             t.add_row(f"KV cache{(' (' + name + ')') if name else ''}", detail,
                       f"{mem.get('total_bytes', 0) / MIB:.2f}")
+        for name, rec in recurrent_breakdowns(breakdown.get("memory", breakdown)):
+            detail = (f"{rec['mem_size']} cells × {rec['n_layer']} layers, "
+                      f"R {rec['type_r']} {rec['r_bytes'] / MIB:.2f} MiB, S {rec['type_s']} "
+                      f"{rec['s_bytes'] / MIB:.2f} MiB ({(rec['r_bytes'] + rec['s_bytes']) // max(1, rec['mem_size']):,} "
+                      f"bytes per sequence)")
+            t.add_row(f"recurrent states{(' (' + name + ')') if name else ''}", detail,
+                      f"{rec['total_bytes'] / MIB:.2f}")
         if "output_bytes" in breakdown:
             t.add_row("compute: logits", "output buffer", f"{breakdown['output_bytes'] / MIB:.2f}")
         total = breakdown.get("total_bytes", 0) + (weights_bytes or 0)
@@ -167,6 +174,13 @@ class Renderer:
                 self.err.print(kv_grid(cells.pos[:shown], cells.seq[:shown], head))
                 if shown < size:
                     self.err.print(Text(f"… {size - shown} more cells, all empty", style="dim"))
+        for rec in recurrent_memories(memory):
+            c = rec.cells
+            used = int(c.seq.any(axis=1).sum())
+            per_cell = 4 * (rec.n_embd_r + rec.n_embd_s) * len(rec.layers)
+            self.err.print(Text(f"recurrent states: {used}/{rec.size} cells used, {per_cell:,} bytes "
+                                f"of state per cell ({len(rec.layers)} layers)", style="bold"))
+            self.err.print(kv_grid(c.pos, c.seq, -1))
         self.err.print(Text("cell = s<seq>:<pos> · '····' empty · reverse = head", style="dim"))
 
 
@@ -206,6 +220,20 @@ def kv_caches(memory):
         if hasattr(value, "cells") and hasattr(value, "kv_size"):
             found.append((getattr(value, "name", "") or attr.lstrip("_"), value))
     return found
+
+
+def recurrent_memories(memory):
+    """The recurrent memory of a memory: itself, or the one a hybrid holds (else none)."""
+    if hasattr(memory, "cells") and hasattr(memory, "n_embd_s"):
+        return [memory]
+    return [v for v in vars(memory).values() if hasattr(v, "cells") and hasattr(v, "n_embd_s")]
+
+
+def recurrent_breakdowns(mem: dict):
+    """(name, dict) of the recurrent parts of a memory breakdown (flat or nested in a hybrid)."""
+    if "r_bytes" in mem:
+        return [("", mem)]
+    return [("", v) for v in mem.values() if isinstance(v, dict) and "r_bytes" in v]
 
 
 def kv_breakdowns(mem: dict):

@@ -13,6 +13,7 @@ _FULL_WHY = {
     FullCause.SHIFT_OFF: "context shift is off",
     FullCause.CANNOT_SHIFT: ("this model's cache cannot shift (sliding-window layers: restart "
                              "with --swa-full to allow it)"),
+    FullCause.RECURRENT: "this model's recurrent state cannot drop old tokens",
 }
 
 

@@ -390,7 +390,9 @@ class Conversation:
         if self.n_cached + n <= self.n_ctx:
             return self.n_cached
         if not self._can_shift():
-            cause = FullCause.SHIFT_OFF if not self.config.context_shift else FullCause.CANNOT_SHIFT
+            trim = getattr(self.ctx.memory, "get_can_trim", None)
+            cause = (FullCause.SHIFT_OFF if not self.config.context_shift
+                     else FullCause.RECURRENT if callable(trim) and not trim() else FullCause.CANNOT_SHIFT)
             self.notify(ContextFull(self.n_cached, self.n_ctx, cause))
             return None
         self.last_stats.n_shifted += self.context_shift(n)

@@ -24,7 +24,8 @@ class PromptTooLong(KvchatError):
 class FullCause(str, Enum):
     """Why a full context stopped the answer instead of shifting."""
     SHIFT_OFF = "shift_off"        # --no-context-shift
-    CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full, recurrent)
+    CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full)
+    RECURRENT = "recurrent"        # a recurrent state cannot drop old tokens (recurrent, hybrid)
 
 
 @dataclass(frozen=True)
