@@ -45,6 +45,11 @@ def test_hybrid_chat_regen_undo_save_exit_resume(tiny_chat, tmp_path):
     assert answer_of(chat.say("Tell me more about it.")) == second
     assert chat.ctx_used == n_after_second
 
+    kv = chat.say("/kv")
+    assert "recurrent states: 1/1 cells used" in kv and "KV cache attn" in kv
+    mem = chat.say("/mem")
+    assert "recurrent states" in mem and "bytes per sequence" in mem
+
     out = chat.say(f"/save {session}")
     assert f"to {session}" in out and session.exists()
     n_saved = chat.ctx_used
