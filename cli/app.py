@@ -21,9 +21,9 @@ app = typer.Typer(
 )
 
 from cli import cmd_pull, cmd_info, cmd_tokenize, cmd_chat, cmd_run, cmd_perplexity, cmd_bench  # noqa: E402
-from cli import cmd_bench_batched, cmd_session, cmd_kv_sweep, cmd_logprobs  # noqa: E402
+from cli import cmd_bench_batched, cmd_session, cmd_kv_sweep, cmd_logprobs, cmd_list, cmd_rm  # noqa: E402
 
-for _module in (cmd_chat, cmd_run, cmd_pull, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
+for _module in (cmd_chat, cmd_run, cmd_pull, cmd_list, cmd_rm, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
                 cmd_bench_batched, cmd_session, cmd_kv_sweep, cmd_logprobs):
     _module.register(app)
 

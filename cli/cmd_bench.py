@@ -60,7 +60,7 @@ def model_desc(model) -> str:
     return f"{model.hparams.arch} {label} {model.ftype_name}"
 
 
-BENCH_FLAGS = ("model", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v",
+BENCH_FLAGS = ("model", "hf_repo", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v",
                "flash_attn")
 
 

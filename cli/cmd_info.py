@@ -6,10 +6,13 @@ reason it cannot run is printed as the error (exit code 1), so scripts can tell 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.options import MODEL_HELP, hf_option
 from kernels.ggml_types import KV_CACHE_TYPES, row_bytes, type_by_name, type_name
 from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
@@ -194,12 +197,17 @@ def show_info(gf: GGUFFile, console: Console) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("info")
     def info(
-        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a path to a .gguf file"),
+        model: str = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+        hf: Optional[str] = hf_option(),
     ):
         """Show a model's architecture, sizes, weight formats and KV cache cost per token."""
-        from cli.models import resolve_model
+        from cli.models import locate_model
 
-        path = resolve_model(model)
+        source = locate_model(model, hf=hf)
         console = Console(highlight=False)
-        with open_gguf(path) as gf:
-            show_info(gf, console)
+        with open_gguf(source.path) as gf:
+            try:
+                show_info(gf, console)
+            finally:
+                for note in source.notes:  # e.g. what of an Ollama manifest is not used
+                    console.print(f"note: {note}")

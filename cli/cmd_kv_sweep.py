@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from cli.options import MODEL_HELP, hf_option
 from runtime.errors import KvchatError
 
 
@@ -57,7 +58,8 @@ def _rots(value: str) -> list[bool]:
 def register(app: typer.Typer) -> None:
     @app.command("kv-sweep")
     def kv_sweep(
-        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a .gguf path"),
+        model: str = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+        hf: Optional[str] = hf_option(),
         file: Path = typer.Option(..., "-f", "--file", help="text to score (llama-perplexity chunks)"),
         k: str = typer.Option("f16,q8_0,q4_0", "--k", help="K cache types, comma-separated"),
         v: str = typer.Option("f16,q8_0,q4_0", "--v", help="V cache types, comma-separated"),
@@ -104,7 +106,7 @@ def register(app: typer.Typer) -> None:
             if p is not None and not p.parent.is_dir():
                 raise KvchatError(f"cannot write '{p}': folder '{p.parent}' does not exist")
         text = read_text(file)
-        model_path = resolve_model(model)
+        model_path = resolve_model(model, hf=hf)
         m = Model.load(model_path)
         tokens = m.vocab.tokenize(text, add_special=True, parse_special=False)
         for n_ctx in ctxs:

