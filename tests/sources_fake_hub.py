@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -45,6 +46,14 @@ class FakeHub:
 
     def gets(self, name: str) -> list[tuple[str, str, str | None]]:
         return [r for r in self.requests if r[0] == "GET" and r[1].endswith("/" + name)]
+
+
+def dead_endpoint() -> str:
+    """A 127.0.0.1 URL where nothing listens: the connection is refused at once (no network)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
 
 
 def _handler(hub: FakeHub):

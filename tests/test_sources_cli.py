@@ -2,7 +2,6 @@
 a byte progress bar and then runs without any request; split and Ollama models answer exactly as
 the single file they hold; `list`, `rm`, `pull`; every error is one line."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 from kernels.ggml_types import GGMLType
 from tests.conftest import ROOT
 from tests.gguf_factory import split_gguf_file, write_tiny_model
-from tests.sources_fake_hub import FakeHub
+from tests.sources_fake_hub import FakeHub, dead_endpoint
 from tests.test_sources_ollama import write_ollama_model
 
 TIMEOUT = 600
@@ -68,7 +67,7 @@ def test_run_hf_downloads_once_then_runs_without_any_request(world, local_answer
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout and "downloading" not in second.stderr
     assert fake.requests == []
-    offline = kvchat("run", "-m", "hf:acme/tiny-GGUF:q8_0", *RUN, env={**env, "HF_ENDPOINT": _dead_endpoint()})
+    offline = kvchat("run", "-m", "hf:acme/tiny-GGUF:q8_0", *RUN, env={**env, "HF_ENDPOINT": dead_endpoint()})
     assert offline.returncode == 0 and offline.stdout == first.stdout, offline.stderr
 
 
@@ -109,7 +108,7 @@ def test_every_source_error_is_one_line(world, args, message, monkeypatch, capsy
         monkeypatch.setenv(k, v)
     if args[-1] == "DEAD":
         args = args[:-1]
-        monkeypatch.setenv("HF_ENDPOINT", _dead_endpoint())
+        monkeypatch.setenv("HF_ENDPOINT", dead_endpoint())
     with pytest.raises(SystemExit) as e:
         main(["run", *args, "-p", "hi"])
     out, err = capsys.readouterr()
@@ -140,13 +139,6 @@ def test_list_pull_and_rm(world):
     after = kvchat("list", env=env).stdout
     assert "hf:acme/tiny-GGUF:F32" not in after and "ollama:tiny:latest" in after
     assert (d / "ollama" / "manifests/registry.ollama.ai/library/tiny/latest").is_file()
-
-
-def _dead_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def test_every_command_taking_m_takes_hf(world, monkeypatch, capsys):

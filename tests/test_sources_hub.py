@@ -1,7 +1,6 @@
 """`-hf owner/repo[:QUANT]`: the file llama.cpp would pick, fetched once through huggingface_hub
 from a local fake hub (tests/sources_fake_hub.py), then found in the cache without a request;
 every failure is one line."""
-import socket
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from kernels.ggml_types import GGMLType
 from runtime.errors import KvchatError
 from runtime.model import Model
 from tests.gguf_factory import split_gguf_file, write_tiny_model
-from tests.sources_fake_hub import FakeHub
+from tests.sources_fake_hub import FakeHub, dead_endpoint
 
 REPO = "acme/tiny-GGUF"
 
@@ -137,7 +136,7 @@ def test_interrupted_download_resumes_with_a_range_request(env, files, monkeypat
 def test_offline_uses_the_cache_and_says_what_is_missing(env, files, monkeypatch):
     env.add_repo(REPO, files)
     hub.resolve(hub.HubRef(REPO, "Q8_0"), _quiet())
-    monkeypatch.setenv("HF_ENDPOINT", _dead_endpoint())
+    monkeypatch.setenv("HF_ENDPOINT", dead_endpoint())
     # the default quant is chosen from the recorded listing (Q8_0 is the only default present)
     assert hub.resolve(hub.HubRef(REPO), _quiet())[0].name == "tiny-Q8_0.gguf"
     with pytest.raises(KvchatError) as e:
@@ -164,7 +163,7 @@ def test_pull_refreshes_and_fetches_a_new_revision(env, files):
 def test_pull_without_network_falls_back_to_the_cache(env, files, monkeypatch):
     env.add_repo(REPO, files)
     path = hub.resolve(hub.HubRef(REPO, "Q8_0"), _quiet())[0]
-    monkeypatch.setenv("HF_ENDPOINT", _dead_endpoint())
+    monkeypatch.setenv("HF_ENDPOINT", dead_endpoint())
     assert hub.resolve(hub.HubRef(REPO, "Q8_0"), _quiet(), refresh=True)[0] == path
 
 
@@ -193,9 +192,15 @@ def test_split_model_from_the_hub_loads_as_one(env, tmp_path):
         assert np.array_equal(b.gguf.tensors[name].data, t.data), name
 
 
-def _dead_endpoint() -> str:
-    """A 127.0.0.1 URL where nothing listens (connection refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+
+def test_a_model_another_tool_cached_runs_without_a_request(env, files):
+    """llama.cpp and `hf download` use the same cache layout (refs/main -> snapshots/<commit>/file);
+    with no record of ours, the cached snapshot itself is the listing."""
+    commit = "c" * 40
+    snap = hub.hub_cache() / "models--acme--tiny-GGUF" / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "tiny-F32.gguf").write_bytes(files["tiny-F32.gguf"].read_bytes())
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(commit)
+    assert locate_model(None, _quiet(), hf=REPO).path == snap / "tiny-F32.gguf"  # no Q4_K_M/Q8_0: the first
+    assert env.requests == []
