@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
+from cli.paths import cache_dir
 from runtime.errors import KvchatError
 from runtime.gguf_split import parse_split_name
 
@@ -157,7 +158,6 @@ def repo_folder(repo: str) -> Path:
 
 
 def records_dir() -> Path:
-    from cli.models import cache_dir
     return cache_dir() / "hub"
 
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cli import hub, ollama_store
+from cli.paths import cache_dir
 from runtime.errors import KvchatError
 
 DEFAULT_MODEL = "smollm2"
@@ -60,11 +61,6 @@ KNOWN_MODELS = {
         description="Gemma-3-270M Q4_K_M (gemma3 base model, SPM, iSWA)",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """KVCHAT_CACHE, else ~/.cache/kvchat."""
-    return Path(os.environ.get("KVCHAT_CACHE") or Path.home() / ".cache" / "kvchat")
 
 
 def models_dir() -> Path:
