@@ -151,7 +151,8 @@ def test_every_command_taking_m_takes_hf(world, monkeypatch, capsys):
     via_hf = capsys.readouterr().out
     main(["tokenize", "-m", "hf:acme/tiny-GGUF:F32", "hello"])
     assert capsys.readouterr().out == via_hf and via_hf.startswith("[")
-    for command in ("chat", "run", "info", "tokenize", "perplexity", "bench", "bench-batched", "kv-sweep"):
+    for command in ("chat", "run", "info", "tokenize", "perplexity", "bench", "bench-batched", "kv-sweep",
+                    "logprobs"):
         try:
             main([command, "--help"])
         except SystemExit as e:
