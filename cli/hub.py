@@ -15,9 +15,11 @@ asks the hub and fetches a newer revision if there is one.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +302,10 @@ class _hub_errors:
         elif isinstance(exc, E.HfHubHTTPError) and getattr(exc, "response", None) is not None \
                 and exc.response.status_code < 500:
             msg = f"{ep} refused {ref.repo} (HTTP {exc.response.status_code}); check the name and HF_TOKEN"
+        elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            msg = f"no space left for {ref} in {hub_cache()}; free some (or set HF_HOME to a bigger disk) and retry"
+        elif isinstance(exc, OSError) and "Consistency check failed" in str(exc):
+            msg = f"{ref}: the download came out the wrong size (a flaky connection?); run the command again"
         elif _is_network_error(exc):
             reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
             err = KvchatError(f"cannot reach {ep} ({reason}); no network? models already in the cache "
@@ -315,8 +321,9 @@ def _is_network_error(exc: BaseException) -> bool:
     from huggingface_hub import errors as E
     if isinstance(exc, E.HfHubHTTPError):  # 5xx: the hub (or a proxy) is down
         return True
-    return isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in (
-        "httpx", "httpx2", "httpcore", "httpcore2", "h11")
+    if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror)):
+        return True
+    return type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "h11")
 
 
 class _Bars:

@@ -204,3 +204,15 @@ def test_a_model_another_tool_cached_runs_without_a_request(env, files):
     (snap.parent.parent / "refs" / "main").write_text(commit)
     assert locate_model(None, _quiet(), hf=REPO).path == snap / "tiny-F32.gguf"  # no Q4_K_M/Q8_0: the first
     assert env.requests == []
+
+
+def test_a_full_disk_is_not_called_a_network_problem(env, files, monkeypatch):
+    import errno
+    import huggingface_hub
+    env.add_repo(REPO, files)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", full)
+    with pytest.raises(KvchatError, match=r"^no space left for acme/tiny-GGUF:Q8_0 in .*; free some"):
+        hub.resolve(hub.HubRef(REPO, "Q8_0"), _quiet())
