@@ -53,7 +53,7 @@ def hub_entries() -> list[Entry]:
         for commit in commits:
             snap = hub.snapshot(repo, commit)
             names = [p.relative_to(snap).as_posix() for p in snap.rglob("*.gguf")] if snap.is_dir() else []
-            for first in hub._first_parts(names):
+            for first in hub.first_parts(names):
                 label = _hub_label(repo, first, names)
                 if label is None or label in seen:
                     continue

@@ -76,7 +76,7 @@ def quant_of(name: str) -> str:
     return m[1].upper() if m else stem
 
 
-def _first_parts(names) -> list[str]:
+def first_parts(names) -> list[str]:
     """Model GGUFs, one entry per model: a plain file, or the first part of a split model."""
     out = []
     for n in sorted(n for n in names if is_model_gguf(n)):
@@ -93,7 +93,7 @@ def _ends_at_tag(name: str, tag: str) -> bool:
 def choose_files(names, ref: HubRef) -> list[str]:
     """The repo files (all parts, in order) of the model `ref` picks from the repo listing `names`."""
     names = list(names)
-    models = _first_parts(names)
+    models = first_parts(names)
     if not models:
         raise KvchatError(f"{ref.repo} has no GGUF model file; kvchat runs GGUF models "
                           f"(look for a repo whose name ends in -GGUF)")
