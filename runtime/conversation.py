@@ -9,10 +9,12 @@ Each turn renders the messages through the chat template, compares the result wi
 keeps the common prefix (`seq_rm` of the rest) and decodes only what is new — so a follow-up
 costs its own tokens, and /undo, /system or a re-tokenized answer cost only from the first
 difference on. A memory that refuses a partial removal (a recurrent state has no per-position
-cells: `seq_rm` returns False) is cleared and the prompt decoded whole. When the cache is full,
-the overflow policy applies: with context shift, keep the first n_keep tokens, drop half of the
-rest (`seq_rm` + `seq_add` with a negative delta) and go on; without it, stop the answer. A prompt
-that cannot fit at all is refused with both numbers.
+cells: `seq_rm` returns False) goes back to the latest checkpoint at or before the cut
+(runtime/checkpoints.py) and decodes from there - or, without one, is cleared and the prompt
+decoded whole. When the cache is full, the overflow policy applies: with context shift, keep the
+first n_keep tokens, drop half of the rest (`seq_rm` + `seq_add` with a negative delta) and go
+on; without it (or when the memory cannot drop tokens), stop the answer. A prompt that cannot
+fit at all is refused with both numbers.
 
 The answer loop is `runtime.generate.generate`. What happens is reported as data — a StopReason
 in the turn's stats, ContextShifted / ContextFull events to `notify` — and cli/ words it.
@@ -252,9 +254,8 @@ class Conversation:
     def _can_shift(self) -> bool:
         mem = self.ctx.memory
         can = getattr(mem, "get_can_shift", None)
-        trim = getattr(mem, "get_can_trim", None)  # a shift removes a middle run
         return (self.config.context_shift and (can() if callable(can) else True)
-                and (trim() if callable(trim) else True))
+                and not self.checkpoints.needed)  # a shift removes a middle run
 
     def _decode(self, ids: list[int]) -> None:
         """Decode ids at the end of the cache; the mirror follows what reached memory."""
@@ -390,9 +391,8 @@ class Conversation:
         if self.n_cached + n <= self.n_ctx:
             return self.n_cached
         if not self._can_shift():
-            trim = getattr(self.ctx.memory, "get_can_trim", None)
             cause = (FullCause.SHIFT_OFF if not self.config.context_shift
-                     else FullCause.RECURRENT if callable(trim) and not trim() else FullCause.CANNOT_SHIFT)
+                     else FullCause.RECURRENT if self.checkpoints.needed else FullCause.CANNOT_SHIFT)
             self.notify(ContextFull(self.n_cached, self.n_ctx, cause))
             return None
         self.last_stats.n_shifted += self.context_shift(n)
