@@ -134,3 +134,30 @@ def check_greedy(name: str, n_equal: int | None = None) -> None:
         assert greedy_ids(m, g["tokens"], n) == g["ids"][:n]
     finally:
         m.close()
+
+
+def check_chat_and_run_q8(name: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    """A Q8_0 copy (written with gguf) loads and answers through `kvchat run` (stdout = the
+    greedy continuation our engine computes on that copy of the chat-templated prompt) and
+    `kvchat chat` (piped input)."""
+    import io
+
+    from cli.app import main
+    from tests.gguf_factory import quantized_copy
+
+    q8 = quantized_copy(model_path(name), tmp_path / f"{name}-q8_0.gguf")
+    m = Model.load(q8)
+    try:
+        assert m.ftype_name == "Q8_0"
+        from runtime.text.chat_template import ChatTemplate
+        text = ChatTemplate.from_gguf(m.gguf, m.vocab).render([{"role": "user", "content": "Once upon a time"}])
+        prompt = m.vocab.tokenize(text, add_special=True, parse_special=True)
+        want = m.vocab.detokenize(greedy_ids(m, prompt, 8))
+    finally:
+        m.close()
+    main(["run", "-m", str(q8), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-c", "512"])
+    assert capsys.readouterr().out.strip() == want.strip()  # the answer, without the reply's leading space
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
+    main(["chat", "-m", str(q8), "-n", "8", "--temp", "0", "-c", "512"])
+    out = capsys.readouterr()
+    assert out.out.strip() and "error" not in out.err.lower(), out.err

@@ -323,3 +323,35 @@ def split_gguf_file(src, out_prefix, n_split: int) -> list[Path]:
         w.close()
         paths.append(path)
     return paths
+
+
+def quantized_copy(src, dst, weight_type: int = GGMLType.Q8_0) -> Path:
+    """Copy the GGUF model `src` to `dst` with every 2-D F32/F16 weight quantized to
+    `weight_type` (gguf's reference quantizer; rows whose length is not a multiple of the block
+    stay as they are) and all metadata, 1-D tensors and other tensors unchanged."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = VT(field.types[0])
+        sub = VT(field.types[1]) if vtype == VT.ARRAY else None
+        value = field.contents()
+        if name == "general.file_type":  # llama_ftype of the new mix
+            value = {QT.Q8_0: 7, QT.Q4_0: 2, QT.Q4_1: 3, QT.F16: 1}.get(QT(int(weight_type)), value)
+        w.add_key_value(name, value, vtype, sub_type=sub)
+    qt = QT(int(weight_type))
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if len(t.shape) == 2 and t.tensor_type in (QT.F32, QT.F16) and int(t.shape[0]) % block == 0:
+            x = data.astype(np.float32).reshape(int(t.shape[1]), int(t.shape[0]))  # [m, k]
+            w.add_tensor(t.name, gguf.quants.quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)

@@ -74,3 +74,7 @@ def test_rope_freqs_of_the_wrong_size_is_a_one_line_error(tmp_path):
     from runtime.errors import ModelFileError
     with pytest.raises(ModelFileError, match=r"rope_freqs.weight.*shape \[8\]"):
         _model(tmp_path, "bad.gguf", factors=np.ones(5))
+
+
+def test_a_q8_0_copy_runs_through_chat_and_run(tmp_path, capsys, monkeypatch):
+    arch_refs.check_chat_and_run_q8(NAME, tmp_path, capsys, monkeypatch)

@@ -17,6 +17,7 @@ ARCHS = {  # general.architecture -> module runtime.arch.<name> (its ARCH object
     "mamba": "mamba",
     "lfm2": "lfm2",
     "qwen35": "qwen35",
+    "smollm3": "smollm3",
 }
 
 

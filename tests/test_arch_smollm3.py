@@ -1,0 +1,52 @@
+"""smollm3 (NoPE on every fourth layer) against llama.cpp on the tiny reference model
+smollm3_s1, and on factory variants."""
+import numpy as np
+
+from tests import arch_refs
+
+NAME = "smollm3_s1"
+
+
+def test_logprobs_match_llama_cpp_on_every_reference_prompt(tmp_path):
+    assert arch_refs.check_logprobs(NAME, tmp_path, tol=1e-3) < 1e-3
+
+
+def test_one_batch_ubatches_and_token_by_token_are_bit_identical():
+    arch_refs.check_split_invariance(NAME)
+
+
+def test_greedy_continuation_matches_llama_cpp():
+    arch_refs.check_greedy(NAME)
+
+
+def test_every_fourth_layer_has_no_rope(tmp_path):
+    from runtime.gguf_file import GGUFFile
+    from runtime.hparams import HParams
+    from tests.gguf_factory import write_tiny_model
+    hp = HParams.from_gguf(GGUFFile(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=8)))
+    assert [il for il in range(8) if not hp.has_rope(il)] == [3, 7]
+    assert hp.rope_args(3, 2048)["n_rot"] == 0 and hp.rope_args(2, 2048)["n_rot"] == hp.n_rot
+
+
+def test_context_shift_leaves_nope_keys_and_matches_a_fresh_decode(tmp_path):
+    """Shift by +11: logits of the next token equal a fresh decode at the shifted positions
+    (the NoPE layer's keys are position-free, so re-roping them would break this)."""
+    from runtime.batch import Batch
+    from runtime.context import Context
+    from runtime.cparams import ContextParams
+    from runtime.model import Model
+    from tests.gguf_factory import write_tiny_model
+    m = Model.load(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=4))
+    tokens = list(range(5, 41))
+    ctx = Context(m, ContextParams(**arch_refs.REF_PARAMS))
+    assert ctx.decode(Batch.one_seq(tokens, 0)) == 0
+    ctx.memory.seq_add(0, 0, -1, 11)
+    ctx.memory_update()
+    assert ctx.decode(Batch.one_seq([9], len(tokens) + 11)) == 0
+    fresh = Context(m, ContextParams(**arch_refs.REF_PARAMS))
+    assert fresh.decode(Batch.one_seq(tokens + [9], 11)) == 0
+    np.testing.assert_allclose(ctx.get_logits_ith(-1), fresh.get_logits_ith(-1), atol=2e-4)
+
+
+def test_a_q8_0_copy_runs_through_chat_and_run(tmp_path, capsys, monkeypatch):
+    arch_refs.check_chat_and_run_q8(NAME, tmp_path, capsys, monkeypatch)
