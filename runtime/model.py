@@ -159,7 +159,7 @@ def load_group(gf: GGUFFile, specs: dict, fusions=()) -> dict:
             continue
         biases = [_vector(gf, specs[b].name) if b in specs else None for b in f.biases]
         has_bias = any(b is not None for b in biases)
-        if f.bias_into is not None:
+        if f.bias_into is not None and (has_bias or f.bias_into not in specs):
             sizes = [specs[p].shape[1] for p in f.parts]
             out[f.bias_into] = np.concatenate(
                 [b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)]

@@ -155,9 +155,10 @@ def check_chat_and_run_q8(name: str, tmp_path: Path, capsys, monkeypatch) -> Non
         want = m.vocab.detokenize(greedy_ids(m, prompt, 8))
     finally:
         m.close()
-    main(["run", "-m", str(q8), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-c", "512"])
+    main(["run", "-m", str(q8), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-c", "2048",
+          "-ctk", "f32", "-ctv", "f32", "-fa", "off"])  # greedy_ids' settings
     assert capsys.readouterr().out.strip() == want.strip()  # the answer, without the reply's leading space
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
     main(["chat", "-m", str(q8), "-n", "8", "--temp", "0", "-c", "512"])
     out = capsys.readouterr()
-    assert out.out.strip() and "error" not in out.err.lower(), out.err
+    assert out.out.strip() and "error" not in out.err.lower(), (out.out, out.err)

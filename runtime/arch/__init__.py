@@ -18,6 +18,7 @@ ARCHS = {  # general.architecture -> module runtime.arch.<name> (its ARCH object
     "lfm2": "lfm2",
     "qwen35": "qwen35",
     "smollm3": "smollm3",
+    "phi3": "phi3",
 }
 
 
