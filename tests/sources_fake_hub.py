@@ -8,6 +8,8 @@ hf_hub_download use, answered the way the hub answers them.
 Errors carry the hub's X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound), which is how
 huggingface_hub tells them apart. Every request is logged in `hub.requests`; `hub.cut[path] = n`
 makes the next GET of that file stop after n bytes (the connection is dropped mid-body).
+`add_repo(..., token=T)` makes a gated repo: without `Authorization: Bearer T` the hub answers
+403 with X-Error-Code GatedRepo, as it does for a gated model whose terms were not accepted.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def add_repo(self, repo: str, files: dict[str, bytes | Path], commit: str | None = None) -> str:
+    def add_repo(self, repo: str, files: dict[str, bytes | Path], commit: str | None = None,
+                 token: str | None = None) -> str:
         blobs = {name: (data.read_bytes() if isinstance(data, Path) else data) for name, data in files.items()}
         commit = commit or hashlib.sha1(repo.encode() + b"".join(blobs[n] for n in sorted(blobs))).hexdigest()
-        self.repos[repo] = {"sha": commit, "files": blobs}
+        self.repos[repo] = {"sha": commit, "files": blobs, "token": token}
         return commit
 
     def start(self) -> "FakeHub":
@@ -85,6 +88,8 @@ def _handler(hub: FakeHub):
             r = hub.repos.get(repo)
             if r is None:
                 self._error(404, "RepoNotFound")
+            elif r["token"] and self.headers.get("Authorization") != f"Bearer {r['token']}":
+                self._error(403, "GatedRepo")
             elif rev not in ("main", r["sha"]):
                 self._error(404, "RevisionNotFound")
             else:

@@ -216,3 +216,14 @@ def test_a_full_disk_is_not_called_a_network_problem(env, files, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", full)
     with pytest.raises(KvchatError, match=r"^no space left for acme/tiny-GGUF:Q8_0 in .*; free some"):
         hub.resolve(hub.HubRef(REPO, "Q8_0"), _quiet())
+
+
+def test_a_gated_repo_asks_for_hf_token_and_hf_token_opens_it(env, files, monkeypatch):
+    env.add_repo("acme/gated-GGUF", {"g-Q8_0.gguf": files["tiny-Q8_0.gguf"]}, token="hf_secret")
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises(KvchatError) as e:
+        hub.resolve(hub.HubRef("acme/gated-GGUF"), _quiet())
+    assert str(e.value) == f"acme/gated-GGUF is gated on {env.url}: accept its terms there and set HF_TOKEN"
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")  # huggingface_hub sends it as a bearer token
+    path = hub.resolve(hub.HubRef("acme/gated-GGUF"), _quiet())[0]
+    assert path.read_bytes() == files["tiny-Q8_0.gguf"].read_bytes()
