@@ -177,3 +177,32 @@ def _read_pid(fd) -> int | None:
         return int(text) if text.isdigit() else None
     except OSError:
         return None
+
+
+class AutosaveTarget:
+    """Where a chat saves after every turn (--session), with that file's lock held.
+
+    /load of another file moves the target there (taking its lock first, so a file another
+    process holds is refused and nothing changes): the --session file is never overwritten by
+    a conversation it did not hold."""
+
+    def __init__(self, path=None):
+        self.path = Path(path) if path is not None else None
+        self._lock = SessionLock(path).acquire() if path is not None else None
+
+    def switch(self, path) -> bool:
+        """Make `path` the target; True if it changed. SessionError if another process holds it."""
+        if self.path is None:
+            return False
+        new = Path(path)
+        if resolve_target(new) == resolve_target(self.path):
+            return False
+        lock = SessionLock(new).acquire()
+        if self._lock is not None:
+            self._lock.release()
+        self.path, self._lock = new, lock
+        return True
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()

@@ -14,6 +14,8 @@ _FULL_WHY = {
     FullCause.CANNOT_SHIFT: ("this model's cache cannot shift (sliding-window layers: restart "
                              "with --swa-full to allow it)"),
     FullCause.RECURRENT: "this model's recurrent state cannot drop old tokens",
+    FullCause.KEEP_ALL: ("--keep covers all of it, so nothing can be dropped (/set keep N with "
+                         "a smaller N, or restart with a smaller --keep)"),
 }
 
 

@@ -32,6 +32,7 @@ from runtime.conversation_events import (ContextFull, ContextShifted, FullCause,
                                          TurnStats)
 from runtime.errors import KvchatError, SessionError
 from runtime.generate import DecodeError, Interrupted, StopReason, decode_tokens, generate
+from runtime.text.utf8 import clean_text
 
 __all__ = ["Conversation", "ConversationConfig", "TurnStats", "StopReason", "Interrupted",
            "DecodeError", "PromptTooLong", "ContextShifted", "ContextFull", "FullCause",
@@ -286,6 +287,10 @@ class Conversation:
         n_new = len(desired) - p
         shift = self._can_shift()
         keep = min(self.n_keep(), base) if shift else base
+        if shift and n_new + keep > self.n_ctx:
+            refit = self._refit_plan(desired)
+            if refit is not None:
+                return self._refit(desired, *refit)
         if n_new + keep > self.n_ctx or (not shift and base + n_new > self.n_ctx):
             raise PromptTooLong(n_new, self.n_ctx - keep, self.n_ctx)
         p = self._rewind(p)
@@ -297,6 +302,50 @@ class Conversation:
         self._decode(desired[p:])
         return n_new
 
+    def _refit_plan(self, desired: list[int]) -> tuple[int, int] | None:
+        """(n_keep, n_drop) to fit a rendering the cache cannot serve incrementally, or None.
+
+        After /system, /undo or /regen past a context shift, the conversation's rendering no
+        longer shares a cached prefix beyond the kept start, and decoding it whole would not fit.
+        It is fitted the way a context shift would have left it: the first n_keep tokens, then
+        an older run dropped, then the most recent tokens — at least the whole last user message
+        with what follows, at most half of what is left after n_keep. None when even the last
+        message does not fit (the caller refuses with PromptTooLong)."""
+        keep = min(self.n_keep(), len(desired) - 1)
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        start = (common_prefix(self.render(self.messages[:users[-1]], add_generation_prompt=False), desired)
+                 if users and users[-1] > 0 else 0)
+        must = len(desired) - max(start, keep)  # the last message and the generation prompt
+        if keep + must > self.n_ctx:
+            return None
+        tail = max(must, min(len(desired) - keep, (self.n_ctx - keep) // 2))
+        n_drop = len(desired) - keep - tail
+        return (keep, n_drop) if n_drop > 0 else None
+
+    def _refit(self, desired: list[int], keep: int, n_drop: int) -> int:
+        """Rebuild the cache as desired[:keep] + desired[keep + n_drop:]; returns tokens decoded."""
+        cached = min(common_prefix(self.tokens, desired), keep,
+                     self.n_keep_shift if self.n_dropped else len(self.tokens))
+        self.tokens = self.tokens[:cached]
+        self.n_dropped = self.n_keep_shift = 0
+        self.logits = None
+        self._regen = None
+        if not self._remove_from(cached):
+            self._forget_all()
+            cached = 0
+        n = 0
+        if cached < keep:
+            self._decode(desired[cached:keep])
+            n += keep - cached
+        self.tokens = list(desired[:keep + n_drop])
+        self.n_keep_shift, self.n_dropped = keep, n_drop
+        if self.on_prompt is not None:
+            self.on_prompt(desired[keep + n_drop:])
+        self._decode(desired[keep + n_drop:])
+        self.last_stats.n_shifted += n_drop
+        self.notify(ContextShifted(n_drop, keep))
+        return n + len(desired) - keep - n_drop
+
     # ---- turns -------------------------------------------------------------------------------
 
     def ask(self, text: str, on_text=None) -> TurnStats:
@@ -304,8 +353,10 @@ class Conversation:
 
         On Interrupted during the prompt the message is withdrawn; on PromptTooLong nothing changed.
         """
+        if not text.strip():
+            raise KvchatError("the prompt is empty: give some text")
         self.stop_event.clear()
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append({"role": "user", "content": clean_text(text)})
         try:
             desired = self.render(self.messages)
             stats = self.last_stats = TurnStats()
@@ -396,7 +447,10 @@ class Conversation:
             self.notify(ContextFull(self.n_cached, self.n_ctx, cause))
             return None
         self.last_stats.n_shifted += self.context_shift(n)
-        return self.n_cached if self.n_cached + n <= self.n_ctx else None
+        if self.n_cached + n <= self.n_ctx:
+            return self.n_cached
+        self.notify(ContextFull(self.n_cached, self.n_ctx, FullCause.KEEP_ALL))
+        return None
 
     def repair(self) -> None:
         """After an exception escaped mid-decode: drop any cell beyond the tokens we track."""
@@ -433,7 +487,7 @@ class Conversation:
         if self.system_prompt is not None:
             self.messages.pop(0)
         if text:
-            self.messages.insert(0, {"role": "system", "content": text})
+            self.messages.insert(0, {"role": "system", "content": clean_text(text)})
         self._n_keep_cache = None
 
     # ---- sessions ----------------------------------------------------------------------------

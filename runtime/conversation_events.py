@@ -26,6 +26,7 @@ class FullCause(str, Enum):
     SHIFT_OFF = "shift_off"        # --no-context-shift
     CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full)
     RECURRENT = "recurrent"        # a recurrent state cannot drop old tokens (recurrent, hybrid)
+    KEEP_ALL = "keep_all"          # --keep covers everything cached: nothing may be dropped
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,8 @@ class Generation:
 
     def _steps(self):
         while True:
+            if 0 <= self.max_tokens <= self.n_sampled:  # -n 0: not even one token
+                return StopReason.LIMIT
             if self.stop_event is not None and self.stop_event.is_set():
                 return StopReason.INTERRUPTED
             pos = self.make_room(self.pos, 1)
@@ -181,7 +183,7 @@ class Generation:
             self.n_sampled += 1
             yield Step(token, self.logits, self.n_sampled - 1)
             if 0 <= self.max_tokens <= self.n_sampled:
-                return StopReason.LIMIT
+                return StopReason.LIMIT  # before decoding a token nobody will sample from
             try:
                 self.logits = decode_tokens(self.ctx, [token], self.pos, self.seq,
                                             batch_factory=self.batch_factory)
