@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from cli.chat_setup import hold_session_lock, make_conversation, open_engine
+from cli.chat_setup import make_conversation, open_engine
 from cli.options import ChatSettings, with_settings
 from cli.render import Renderer
 
@@ -13,14 +13,17 @@ def register(app: typer.Typer) -> None:
     @with_settings
     def chat(settings: ChatSettings = None):
         """Chat with a model in the terminal (the default command). /help inside lists commands."""
-        from cli.repl import Repl
+        import atexit
         import threading
-        lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
+        from cli.repl import Repl
+        from cli.session_file import AutosaveTarget
+        target = AutosaveTarget(settings.session)  # locked for the process's life (or refused)
+        atexit.register(target.release)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
         engine = open_engine(settings, renderer, stop)
         conv = make_conversation(engine, settings, renderer, stop)
-        repl = Repl(engine, conv, settings, renderer)
+        repl = Repl(engine, conv, settings, renderer, target=target)
         if settings.session is not None and settings.session.exists():
             repl.resume(settings.session)  # SessionError → exit 1, file untouched
         repl.run()

@@ -75,6 +75,7 @@ def register(app: typer.Typer) -> None:
         lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
+        renderer.on_out_lost = stop.set  # nobody reads the answer any more: stop generating it
         engine = open_engine(settings, renderer, stop,
                              n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
                              kv_unified=kv_unified)
@@ -110,8 +111,12 @@ def register(app: typer.Typer) -> None:
         renderer.end_answer()
         if settings.session is not None:
             from cli.session import save_conversation
-            save_conversation(settings.session, conv, engine.identity, engine.cache)
+            save_conversation(settings.session, conv, engine.identity, engine.cache,
+                              force=settings.force)
         if settings.show_timings:
             renderer.timings(stats)
+        if renderer.out_lost:
+            saved = f"; the conversation is saved in {settings.session}" if settings.session else ""
+            raise KvchatError(f"stdout is closed, so the answer could not be printed in full{saved}")
         if stats.stop == StopReason.INTERRUPTED:
             raise typer.Exit(130)

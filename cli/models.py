@@ -116,7 +116,14 @@ def ensure_model(model: KnownModel, console: Console | None = None) -> Path:
     target = models_dir() / model.file_name
     if target.is_file():
         return target
-    fetch_model(model, target, console or Console(stderr=True))
+    try:
+        fetch_model(model, target, console or Console(stderr=True))
+    except OSError as e:  # KVCHAT_CACHE pointing at a file, a read-only HOME, a full disk
+        where = os.environ.get("KVCHAT_CACHE")
+        hint = f"KVCHAT_CACHE={where}" if where else f"the cache {cache_dir()}"
+        raise KvchatError(f"cannot store {model.file_name} in {target.parent}: {e.strerror or e} "
+                          f"({hint} must be a writable directory; set KVCHAT_CACHE to one, or give "
+                          "-m a .gguf path)") from None
     return target
 
 

@@ -64,6 +64,7 @@ class ChatSettings:
     system_prompt: Optional[str] = None
     chat_template_file: Optional[Path] = None
     session: Optional[Path] = None
+    force: bool = False
     show_timings: bool = False
     verbose_prompt: bool = False
     markdown: bool = False
@@ -219,6 +220,8 @@ OPTIONS = [
            extra={"show_default": "the model's default, if any"}),
     Option("session", Optional[Path], ("--session",),
            "resume from FILE if it exists, save to it after every turn", PANEL_CHAT),
+    Option("force", bool, ("--force",),
+           "let /save and --session replace a file that is not a kvchat session", PANEL_CHAT),
     Option("show_timings", bool, ("--show-timings",), "print prompt and generation speeds after each answer",
            PANEL_OUTPUT, live=OUTPUT),
     Option("verbose_prompt", bool, ("--verbose-prompt",), "print the prompt tokens before decoding them",

@@ -31,6 +31,31 @@ class Renderer:
         self._live: Live | None = None
         self._text: list[str] = []
         self._open_line = False
+        # stdout closed (`>&-`) or its reader gone (`| head -c 10`): the answer cannot be shown.
+        # Writing stops, `on_out_lost` is told once (run stops generating), the caller says so.
+        self.out_lost = self.out is None
+        self.on_out_lost = None
+
+    def _write(self, text: str) -> None:
+        if self.out_lost:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except (BrokenPipeError, ValueError, OSError, AttributeError):
+            self._lose_out()
+
+    def _lose_out(self) -> None:
+        self.out_lost = True
+        try:  # the interpreter's final flush of stdout would fail again, with a traceback
+            import os
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        if self.on_out_lost is not None:
+            self.on_out_lost()
 
     # ---- the answer -------------------------------------------------------------------------
 
@@ -42,7 +67,7 @@ class Renderer:
         if not text:
             return
         self._text.append(text)
-        if self.markdown and not self._out_is_tty():
+        if self.out_lost or (self.markdown and not self._out_is_tty()):
             return  # a pipe gets the rendered Markdown once, at the end
         if self.markdown:
             if self._live is None:
@@ -51,8 +76,7 @@ class Renderer:
                 self._live.start()
             self._live.update(Text("".join(self._text)), refresh=True)
         else:
-            self.out.write(text)
-            self.out.flush()
+            self._write(text)
             self._open_line = not text.endswith("\n")
 
     def _out_is_tty(self) -> bool:
@@ -65,25 +89,26 @@ class Renderer:
         """Finish the answer line (and render Markdown); nothing at all if nothing was streamed."""
         text = "".join(self._text)
         self._text = []
-        if not text and self._live is None:
+        if (not text and self._live is None) or self.out_lost:
             return
         if self._live is not None:
             self._live.update(Markdown(text), refresh=True)
             self._live.stop()
             self._live = None
         elif self.markdown:  # not a terminal: nothing was streamed; print the rendering
-            Console(file=self.out, highlight=False).print(Markdown(text))
+            try:
+                Console(file=self.out, highlight=False).print(Markdown(text))
+            except (BrokenPipeError, ValueError, OSError):
+                self._lose_out()
         else:
-            self.out.write("\n")
-        self.out.flush()
+            self._write("\n")
 
     # ---- diagnostics ------------------------------------------------------------------------
 
     def _break_line(self) -> None:
         """A notice in the middle of a streamed answer starts on a line of its own."""
         if getattr(self, "_open_line", False):
-            self.out.write("\n")
-            self.out.flush()
+            self._write("\n")
             self._open_line = False
 
     def notice(self, text: str) -> None:

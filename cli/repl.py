@@ -1,9 +1,14 @@
 """The interactive chat loop: prompt_toolkit input, streamed answers, slash commands.
 
-Input: persistent history (KVCHAT_CACHE/history), Alt-Enter for a new line, or a block between
-lines of triple quotes. Ctrl-C while typing clears the line, on an empty line it leaves (as do
-Ctrl-D and /exit). Ctrl-C while an answer streams stops it at the next token: the partial answer
+Input: persistent history (KVCHAT_CACHE/history, the newest 1000 entries), Alt-Enter for a new
+line, or a block between lines of triple quotes. Ctrl-C while typing clears the line; on an empty
+line it only says how to leave (Ctrl-D or /exit): a Ctrl-C pressed twice to stop an answer must
+not end the chat. Ctrl-C while an answer streams stops it at the next token: the partial answer
 stays in the conversation and the cache holds exactly what was decoded.
+
+With --session the chat saves after every turn to its target file, locked for the process's
+life; /load of another file moves the target there (and says so), so the --session file is never
+overwritten by a conversation it did not hold. /clear empties the file too.
 """
 from __future__ import annotations
 
@@ -17,26 +22,41 @@ from cli.chat_setup import apply_saved_sampling, sigint_sets
 from cli.options import CONVERSATION, LIVE, LIVE_BY_KEY, OUTPUT, SAMPLING, parse_value
 from cli.wording import error_text, stop_text
 from runtime.generate import Interrupted
-from runtime.errors import KvchatError
+from runtime.errors import KvchatError, ModelOutputError
 from runtime.sampling import Sampler, SamplingParams
 
 TRIPLE = '"""'
 
 COMMANDS = {
     "/help": "this list",
-    "/exit": "leave (also /quit, Ctrl-D, Ctrl-C on an empty line)",
+    "/exit": "leave (also /quit, Ctrl-D)",
     "/clear": "new conversation: messages and cache emptied (the system prompt stays)",
     "/regen": "drop the last answer and sample a new one (no prompt re-evaluation)",
     "/undo": "drop the last exchange (your message and its answer)",
     "/system": "/system TEXT sets the system prompt; /system alone shows it; /system - removes it",
     "/set": f"/set PARAM VALUE ({', '.join(o.key for o in LIVE)}); /set alone lists",
-    "/save": "/save FILE: save the conversation and its cache state",
-    "/load": "/load FILE: resume a saved conversation (no tokens re-processed)",
+    "/save": "/save FILE: save the conversation and its cache state (/save! FILE replaces a "
+             "file that is not a session); quote names with spaces",
+    "/load": "/load FILE: resume a saved conversation (no tokens re-processed); with --session, "
+             "later turns are saved to FILE",
     "/stats": "tokens and speeds of the last turn, context use",
     "/mem": "memory: weights, KV cache per layer kind and type, outputs",
     "/kv": "map of the KV cache cells: sequence and position of each cell, empty cells, head",
 }
-ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help"}
+ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help", "/save!": "/save"}
+LEAVE_HINT = "(Ctrl-D or /exit leaves the chat)"
+
+def file_argument(arg: str, command: str) -> Path:
+    """The one FILE argument of /save or /load, quoted as a shell would ("my talk.kvs"), ~ expanded."""
+    try:
+        parts = shlex.split(arg)
+    except ValueError as e:
+        raise KvchatError(f"{command}: {e} (quote a file name with spaces: {command} \"my talk.kvs\")") from None
+    if len(parts) != 1:
+        what = "a file name" if not parts else "one file name (quote names with spaces)"
+        raise KvchatError(f"usage: {command} FILE — give {what}")
+    return Path(os.path.expanduser(parts[0]))
+
 
 def history_path() -> Path:
     from cli.models import cache_dir
@@ -51,8 +71,11 @@ def _read_stdin_line(prompt: str) -> str:
 
 
 class Repl:
-    def __init__(self, engine, conv, settings, renderer, session_factory=None):
+    def __init__(self, engine, conv, settings, renderer, session_factory=None, target=None):
+        from cli.session_file import AutosaveTarget
         self.engine = engine
+        self.target = target if target is not None else AutosaveTarget(None)
+        self._bang = False
         self.conv = conv
         self.settings = settings
         self.r = renderer
@@ -70,10 +93,13 @@ class Repl:
 
     def _make_prompt(self):
         from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
+        from prompt_toolkit.application import run_in_terminal
         from prompt_toolkit.key_binding import KeyBindings
 
-        kb = KeyBindings()
+        from cli.history import open_history
+        from cli.prompt_keys import safe_mouse_bindings
+
+        kb = safe_mouse_bindings(KeyBindings())  # pasted "\x1b[0m" is text, not a broken mouse report
 
         @kb.add("escape", "enter")  # Alt-Enter: a new line inside the message
         def _newline(event):
@@ -84,15 +110,10 @@ class Repl:
             buf = event.current_buffer
             if buf.text:
                 buf.reset()
-            else:
-                event.app.exit(exception=EOFError())
+            else:  # never leave on Ctrl-C: the second of two pressed to stop an answer lands here
+                run_in_terminal(lambda: self.r.notice(LEAVE_HINT))
 
-        try:
-            path = history_path()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            history = FileHistory(str(path))
-        except OSError:
-            history = InMemoryHistory()
+        history = open_history(history_path())
         return PromptSession(history=history, key_bindings=kb, bottom_toolbar=self.toolbar,
                              enable_history_search=False)
 
@@ -110,6 +131,9 @@ class Repl:
             line = read_line("> ")
         except EOFError:
             return None
+        except KeyboardInterrupt:  # Ctrl-C between the answer and the prompt: not a quit
+            self.r.notice(LEAVE_HINT)
+            return ""
         if not line.lstrip().startswith(TRIPLE):
             return line
         body = line.lstrip()[len(TRIPLE):]
@@ -138,7 +162,11 @@ class Repl:
     def run(self) -> None:
         self.banner()
         while self.running:
-            text = self.read()
+            try:
+                text = self.read()
+            except KeyboardInterrupt:
+                self.r.notice(LEAVE_HINT)
+                continue
             if text is None:
                 break
             if not text.strip():
@@ -148,12 +176,19 @@ class Repl:
                     self.command(text)
                 else:
                     self.turn(lambda on_text: self.conv.ask(text, on_text=on_text))
+            except ModelOutputError:  # damaged weights: every later turn would fail alike
+                raise
             except KvchatError as e:  # SessionError included: the conversation is unchanged
                 self.r.error(error_text(e, in_chat=True))
             except KeyboardInterrupt:  # a second Ctrl-C, or one during a slash command
                 self.conv.repair()
                 self.r.notice("interrupted")
+            if self.r.out_lost:
+                break
         self.autosave()
+        if self.r.out_lost:
+            saved = f"; the conversation is saved in {self.target.path}" if self.target.path else ""
+            raise KvchatError(f"stdout is closed, so answers cannot be printed{saved}")
 
     def turn(self, start) -> None:
         """Run one answer (ask or regen) with Ctrl-C stopping it; report, autosave."""
@@ -176,13 +211,16 @@ class Repl:
             self.r.timings(stats)
         self.autosave()
 
-    def autosave(self) -> None:
-        path = self.settings.session
-        if path is None or not self.conv.messages:
+    def autosave(self, even_empty: bool = False) -> None:
+        """Save to the target (if any). An empty conversation is only written over an existing
+        file when asked (/clear): starting and leaving a chat creates no file."""
+        path = self.target.path
+        if path is None or not (self.conv.messages or (even_empty and path.exists())):
             return
         from cli.session import save_conversation
         try:
-            save_conversation(path, self.conv, self.engine.identity, self.engine.cache)
+            save_conversation(path, self.conv, self.engine.identity, self.engine.cache,
+                              force=self.settings.force)
         except KvchatError as e:
             self.r.error(str(e))
 
@@ -199,6 +237,7 @@ class Repl:
 
     def command(self, text: str) -> None:
         name, _, arg = text.strip().partition(" ")
+        self._bang = name.endswith("!")  # /save! FILE: forced
         name = ALIASES.get(name.lower(), name.lower())
         arg = arg.strip()
         handler = getattr(self, "cmd_" + name[1:], None) if name in COMMANDS else None
@@ -221,7 +260,9 @@ class Repl:
 
     def cmd_clear(self, arg: str) -> None:
         self.conv.clear()
-        self.r.notice("new conversation (cache emptied)")
+        self.autosave(even_empty=True)  # cleared means cleared, on disk too
+        on_disk = f"; {self.target.path} emptied" if self.target.path is not None and self.target.path.exists() else ""
+        self.r.notice(f"new conversation (cache emptied{on_disk})")
 
     def cmd_regen(self, arg: str) -> None:
         self.turn(lambda on_text: self.conv.regenerate(on_text=on_text))
@@ -284,24 +325,36 @@ class Repl:
                 setattr(self.r, option.name, value)
 
     def cmd_save(self, arg: str) -> None:
-        if not arg:
-            raise KvchatError("usage: /save FILE")
+        path = file_argument(arg, "/save")
         from cli.session import save_conversation
-        path = Path(os.path.expanduser(arg))
-        size = save_conversation(path, self.conv, self.engine.identity, self.engine.cache)
+        from cli.session_file import SessionLock
+        force = self._bang or self.settings.force
+        if self.target.is_target(path):
+            size = save_conversation(path, self.conv, self.engine.identity, self.engine.cache, force=force)
+        else:
+            with SessionLock(path):  # not over a file another chat is using
+                size = save_conversation(path, self.conv, self.engine.identity, self.engine.cache,
+                                         force=force)
         self.r.notice(f"saved {len(self.conv.messages)} messages, {self.conv.n_cached} cached tokens "
                       f"to {path} ({size / 1024:.0f} KiB)")
 
     def cmd_load(self, arg: str) -> None:
-        if not arg:
-            raise KvchatError("usage: /load FILE")
+        path = file_argument(arg, "/load")
         from cli.session import load_conversation
-        path = Path(os.path.expanduser(arg))
-        data = load_conversation(path, self.conv, self.engine.identity, self.engine.cache,
-                                 self.engine.vocab.n_vocab)
+        lock = self.target.claim(path)  # another process's file: refused before anything changes
+        try:
+            data = load_conversation(path, self.conv, self.engine.identity, self.engine.cache,
+                                     self.engine.vocab.n_vocab)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         apply_saved_sampling(self.conv, data.sampling, None)
         self.r.notice(f"loaded {path}: {len(self.conv.messages)} messages, {self.conv.n_cached} "
                       "cached tokens (nothing re-processed)")
+        if lock is not None:
+            old = self.target.adopt(path, lock)
+            self.r.notice(f"autosave now goes to {path} ({old} is left as it was)")
 
     def cmd_stats(self, arg: str) -> None:
         self.r.stats(self.conv)

@@ -182,26 +182,31 @@ def _read_pid(fd) -> int | None:
 class AutosaveTarget:
     """Where a chat saves after every turn (--session), with that file's lock held.
 
-    /load of another file moves the target there (taking its lock first, so a file another
-    process holds is refused and nothing changes): the --session file is never overwritten by
-    a conversation it did not hold."""
+    /load of another file moves the target there: `claim(path)` takes the new file's lock first
+    (a file another process holds is refused before anything changes), `adopt` switches after
+    the load succeeded and releases the old lock. The --session file is never overwritten by a
+    conversation it did not hold."""
 
     def __init__(self, path=None):
         self.path = Path(path) if path is not None else None
         self._lock = SessionLock(path).acquire() if path is not None else None
 
-    def switch(self, path) -> bool:
-        """Make `path` the target; True if it changed. SessionError if another process holds it."""
-        if self.path is None:
-            return False
-        new = Path(path)
-        if resolve_target(new) == resolve_target(self.path):
-            return False
-        lock = SessionLock(new).acquire()
+    def is_target(self, path) -> bool:
+        return self.path is not None and resolve_target(path) == resolve_target(self.path)
+
+    def claim(self, path) -> "SessionLock | None":
+        """The lock on `path` if it would become the new target (None: no switch needed)."""
+        if self.path is None or self.is_target(path):
+            return None
+        return SessionLock(path).acquire()
+
+    def adopt(self, path, lock: "SessionLock") -> Path:
+        """Make `path` the target; returns the previous one."""
+        old = self.path
         if self._lock is not None:
             self._lock.release()
-        self.path, self._lock = new, lock
-        return True
+        self.path, self._lock = Path(path), lock
+        return old
 
     def release(self) -> None:
         if self._lock is not None:

@@ -181,3 +181,73 @@ def test_session_show_prints_model_settings_and_messages(tiny, tmp_path):
     assert info["n_cached"] == len(info["tokens"]) and info["state_bytes"] > 0
     r = kvchat("session", "show", tiny)
     assert r.returncode == 1 and err_lines(r) == [f"error: {tiny}: not a kvchat session file (bad magic)"]
+
+
+# ---- -n 0, empty prompts, closed stdout, unusable cache dirs -----------------------------------------
+
+def test_n_predict_zero_generates_nothing(tiny, tmp_path):
+    from cli.session import read_session
+    session = tmp_path / "s.kvs"
+    r = kvchat("run", "-c", "256", "-n", "0", "-m", tiny, "--session", session, "-p", "hello")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b""
+    assert read_session(session).messages[-1] == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize("how", ["argv", "stdin", "spaces"])
+def test_empty_prompt_is_refused_like_raw_mode(tiny, tmp_path, how):
+    session = tmp_path / "s.kvs"
+    if how == "argv":
+        r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", "")
+    elif how == "stdin":
+        r = kvchat(*RUN, "-m", tiny, "--session", session, input=b"")
+    else:
+        r = kvchat(*RUN, "-m", tiny, "--session", session, input=b"  \n\t\n")
+    assert r.returncode == 1
+    assert err_lines(r) == ["error: the prompt is empty: give some text"]
+    assert not session.exists()
+    raw = kvchat(*RUN, "-m", tiny, "--raw", "-p", "")
+    assert raw.returncode == 1 and len(err_lines(raw)) == 1
+
+
+def test_closed_stdout_is_one_line_and_the_turn_is_saved(tiny, tmp_path):
+    from cli.session import read_session
+    session = tmp_path / "s.kvs"
+    cmd = [sys.executable, "-c", "from cli.app import main; main()", *RUN, "-m", str(tiny),
+           "--session", str(session), "-p", "hello"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, env=env, cwd=ROOT, timeout=TIMEOUT,
+                       pass_fds=(), stdin=subprocess.DEVNULL,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1
+    assert err_lines(r) == [f"error: stdout is closed, so the answer could not be printed in full; "
+                            f"the conversation is saved in {session}"]
+    assert read_session(session).messages[0]["content"] == "hello"
+
+
+def test_reader_of_stdout_going_away_stops_the_answer_and_saves_it(tiny, tmp_path):
+    from cli.session import read_session
+    session = tmp_path / "s.kvs"
+    cmd = (f"{sys.executable} -c 'from cli.app import main; main()' run -c 256 -n 200 --ignore-eos "
+           f"--temp 0 -m {tiny} --session {session} -p hello | head -c 10 > /dev/null; "
+           "echo rc=${PIPESTATUS[0]} >&2")
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       cwd=ROOT, timeout=TIMEOUT)
+    lines = err_lines(r)
+    assert lines == [f"error: stdout is closed, so the answer could not be printed in full; "
+                     f"the conversation is saved in {session}", "rc=1"]
+    data = read_session(session)
+    assert data.messages[0]["content"] == "hello" and data.messages[1]["role"] == "assistant"
+    assert len(data.tokens) - data.n_dropped < 256  # stopped when the reader left, not at -n 200
+
+
+@pytest.mark.parametrize("env", [{"KVCHAT_CACHE": "FILE"}, {"HOME": "/proc/1", "KVCHAT_CACHE": ""}])
+def test_unusable_cache_directory_is_one_line(tiny, tmp_path, env):
+    env = {k: (str(tiny) if v == "FILE" else v) for k, v in env.items()}
+    r = kvchat(*RUN, "-m", "smollm2", "-p", "hello", env=env)
+    assert r.returncode == 1
+    (line,) = err_lines(r)
+    assert line.startswith("error: cannot store SmolLM2-135M-Instruct.Q4_1.gguf in ")
+    assert "must be a writable directory" in line
+    r = kvchat(*RUN, "-m", tiny, "-p", "hello", env=env)  # a model path needs no cache: works
+    assert r.returncode == 0, r.stderr

@@ -102,3 +102,25 @@ def test_answer_cut_inside_a_character_ends_without_replacement_character(tmp_pa
     # a byte that can never start a character still shows as U+FFFD mid-answer
     dec.flush()
     assert dec.feed(ids[1]) == "\ufffd"
+
+
+def test_history_file_keeps_only_the_newest_entries(tmp_path):
+    from cli.history import BoundedFileHistory, open_history
+    path = tmp_path / "history"
+    h = BoundedFileHistory(path, max_entries=5)
+    for i in range(12):
+        h.store_string(f"line {i}\nsecond {i}" if i % 3 == 0 else f"line {i}")
+    h.store_string("bad \udcff byte")
+    again = BoundedFileHistory(path, max_entries=5)
+    loaded = list(again.load_history_strings())
+    assert loaded == ["bad \ufffd byte", "line 11", "line 10", "line 9\nsecond 9", "line 8"]
+    assert list(BoundedFileHistory(path, max_entries=5).load_history_strings()) == loaded  # file rewritten
+    assert path.read_text(encoding="utf-8").count("\n# ") == 5
+    not_dir = tmp_path / "f"
+    not_dir.write_text("x")
+    assert type(open_history(not_dir / "history")).__name__ == "InMemoryHistory"
+    d = tmp_path / "dir"
+    d.mkdir()
+    h = BoundedFileHistory(d)  # a directory where the file should be: ignored, never raises
+    assert list(h.load_history_strings()) == []
+    h.store_string("x")
