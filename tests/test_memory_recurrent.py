@@ -163,3 +163,20 @@ def test_breakdown_and_log_line_give_the_state_bytes():
     assert h.memory_type() == "llama_memory_hybrid"
     assert h.memory_breakdown()["total_bytes"] == (h.mem_attn.memory_breakdown()["total_bytes"]
                                                    + h.mem_recr.memory_breakdown()["total_bytes"])
+
+
+def test_a_prompt_shared_by_several_sequences_gives_each_the_same_state():
+    """Tokens belonging to sequences 0..2 at once (a prompt decoded once for -np 3): the
+    sequences share one state cell, then diverge as if each had decoded the prompt alone."""
+    ctx = make_rctx(n_seq_max=3, n_ubatch=4)
+    assert ctx.decode(Batch(TOKENS[:6], pos=np.arange(6), seq_ids=[[0, 1, 2]] * 6)) == 0
+    r = recr_of(ctx.memory)
+    assert r.cells.tail[0] == r.cells.tail[1] == r.cells.tail[2] and r.get_used() == 1
+    nxt = [(TOKENS[6] + 3 * s) % 64 for s in range(3)]
+    assert ctx.decode(Batch(nxt, pos=[6] * 3, seq_ids=[0, 1, 2], logits=[True] * 3)) == 0
+    got = ctx.get_logits().copy()
+    assert r.get_used() == 3
+    for s in range(3):
+        ref = make_rctx()
+        assert ref.decode(Batch.one_seq(np.concatenate([TOKENS[:6], [nxt[s]]]), 0)) == 0
+        np.testing.assert_array_equal(got[s], ref.get_logits()[0])

@@ -21,6 +21,7 @@ op = st.one_of(
     st.tuples(st.just("keep"), st.integers(0, N_SEQ - 1), st.just(0)),
     st.tuples(st.just("shift"), st.integers(0, N_SEQ - 1), st.integers(1, 3)),
     st.tuples(st.just("prepare"), st.integers(0, N_SEQ - 1), st.integers(1, 9)),
+    st.tuples(st.just("shared"), st.integers(0, N_SEQ - 1), st.integers(1, 5)),
 )
 
 
@@ -63,6 +64,12 @@ def test_random_recurrent_memory_operations_keep_the_invariants(hybrid, ops):
         if kind in ("decode", "decode2"):
             seqs = [a] if kind == "decode" else sorted({a, (a + 1) % N_SEQ})
             assert ctx.decode(batch_for(mem, seqs, b, i)) == 0
+        elif kind == "shared":  # tokens of two sequences at once (a shared prompt)
+            pair = sorted({a, (a + 1) % N_SEQ})
+            p0 = mem.seq_pos_max(pair[0]) + 1
+            if p0 == mem.seq_pos_max(pair[1]) + 1:
+                toks = [(i + 5 * t) % 64 for t in range(b)]
+                assert ctx.decode(Batch(toks, pos=list(range(p0, p0 + b)), seq_ids=[pair] * b)) == 0
         elif kind == "fail":
             before = snapshot(mem)
             ctx.model.fail_at = ctx.model.n_calls + 2

@@ -374,10 +374,15 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
     # ---- memory contexts ----------------------------------------------------------------------
 
     def split_ubatches(self, balloc, n_ubatch: int, embd_all: bool):
+        """Equal splits, sequential in seq id as llama.cpp's; a batch with tokens shared by
+        several sequences (a prompt decoded once for -np N) takes the non-sequential equal
+        split, which llama.cpp refuses for recurrent memories - find_slot handles shared
+        tokens (the sequences then share one state cell)."""
         balloc.split_reset()
+        sequential = not balloc.has_cpl
         ubatches = []
         while True:
-            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, True)
+            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, sequential)
             if ub is None:
                 break
             ubatches.append(ub)
