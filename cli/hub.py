@@ -220,6 +220,13 @@ def resolve(ref: HubRef, console: Console | None = None, *, refresh: bool = Fals
         raise
 
 
+def describe(ref: HubRef, paths: list[Path]) -> str:
+    """The `kvchat info` note of a hub model: which repo, revision and files."""
+    commit = next((p.name for p in paths[0].parents if p.parent.name == "snapshots"), "?")
+    files = f"{len(paths)} split parts" if len(paths) > 1 else paths[0].name
+    return f"Hugging Face hub model {ref.repo} at commit {commit[:12]} ({files}), cached in {hub_cache()}"
+
+
 def find_cached(ref: HubRef) -> list[Path] | None:
     """`ref`'s files if all are in the cache: chosen from our record of the repo listing when
     there is one, else from the cached snapshot itself (e.g. a model llama.cpp downloaded)."""

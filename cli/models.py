@@ -90,7 +90,8 @@ def locate_model(spec: str | os.PathLike | None, console: Console | None = None,
     key = spec.lower()
     if hf is not None or key.startswith(hub.PREFIX):
         ref = hub.parse_ref(hf if hf is not None else spec)
-        return ModelSource(hub.resolve(ref, console)[0], f"{hub.PREFIX}{ref}", "hub")
+        paths = hub.resolve(ref, console)
+        return ModelSource(paths[0], f"{hub.PREFIX}{ref}", "hub", (hub.describe(ref, paths),))
     if key in KNOWN_MODELS:
         return ModelSource(ensure_model(KNOWN_MODELS[key], console), key, "registry")
     if key.startswith(ollama_store.PREFIX):

@@ -79,6 +79,7 @@ def test_split_model_from_the_hub_answers_as_the_single_file(world, local_answer
     info = kvchat("info", "-hf", "acme/split-GGUF:Q8_0", env=env)
     assert info.returncode == 0, info.stderr
     assert "in 3 split parts" in info.stdout
+    assert "note: Hugging Face hub model acme/split-GGUF at commit " in info.stdout
 
 
 def test_ollama_model_runs_in_place_and_info_says_what_is_ignored(world, local_answer):
