@@ -18,7 +18,7 @@ import numpy as np
 from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
 from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
-from runtime.arch.recurrent_blocks import causal_conv, create_hybrid_memory, dense
+from runtime.arch.recurrent_blocks import causal_conv, create_hybrid_memory, dense, without_attention
 from runtime.gguf_file import GGUFValueType
 from runtime.hparams import HParams, scalar_int
 
@@ -100,25 +100,16 @@ class LFM2(Arch):
         return t
 
     def layer_tensors(self, hp, il):
-        e, ff = hp.n_embd, hp.n_ff
-        p = f"blk.{il}."
-        t = {"attn_norm": Tensor(p + "attn_norm.weight", (e,)),
-             "ffn_norm": Tensor(p + "ffn_norm.weight", (e,)),
-             "w_gate": Tensor(p + "ffn_gate.weight", (e, ff)),
-             "w_up": Tensor(p + "ffn_up.weight", (e, ff)),
-             "w_down": Tensor(p + "ffn_down.weight", (ff, e))}
-        if hp.is_recurrent(il):
-            t.update({"conv_in_proj": Tensor(p + "shortconv.in_proj.weight", (e, 3 * e)),
-                      "conv": Tensor(p + "shortconv.conv.weight", (hp.l_cache, e)),
-                      "conv_out_proj": Tensor(p + "shortconv.out_proj.weight", (e, e))})
-        else:
-            hd, kd = hp.n_embd_head_k, hp.n_embd_k_gqa(il)
-            t.update({"wq": Tensor(p + "attn_q.weight", (e, hd * hp.n_head)),
-                      "wk": Tensor(p + "attn_k.weight", (e, kd)),
-                      "wv": Tensor(p + "attn_v.weight", (e, hp.n_embd_v_gqa(il))),
-                      "wo": Tensor(p + "attn_output.weight", (hp.n_embd_head_v * hp.n_head, e)),
-                      "q_norm": Tensor(p + "attn_q_norm.weight", (hd,)),
-                      "k_norm": Tensor(p + "attn_k_norm.weight", (hd,))})
+        """The llama block's schema (QK-norm attention, gated FFN); a short-conv layer has its
+        conv projections instead of the attention weights."""
+        t = super().layer_tensors(hp, il)
+        if not hp.is_recurrent(il):
+            return t
+        e, p = hp.n_embd, f"blk.{il}."
+        t = without_attention(t)
+        t.update({"conv_in_proj": Tensor(p + "shortconv.in_proj.weight", (e, 3 * e)),
+                  "conv": Tensor(p + "shortconv.conv.weight", (hp.l_cache, e)),
+                  "conv_out_proj": Tensor(p + "shortconv.out_proj.weight", (e, e))})
         return t
 
     forward = staticmethod(forward)

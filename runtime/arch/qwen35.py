@@ -28,7 +28,7 @@ from runtime.arch.base import Arch, Tensor
 from runtime.arch.blocks import (attend, ctx_size, embed, feed_forward, logits, opt, output_ids,
                                   qkv_projection)
 from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, l2_norm,
-                                           rms_norm_last, sigmoid, silu, softplus)
+                                           rms_norm_last, sigmoid, silu, softplus, without_attention)
 from runtime.hparams import MAX_DIM, HParams, scalar_int
 
 
@@ -146,32 +146,27 @@ class Qwen35(Arch):
         return hp
 
     def layer_tensors(self, hp, il):
-        e, ff = hp.n_embd, hp.n_ff
-        p = f"blk.{il}."
-        t = {"attn_norm": Tensor(p + "attn_norm.weight", (e,)),
-             "post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
-             "w_gate": Tensor(p + "ffn_gate.weight", (e, ff)),
-             "w_up": Tensor(p + "ffn_up.weight", (e, ff)),
-             "w_down": Tensor(p + "ffn_down.weight", (ff, e))}
-        if hp.is_recurrent(il):
-            hv = hp.dt_rank
-            t.update({"ssm_qkv": Tensor(p + "attn_qkv.weight", (e, hp.conv_dim())),
-                      "ssm_gate": Tensor(p + "attn_gate.weight", (e, hp.d_inner)),
-                      "ssm_conv1d": Tensor(p + "ssm_conv1d.weight", (hp.d_conv, hp.conv_dim())),
-                      "ssm_dt_b": Tensor(p + "ssm_dt.bias", (hv,)),
-                      "ssm_a": Tensor(p + "ssm_a", (hv,)),
-                      "ssm_beta": Tensor(p + "ssm_beta.weight", (e, hv)),
-                      "ssm_alpha": Tensor(p + "ssm_alpha.weight", (e, hv)),
-                      "ssm_norm": Tensor(p + "ssm_norm.weight", (hp.d_state,)),
-                      "ssm_out": Tensor(p + "ssm_out.weight", (hp.d_inner, e))})
-        else:
-            hd = hp.n_embd_head_k
-            t.update({"wq": Tensor(p + "attn_q.weight", (e, 2 * hd * hp.n_head)),
-                      "wk": Tensor(p + "attn_k.weight", (e, hp.n_embd_k_gqa(il))),
-                      "wv": Tensor(p + "attn_v.weight", (e, hp.n_embd_v_gqa(il))),
-                      "wo": Tensor(p + "attn_output.weight", (hp.n_embd_head_v * hp.n_head, e)),
-                      "q_norm": Tensor(p + "attn_q_norm.weight", (hd,)),
-                      "k_norm": Tensor(p + "attn_k_norm.weight", (hd,))})
+        """The llama block's schema with post_attention_norm before the FFN; attention layers'
+        attn_q holds query and gate rows; linear layers have the delta-net weights instead."""
+        e, p = hp.n_embd, f"blk.{il}."
+        t = super().layer_tensors(hp, il)
+        del t["ffn_norm"]
+        t["post_attn_norm"] = Tensor(p + "post_attention_norm.weight", (e,))
+        if not hp.is_recurrent(il):
+            t["wq"] = Tensor(p + "attn_q.weight", (e, 2 * hp.n_embd_head_k * hp.n_head))
+            t.pop("bq", None)
+            return t
+        hv, conv = hp.dt_rank, hp.conv_dim()
+        t = without_attention(t)
+        t.update({"ssm_qkv": Tensor(p + "attn_qkv.weight", (e, conv)),
+                  "ssm_gate": Tensor(p + "attn_gate.weight", (e, hp.d_inner)),
+                  "ssm_conv1d": Tensor(p + "ssm_conv1d.weight", (hp.d_conv, conv)),
+                  "ssm_dt_b": Tensor(p + "ssm_dt.bias", (hv,)),
+                  "ssm_a": Tensor(p + "ssm_a", (hv,)),
+                  "ssm_beta": Tensor(p + "ssm_beta.weight", (e, hv)),
+                  "ssm_alpha": Tensor(p + "ssm_alpha.weight", (e, hv)),
+                  "ssm_norm": Tensor(p + "ssm_norm.weight", (hp.d_state,)),
+                  "ssm_out": Tensor(p + "ssm_out.weight", (hp.d_inner, e))})
         return t
 
     forward = staticmethod(forward)

@@ -27,6 +27,15 @@ def create_hybrid_memory(hparams, cparams) -> MemoryHybrid:
                         rs_size=max(1, cparams.n_seq_max), n_seq_max=cparams.n_seq_max)
 
 
+ATTENTION_TENSORS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
+
+
+def without_attention(tensors: dict) -> dict:
+    """A layer schema (Arch.layer_tensors) with its attention weights taken out: what a
+    recurrent layer of a hybrid model keeps (norms, FFN) before adding its own."""
+    return {k: v for k, v in tensors.items() if k not in ATTENTION_TENSORS}
+
+
 def dense(L, name: str) -> np.ndarray:
     """A small 2-D weight of layer L (conv kernel, A) as f32 [rows, cols] (ggml ne {cols, rows}),
     converted once and kept on the layer."""
