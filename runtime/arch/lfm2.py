@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
-from runtime.arch.recurrent_blocks import causal_conv, create_hybrid_memory, dense, without_attention
+from runtime.arch.blocks import output_projection, self_attention
+from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
+                                           without_attention)
 from runtime.gguf_file import GGUFValueType
 from runtime.hparams import HParams, scalar_int
 
@@ -49,26 +49,13 @@ def shortconv_block(hp, L, h, rctx, il) -> np.ndarray:
     return L.conv_out_proj.matmul(np.ascontiguousarray(bcx[:, e:2 * e] * conv))
 
 
+def attention_block(model, il, L, h, pos, actx) -> np.ndarray:
+    return output_projection(L, self_attention(model, il, L, h, pos, actx, model.hparams.kq_scale))
+
+
 def forward(model, ubatch, mctx) -> np.ndarray:
     """Logits f32 [n_outputs, n_vocab]; mctx is the hybrid memory's context."""
-    hp = model.hparams
-    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
-    out_ids = output_ids(ubatch)
-    last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        h = rms_norm(x, L.attn_norm, hp.norm_eps)
-        if hp.is_recurrent(il):
-            cur = shortconv_block(hp, L, h, mctx.get_recr(), il)
-        else:
-            cur = output_projection(L, self_attention(model, il, L, h, pos, mctx.get_attn(), hp.kq_scale))
-        if il == last and out_ids is not None:
-            cur, x = cur[out_ids], x[out_ids]
-            if x.shape[0] == 0:
-                return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = x + cur
-        x += feed_forward(L, rms_norm(x, L.ffn_norm, hp.norm_eps), hp.n_ff, use_gelu=False)
-    return logits(model, x)
+    return hybrid_forward(model, ubatch, mctx, shortconv_block, attention_block, "ffn_norm")
 
 
 class LFM2(Arch):

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels.delta_net import gated_delta_rule
-from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv
 from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import (attend, ctx_size, embed, feed_forward, logits, opt, output_ids,
-                                  qkv_projection)
-from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, l2_norm,
-                                           rms_norm_last, sigmoid, silu, softplus, without_attention)
+from runtime.arch.blocks import attend, ctx_size, opt, qkv_projection
+from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
+                                           l2_norm, rms_norm_last, sigmoid, silu, softplus,
+                                           without_attention)
 from runtime.hparams import MAX_DIM, HParams, scalar_int
 
 
@@ -103,24 +102,7 @@ def gated_attention(model, il, L, h, pos, actx) -> np.ndarray:
 
 def forward(model, ubatch, mctx) -> np.ndarray:
     """Logits f32 [n_outputs, n_vocab]; mctx is the hybrid memory's context."""
-    hp = model.hparams
-    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
-    out_ids = output_ids(ubatch)
-    last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        h = rms_norm(x, L.attn_norm, hp.norm_eps)
-        if hp.is_recurrent(il):
-            cur = linear_attention(hp, L, h, mctx.get_recr(), il)
-        else:
-            cur = gated_attention(model, il, L, h, pos, mctx.get_attn())
-        if il == last and out_ids is not None:
-            cur, x = cur[out_ids], x[out_ids]
-            if x.shape[0] == 0:
-                return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = x + cur
-        x += feed_forward(L, rms_norm(x, L.post_attn_norm, hp.norm_eps), hp.n_ff, use_gelu=False)
-    return logits(model, x)
+    return hybrid_forward(model, ubatch, mctx, linear_attention, gated_attention, "post_attn_norm")
 
 
 class Qwen35(Arch):
