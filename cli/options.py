@@ -138,7 +138,7 @@ seed_value.text = "-1 or 0<=x<2^64"
 
 # ---- the table ------------------------------------------------------------------------------------
 
-SAMPLING, CONVERSATION, OUTPUT = "sampling", "conversation", "output"
+SAMPLING, CONVERSATION, OUTPUT, CACHE = "sampling", "conversation", "output", "cache"
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class Option:
     help: str
     panel: str
     check: Optional[Callable] = None  # value -> value, ValueError("must be ...")
-    live: Optional[str] = None        # what /set changes mid-chat: SAMPLING, CONVERSATION, OUTPUT
+    live: Optional[str] = None        # what /set changes mid-chat: SAMPLING, CONVERSATION, OUTPUT, CACHE
     extra: dict = field(default_factory=dict)  # more typer.Option keywords
     default: Any = None               # set from ChatSettings below (with_settings may override)
 
@@ -185,9 +185,10 @@ OPTIONS = [
     Option("ubatch_size", int, ("-ub", "--ubatch-size"), "most tokens per forward pass", PANEL_CONTEXT,
            at_least(1)),
     Option("cache_type_k", str, ("-ctk", "--cache-type-k"),
-           "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1", PANEL_CONTEXT),
+           "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1", PANEL_CONTEXT,
+           live=CACHE),
     Option("cache_type_v", str, ("-ctv", "--cache-type-v"),
-           "V cache type (quantized types need flash attention)", PANEL_CONTEXT),
+           "V cache type (quantized types need flash attention)", PANEL_CONTEXT, live=CACHE),
     Option("flash_attn", FlashAttn, ("-fa", "--flash-attn"), "flash attention", PANEL_CONTEXT,
            extra={"case_sensitive": False}),
     Option("swa_full", bool, ("--swa-full",),

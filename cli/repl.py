@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from cli.chat_setup import apply_saved_sampling, sigint_sets
-from cli.options import CONVERSATION, LIVE, LIVE_BY_KEY, OUTPUT, SAMPLING, parse_value
+from cli.options import CACHE, CONVERSATION, LIVE, LIVE_BY_KEY, OUTPUT, SAMPLING, parse_value
 from cli.wording import error_text, stop_text
 from runtime.generate import Interrupted
 from runtime.errors import KvchatError, ModelOutputError
@@ -306,6 +306,8 @@ class Repl:
             return conv.sampler.seed if option.name == "seed" else getattr(conv.sampler.params, option.name)
         if option.live == CONVERSATION:
             return getattr(conv.config, option.name)
+        if option.live == CACHE:
+            return self.engine.ctx.params.type_k if option.name == "cache_type_k" else self.engine.ctx.params.type_v
         return getattr(self.r, option.name, getattr(self.settings, option.name))
 
     def _apply(self, option, value) -> None:
@@ -319,6 +321,8 @@ class Repl:
             conv.sampler = sampler
         elif option.live == CONVERSATION:
             setattr(conv.config, option.name, value)
+        elif option.live == CACHE:
+            self._convert_cache(option.name, value)
         elif option.live == OUTPUT:
             setattr(self.settings, option.name, value)
             if hasattr(self.r, option.name):
@@ -359,9 +363,30 @@ class Repl:
     def cmd_stats(self, arg: str) -> None:
         self.r.stats(self.conv)
 
+    def _convert_cache(self, name: str, value: str) -> None:
+        """/set cache-type-k|v: re-store the live cache in the new type (runtime/memory/kv_convert.py)."""
+        from cli.session import cache_config
+        from kernels.ggml_types import cache_type_by_name
+        from runtime.memory.interface import MemoryOpError
+        from runtime.memory.kv_convert import convert_context_cache_types
+        ctx = self.engine.ctx
+        value = cache_type_by_name(value).name  # ValueError "invalid cache type ..." -> one line
+        tk, tv = (value, ctx.params.type_v) if name == "cache_type_k" else (ctx.params.type_k, value)
+        try:
+            convert_context_cache_types(ctx, tk, tv)
+        except MemoryOpError as e:
+            raise ValueError(str(e)) from None
+        setattr(self.settings, name, value)
+        self.engine.cache = cache_config(ctx.cparams)
+
     def cmd_mem(self, arg: str) -> None:
         model = self.engine.model
         self.r.memory(self.engine.ctx.memory_breakdown(), getattr(model, "size_bytes", None))
+        from runtime.kv_sweep import kv_footprint
+        ctx = self.engine.ctx
+        per_tok, at_ctx = kv_footprint(model.hparams, ctx.params.type_k, ctx.params.type_v, ctx.n_ctx)
+        self.r.notice(f"KV cache K {ctx.params.type_k} / V {ctx.params.type_v}: {per_tok:,} bytes per "
+                      f"token ({at_ctx / 2**20:.2f} MiB for a full {ctx.n_ctx}-token context)")
 
     def cmd_kv(self, arg: str) -> None:
         self.r.kv_map(self.engine.ctx.memory)

@@ -90,13 +90,13 @@ def test_unknown_set_parameter_suggests_the_closest():
 
 def test_help_and_set_list_the_live_options_of_the_table():
     keys = [o.key for o in LIVE]
-    assert keys == ["keep", "context-shift", "n-predict", "temp", "top-k", "top-p", "min-p",
+    assert keys == ["cache-type-k", "cache-type-v", "keep", "context-shift", "n-predict", "temp", "top-k", "top-p", "min-p",
                     "repeat-penalty", "repeat-last-n", "seed", "ignore-eos", "show-timings", "markdown"]
     assert COMMANDS["/set"] == f"/set PARAM VALUE ({', '.join(keys)}); /set alone lists"
     sampling = set(SamplingParams().to_dict())
     for o in LIVE:
         where = {"sampling": sampling, "conversation": set(vars(ConversationConfig())),
-                 "output": set(vars(ChatSettings()))}[o.live]
+                 "output": set(vars(ChatSettings())), "cache": {"cache_type_k", "cache_type_v"}}[o.live]
         assert o.name in where, o.name
 
 

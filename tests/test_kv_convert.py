@@ -114,3 +114,51 @@ def test_same_types_are_a_no_op(llama):
     k = kv_caches_of(ctx.memory)[0].layers[0].k
     assert not convert_context_cache_types(ctx, "f16", "f16")
     assert kv_caches_of(ctx.memory)[0].layers[0].k is k
+
+
+def _chat(path, fa="on", tmp=None):
+    import io
+    import threading
+
+    from rich.console import Console
+
+    from cli.chat_setup import make_conversation, open_engine
+    from cli.options import ChatSettings
+    from cli.render import Renderer
+    from cli.repl import Repl
+    settings = ChatSettings(model=str(path), ctx_size=256, temp=0.0, n_predict=5, flash_attn=fa)
+    buf = io.StringIO()
+    r = Renderer(out=io.StringIO(), err=Console(file=buf, width=200))
+    ev = threading.Event()
+    engine = open_engine(settings, r, ev)
+    conv = make_conversation(engine, settings, r, ev)
+    return Repl(engine, conv, settings, r), conv, engine, buf
+
+
+def test_set_cache_type_in_the_chat_converts_and_the_conversation_goes_on(tmp_path):
+    from runtime.errors import KvchatError
+    path = write_tiny_model(tmp_path / "chat.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
+                            n_head_kv=2, n_ff=96)
+    repl, conv, engine, buf = _chat(path)
+    conv.ask("hello there")
+    n = conv.n_cached
+    cells = _cells(engine.ctx)
+    repl.cmd_set("cache-type-k Q8_0")
+    repl.cmd_set("cache-type-v q4_0")
+    assert engine.cache["type_k"] == "q8_0" and engine.cache["type_v"] == "q4_0"  # what /save records
+    assert repl.settings.cache_type_k == "q8_0"
+    assert conv.n_cached == n and all(np.array_equal(a[0], b[0]) for a, b in zip(cells, _cells(engine.ctx)))
+    repl.cmd_mem("")
+    per_tok = 2 * (256 // 2) // 32 * 34 + 2 * (256 // 2) // 32 * 18  # 2 layers, n_embd_k_gqa 128
+    assert f"K q8_0 / V q4_0: {per_tok:,} bytes per token" in buf.getvalue()
+    stats = conv.ask("and then?")  # the conversation goes on on the converted cache
+    assert conv.n_cached > n and stats is not None
+    with pytest.raises(KvchatError, match="invalid cache type 'q3_k'"):
+        repl.cmd_set("cache-type-k q3_k")
+    assert engine.cache["type_k"] == "q8_0"
+
+    repl, conv, engine, _ = _chat(path, fa="off")
+    conv.ask("hello")
+    with pytest.raises(KvchatError, match="^/set cache-type-v: a q8_0 V cache needs flash attention"):
+        repl.cmd_set("cache-type-v q8_0")
+    assert engine.cache["type_v"] == "f16"
