@@ -17,6 +17,7 @@ from cli.options import ChatSettings, with_settings
 from cli.render import Renderer
 from runtime.conversation import Interrupted, StopReason
 from runtime.errors import KvchatError
+from runtime.text.utf8 import decode_bytes, read_stream
 
 
 def read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -26,12 +27,12 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
         return prompt
     if file is not None:
         try:
-            return Path(file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise KvchatError(f"cannot read prompt file {file}: {getattr(e, 'strerror', None) or e}") from None
+            return decode_bytes(Path(file).read_bytes())  # bytes that are not UTF-8 -> U+FFFD
+        except OSError as e:
+            raise KvchatError(f"cannot read prompt file {file}: {e.strerror or e}") from None
     if sys.stdin is None or sys.stdin.isatty():
         raise KvchatError("no prompt: give -p TEXT, -f FILE, or pipe it on stdin")
-    return sys.stdin.read()
+    return read_stream(sys.stdin)
 
 
 def register(app: typer.Typer) -> None:

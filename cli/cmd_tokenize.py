@@ -27,7 +27,8 @@ def register(app: typer.Typer) -> None:
     ):
         """Print the token ids of TEXT as a JSON list."""
         if text == "-":
-            text = sys.stdin.read()
+            from runtime.text.utf8 import read_stream
+            text = read_stream(sys.stdin)
         path = resolve_model(model, hf=hf)
         with open_gguf(path) as gf:
             vocab = Vocab.from_gguf(gf)

@@ -64,7 +64,8 @@ def history_path() -> Path:
 
 
 def _read_stdin_line(prompt: str) -> str:
-    line = sys.stdin.readline()
+    from runtime.text.utf8 import read_stream_line
+    line = read_stream_line(sys.stdin)  # bad bytes -> U+FFFD, whatever the locale's error mode
     if not line:
         raise EOFError
     return line.rstrip("\n")

@@ -251,3 +251,27 @@ def test_unusable_cache_directory_is_one_line(tiny, tmp_path, env):
     assert "must be a writable directory" in line
     r = kvchat(*RUN, "-m", tiny, "-p", "hello", env=env)  # a model path needs no cache: works
     assert r.returncode == 0, r.stderr
+
+
+STRICT = {"PYTHONIOENCODING": "utf-8:strict"}  # a locale whose stdin refuses bad bytes
+
+
+def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path):
+    from cli.session import read_session
+    s1, s2, s3 = tmp_path / "1.kvs", tmp_path / "2.kvs", tmp_path / "3.kvs"
+    r = kvchat(*RUN, "-m", tiny, "--session", s1, input=b"ab\xffcd", env=STRICT)
+    assert r.returncode == 0, r.stderr
+    assert read_session(s1).messages[0]["content"] == "ab\ufffdcd"
+    prompt = tmp_path / "p.txt"
+    prompt.write_bytes(b"from \xc3 file")
+    r = kvchat(*RUN, "-m", tiny, "--session", s2, "-f", prompt)
+    assert r.returncode == 0, r.stderr
+    assert read_session(s2).messages[0]["content"] == "from \ufffd file"
+    r = kvchat("chat", "-c", "256", "-n", "2", "-m", tiny, "--session", s3,
+               input=b"piped \xfe line\n/exit\n", env=STRICT)
+    assert r.returncode == 0, r.stderr
+    assert_no_traceback(r)
+    assert read_session(s3).messages[0]["content"] == "piped \ufffd line"
+    r = kvchat("tokenize", "-m", tiny, "--no-bos", "-", input=b"x\xffy", env=STRICT)
+    assert r.returncode == 0 and json.loads(r.stdout) == json.loads(
+        kvchat("tokenize", "-m", tiny, "--no-bos", "x\ufffdy").stdout)

@@ -66,7 +66,7 @@ def assert_clean(r):
         assert len([x for x in err.splitlines() if x.strip()]) == 1 and err.startswith("error: "), err
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=TEXT_BYTES.filter(lambda b: b"\x00" not in b), via=st.sampled_from(["argv", "stdin"]))
 def test_run_answers_or_refuses_any_bytes_in_one_line(models, data, via):
     base = [b"run", b"-m", os.fsencode(models["llama"]), b"-c", b"256", b"-n", b"3", b"--temp", b"0"]
@@ -77,7 +77,7 @@ def test_run_answers_or_refuses_any_bytes_in_one_line(models, data, via):
     assert r.returncode == 0, r.stderr
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=TEXT_BYTES.filter(lambda b: b"\x00" not in b and not b.startswith(b"-")))
 def test_tokenize_command_prints_ids_for_any_bytes(models, vocabs, data):
     r = kvchat([b"tokenize", b"-m", os.fsencode(models["gemma3"]), b"--", data])

@@ -73,3 +73,16 @@ def clean_tree(value):
         return {clean_text(k) if isinstance(k, str) else k: clean_tree(v)
                 for k, v in value.items()}
     return value
+
+
+def read_stream(stream) -> str:
+    """All of a text stream (stdin), decoded here whatever the locale's error mode (a strict
+    one would raise on the first bad byte): each invalid byte becomes U+FFFD."""
+    buf = getattr(stream, "buffer", None)
+    return decode_bytes(buf.read()) if buf is not None else clean_text(stream.read())
+
+
+def read_stream_line(stream) -> str:
+    """One line of a text stream ("" at end of input), decoded as read_stream does."""
+    buf = getattr(stream, "buffer", None)
+    return decode_bytes(buf.readline()) if buf is not None else clean_text(stream.readline())
