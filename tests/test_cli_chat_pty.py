@@ -80,18 +80,23 @@ def decoded_prompt_tokens(stats_output: str) -> int:
     return int(m.group(1))
 
 
-@pytest.fixture
-def chat_factory(smollm2_path, tmp_path):
+def chats_on(model, tmp_path):
+    """A factory of Chat processes on `model`, all closed afterwards (for `yield from` fixtures)."""
     chats = []
 
     def make(*args):
-        c = Chat(smollm2_path, tmp_path, *args)
+        c = Chat(model, tmp_path, *args)
         chats.append(c)
         return c
 
     yield make
     for c in chats:
         c.close()
+
+
+@pytest.fixture
+def chat_factory(smollm2_path, tmp_path):
+    yield from chats_on(smollm2_path, tmp_path)
 
 
 def test_two_turns_regen_save_resume(chat_factory, tmp_path):

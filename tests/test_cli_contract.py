@@ -3,13 +3,14 @@ stdout carries only the answer, errors are one line with a clear exit code, sess
 without re-processing, Ctrl-C stops an answer. Most calls run `cli.app.main` in this process
 (the kernels are compiled once); the ones about pipes, signals and --session files (locked
 for the life of the process that uses them) run a real process.
-The same behaviour on SmolLM2, with llama.cpp's answers, is tests/test_cli_run.py."""
+tests/test_cli_run.py holds the contract tests that run on both this model and SmolLM2 (the
+`any_model` ones: stdout-only answers, corrupt and resumed sessions) and SmolLM2's agreement
+with llama.cpp's answers."""
 import io
 import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
 
@@ -41,12 +42,6 @@ def kvchat(*args, input=None, env=None):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def kvchat_process(*args, input=None, env=None):
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", *map(str, args)]
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=e)
-
-
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCHAT_CACHE", str(tmp_path / "cache"))
@@ -76,19 +71,6 @@ def test_raw_answer_is_exactly_the_engines_greedy_continuation(tiny_chat):
     assert len(r.stdout.strip()) > 0
 
 
-def test_stdout_is_only_the_answer_and_timings_go_to_stderr(tiny_chat, tmp_path):
-    prompt_file = tmp_path / "q.txt"
-    prompt_file.write_text("Name a colour.", encoding="utf-8")
-    r = kvchat_process("run", "-m", tiny_chat, "--temp", "0", "-n", "6", "-c", "256", "-f", prompt_file,
-                       "--show-timings", "--verbose-prompt")
-    assert r.returncode == 0, r.stderr
-    assert "t/s" not in r.stdout and "->" not in r.stdout
-    assert "[ Prompt: " in r.stderr and " t/s | Generation: " in r.stderr and " t/s ]" in r.stderr
-    assert "'<|im_start|>'" in r.stderr  # --verbose-prompt lists the prompt tokens
-    r2 = kvchat("run", "-m", tiny_chat, "--temp", "0", "-n", "6", "-c", "256", input="Name a colour.")
-    assert r2.returncode == 0 and r2.stdout == r.stdout and len(r.stdout.strip()) > 0
-
-
 def test_seeded_sampling_is_reproducible_and_the_seed_matters(tiny_chat):
     args = ("run", "-m", tiny_chat, "--temp", "1.0", "-n", "16", "-c", "256", "-p", "Tell me a joke.")
     a, b, c = kvchat(*args, "-s", "1234"), kvchat(*args, "-s", "1234"), kvchat(*args, "-s", "99")
@@ -113,35 +95,6 @@ def test_no_prompt_and_bad_flags_are_one_line_errors(tiny_chat, tmp_path):
     assert r.returncode == 1 and "Flash Attention" in r.stderr and "Traceback" not in r.stderr
     r = kvchat("run", "-m", tmp_path / "nothing.gguf", "-p", "hi")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
-
-
-def test_corrupt_session_at_startup_exits_1_and_leaves_file(tiny_chat, tmp_path):
-    bad = tmp_path / "bad.kvs"
-    bad.write_bytes(b"KVCHATSS" + b"\x01\x00\x00\x00" + b"garbage" * 10)
-    before = bad.read_bytes()
-    r = kvchat_process("chat", "-m", tiny_chat, "-c", "256", "--session", bad, input="hello\n")
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: ")
-    assert bad.read_bytes() == before
-
-
-def test_run_with_session_continues_the_conversation(tiny_chat, tmp_path):
-    from cli.session import decode_session
-    sess = tmp_path / "s.kvs"
-    r1 = kvchat_process("run", "-m", tiny_chat, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
-                "-p", "My name is Ada.")
-    assert r1.returncode == 0, r1.stderr
-    first = decode_session(sess.read_bytes())
-    assert [m["role"] for m in first.messages] == ["user", "assistant"]
-    assert first.messages[1]["content"].strip() == r1.stdout.strip()
-    r2 = kvchat_process("run", "-m", tiny_chat, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
-                "-p", "What is my name?")
-    assert r2.returncode == 0, r2.stderr
-    assert f"resumed {sess}: {len(first.tokens)} tokens in the cache" in " ".join(r2.stderr.split())
-    second = decode_session(sess.read_bytes())
-    assert [m["content"] for m in second.messages[:2]] == [m["content"] for m in first.messages]
-    assert second.messages[2]["content"] == "What is my name?"
-    assert second.tokens[:len(first.tokens)] == first.tokens  # the cached prefix was kept
 
 
 def test_run_session_that_is_a_directory_is_refused(tiny_chat, tmp_path):

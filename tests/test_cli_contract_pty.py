@@ -6,23 +6,14 @@ import re
 
 import pytest
 
-from tests.test_cli_chat_pty import ACCEPTED, READY, Chat, decoded_prompt_tokens
+from tests.test_cli_chat_pty import ACCEPTED, READY, chats_on, decoded_prompt_tokens
 
 pexpect = pytest.importorskip("pexpect")
 
 
 @pytest.fixture
 def chat_factory(tiny_chat, tmp_path):
-    chats = []
-
-    def make(*args):
-        c = Chat(tiny_chat, tmp_path, *args)
-        chats.append(c)
-        return c
-
-    yield make
-    for c in chats:
-        c.close()
+    yield from chats_on(tiny_chat, tmp_path)
 
 
 def test_turns_regen_sessions_and_refused_loads(chat_factory, tmp_path):

@@ -23,6 +23,14 @@ def kvchat(*args, input=None, timeout=TIMEOUT, env=None):
                           env=e)
 
 
+@pytest.fixture(params=[pytest.param("tiny_chat", id="tiny"),
+                        pytest.param("smollm2_path", id="smollm2", marks=pytest.mark.real_model)])
+def any_model(request):
+    """The contract tests that hold for any chat model: on the tiny ChatML model (fast lane) and
+    on SmolLM2."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
 def greedy(reference_dir):
     return json.loads((reference_dir / "greedy.json").read_text())
@@ -75,7 +83,8 @@ def test_raw_completion_matches_llama_cpp(smollm2_path, greedy):
     assert r.stdout == prefix_text(smollm2_path, ref["ids"][:4]) + "\n"
 
 
-def test_stdout_is_only_the_answer_and_timings_go_to_stderr(smollm2_path, tmp_path):
+def test_stdout_is_only_the_answer_and_timings_go_to_stderr(any_model, tmp_path):
+    smollm2_path = any_model
     prompt_file = tmp_path / "q.txt"
     prompt_file.write_text("Name a colour.", encoding="utf-8")
     r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "6", "-c", "256", "-f", prompt_file,
@@ -133,7 +142,8 @@ def test_help_groups_flags_with_defaults():
         assert default in out
 
 
-def test_corrupt_session_at_startup_exits_1_and_leaves_file(smollm2_path, tmp_path):
+def test_corrupt_session_at_startup_exits_1_and_leaves_file(any_model, tmp_path):
+    smollm2_path = any_model
     bad = tmp_path / "bad.kvs"
     bad.write_bytes(b"KVCHATSS" + b"\x01\x00\x00\x00" + b"garbage" * 10)
     before = bad.read_bytes()
@@ -143,9 +153,10 @@ def test_corrupt_session_at_startup_exits_1_and_leaves_file(smollm2_path, tmp_pa
     assert bad.read_bytes() == before
 
 
-def test_run_with_session_continues_the_conversation(smollm2_path, tmp_path):
+def test_run_with_session_continues_the_conversation(any_model, tmp_path):
     """`kvchat run --session F` saves after the answer and resumes on the next call: the
     follow-up sees the first exchange and only its own new tokens are decoded."""
+    smollm2_path = any_model
     from cli.session import decode_session
     sess = tmp_path / "s.kvs"
     r1 = kvchat("run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
