@@ -33,20 +33,11 @@ from runtime.conversation_events import (ContextFull, ContextShifted, FullCause,
 from runtime.errors import KvchatError, SessionError
 from runtime.generate import DecodeError, Interrupted, StopReason, decode_tokens, generate
 from runtime.text.utf8 import clean_text
+from runtime.conversation_refit import common_prefix, refit, refit_plan
 
 __all__ = ["Conversation", "ConversationConfig", "TurnStats", "StopReason", "Interrupted",
            "DecodeError", "PromptTooLong", "ContextShifted", "ContextFull", "FullCause",
            "common_prefix"]
-
-
-def common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64)
-    y = np.asarray(b[:n], dtype=np.int64)
-    diff = np.nonzero(x != y)[0]
-    return int(diff[0]) if diff.size else n
 
 
 @dataclass
@@ -288,9 +279,9 @@ class Conversation:
         shift = self._can_shift()
         keep = min(self.n_keep(), base) if shift else base
         if shift and n_new + keep > self.n_ctx:
-            refit = self._refit_plan(desired)
-            if refit is not None:
-                return self._refit(desired, *refit)
+            plan = refit_plan(self, desired)
+            if plan is not None:
+                return refit(self, desired, *plan)
         if n_new + keep > self.n_ctx or (not shift and base + n_new > self.n_ctx):
             raise PromptTooLong(n_new, self.n_ctx - keep, self.n_ctx)
         p = self._rewind(p)
@@ -301,50 +292,6 @@ class Conversation:
             self.last_stats.n_shifted += self.context_shift(n_new)
         self._decode(desired[p:])
         return n_new
-
-    def _refit_plan(self, desired: list[int]) -> tuple[int, int] | None:
-        """(n_keep, n_drop) to fit a rendering the cache cannot serve incrementally, or None.
-
-        After /system, /undo or /regen past a context shift, the conversation's rendering no
-        longer shares a cached prefix beyond the kept start, and decoding it whole would not fit.
-        It is fitted the way a context shift would have left it: the first n_keep tokens, then
-        an older run dropped, then the most recent tokens — at least the whole last user message
-        with what follows, at most half of what is left after n_keep. None when even the last
-        message does not fit (the caller refuses with PromptTooLong)."""
-        keep = min(self.n_keep(), len(desired) - 1)
-        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
-        start = (common_prefix(self.render(self.messages[:users[-1]], add_generation_prompt=False), desired)
-                 if users and users[-1] > 0 else 0)
-        must = len(desired) - max(start, keep)  # the last message and the generation prompt
-        if keep + must > self.n_ctx:
-            return None
-        tail = max(must, min(len(desired) - keep, (self.n_ctx - keep) // 2))
-        n_drop = len(desired) - keep - tail
-        return (keep, n_drop) if n_drop > 0 else None
-
-    def _refit(self, desired: list[int], keep: int, n_drop: int) -> int:
-        """Rebuild the cache as desired[:keep] + desired[keep + n_drop:]; returns tokens decoded."""
-        cached = min(common_prefix(self.tokens, desired), keep,
-                     self.n_keep_shift if self.n_dropped else len(self.tokens))
-        self.tokens = self.tokens[:cached]
-        self.n_dropped = self.n_keep_shift = 0
-        self.logits = None
-        self._regen = None
-        if not self._remove_from(cached):
-            self._forget_all()
-            cached = 0
-        n = 0
-        if cached < keep:
-            self._decode(desired[cached:keep])
-            n += keep - cached
-        self.tokens = list(desired[:keep + n_drop])
-        self.n_keep_shift, self.n_dropped = keep, n_drop
-        if self.on_prompt is not None:
-            self.on_prompt(desired[keep + n_drop:])
-        self._decode(desired[keep + n_drop:])
-        self.last_stats.n_shifted += n_drop
-        self.notify(ContextShifted(n_drop, keep))
-        return n + len(desired) - keep - n_drop
 
     # ---- turns -------------------------------------------------------------------------------
 
