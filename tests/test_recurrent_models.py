@@ -14,7 +14,7 @@ from runtime.cparams import ContextParams
 from runtime.model import Model
 
 MODELS = ["mamba_s1", "lfm2_s1", "qwen35_s1"]
-TOL = 1e-3  # the bound; measured: mamba 1.3e-5, lfm2 2.4e-5, qwen35 9.9e-5
+TOL = 1e-3  # the bound; measured: mamba 1.3e-5, lfm2 2.4e-5, qwen35 9.4e-5
 REF_PPL_F32 = {"mamba_s1": 1435613984.4939, "lfm2_s1": 2145250492.9593, "qwen35_s1": 1678704479.0857}
 
 
@@ -59,6 +59,7 @@ def test_top10_log_probs_and_top1_match_llama_cpp_on_every_reference_prompt(tiny
             worst = max(worst, float(np.abs(lp[i, ids] - ref).max()))
             if ref[0] - ref[1] > 1e-3:
                 assert int(np.argmax(lp[i])) == ids[0], f"{name} {prompt['name']} position {i}"
+        print(f"{name} {prompt['name']}: max |d log-prob| over the top-10 {worst:.1e}")  # pytest -s
         assert worst <= TOL, f"{name} {prompt['name']}: max |d log-prob| {worst:.2e}"
 
 
