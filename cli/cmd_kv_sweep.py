@@ -144,8 +144,13 @@ def register(app: typer.Typer) -> None:
         with progress:
             task = progress.add_task("sweep", total=steps, info="")
 
+            done = [0]
+
             def step(label):
                 progress.update(task, advance=1, info=label)
+                done[0] += 1
+                if not err.is_terminal:  # a log file still shows how far the run is
+                    print(f"kv-sweep: [{done[0]}/{steps}] {label}", file=sys.stderr, flush=True)
 
             for n_ctx in ctxs:
                 ref_row, rows = run_sweep(m, tokens, configs, n_ctx, n_chunks=chunks, n_threads=threads,
