@@ -118,6 +118,21 @@ def apply_saved_sampling(conv: Conversation, saved: dict, settings: ChatSettings
         raise KvchatError(f"session sampling settings: {e}") from None
 
 
+def should_resume(settings, renderer) -> bool:
+    """Resume --session FILE when it exists — unless it is not a session and --force was given:
+    then the chat starts afresh and its first save replaces FILE (said once)."""
+    path = settings.session
+    if path is None or not path.exists():
+        return False
+    if settings.force:
+        from cli.session_file import is_session_file
+        if not is_session_file(path):
+            renderer.notice(f"{path} is not a kvchat session: starting a new conversation "
+                            "(--force: the first save replaces it)")
+            return False
+    return True
+
+
 def hold_session_lock(path):
     """Lock a --session file for this process's life (None without one); SessionError naming
     the process that holds it, so two processes never save over each other's turns."""

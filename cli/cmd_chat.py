@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from cli.chat_setup import make_conversation, open_engine
+from cli.chat_setup import make_conversation, open_engine, should_resume
 from cli.options import ChatSettings, with_settings
 from cli.render import Renderer
 
@@ -24,6 +24,6 @@ def register(app: typer.Typer) -> None:
         engine = open_engine(settings, renderer, stop)
         conv = make_conversation(engine, settings, renderer, stop)
         repl = Repl(engine, conv, settings, renderer, target=target)
-        if settings.session is not None and settings.session.exists():
+        if should_resume(settings, renderer):
             repl.resume(settings.session)  # SessionError → exit 1, file untouched
         repl.run()

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from cli.chat_setup import (apply_saved_sampling, hold_session_lock, make_conversation, open_engine,
-                            sigint_sets)
+                            should_resume, sigint_sets)
 from cli.options import ChatSettings, with_settings
 from cli.render import Renderer
 from runtime.conversation import Interrupted, StopReason
@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
                     run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl,
                                                   stop, renderer)
             return
-        if settings.session is not None and settings.session.exists():
+        if should_resume(settings, renderer):
             # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
             from cli.session import load_conversation
             data = load_conversation(settings.session, conv, engine.identity, engine.cache,

@@ -275,3 +275,16 @@ def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path)
     r = kvchat("tokenize", "-m", tiny, "--no-bos", "-", input=b"x\xffy", env=STRICT)
     assert r.returncode == 0 and json.loads(r.stdout) == json.loads(
         kvchat("tokenize", "-m", tiny, "--no-bos", "x\ufffdy").stdout)
+
+
+def test_session_on_a_text_file_is_refused_unless_forced(tiny, tmp_path):
+    from cli.session import read_session
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    r = kvchat(*RUN, "-m", tiny, "--session", notes, "-p", "hello")
+    assert r.returncode == 1 and err_lines(r) == [f"error: {notes}: not a kvchat session file (8 bytes)"]
+    assert notes.read_text() == "precious"
+    r = kvchat(*RUN, "-m", tiny, "--session", notes, "--force", "-p", "hello")
+    assert r.returncode == 0, r.stderr
+    assert "is not a kvchat session: starting a new conversation" in " ".join(r.stderr.decode().split())
+    assert read_session(notes).messages[0]["content"] == "hello"
