@@ -1,6 +1,9 @@
 """Property tests (hypothesis): random operation sequences on a plain and an iSWA cache.
 
-After every operation: each sequence's positions form one contiguous range, `used` equals the
+After every operation: each sequence's positions form one contiguous range (shifts are drawn only
+for a sequence that owns its cells alone: a cell has one position for all its sequences, so
+llama.cpp's seq_add on shared cells moves them for every sharer, and a shift past 0 removes the
+cell for all of them - test_shifting_shared_cells_moves_them_for_every_sequence pins that down), `used` equals the
 non-empty cells, seq_pos_min/max agree with the cells (KVCells.check_invariants). Around every
 decode attempt: `prepare()` is a pure dry run, and a decode that fails (no slot, compute
 error) leaves every cell, head and position set exactly as it was.
@@ -54,6 +57,15 @@ def check_invariants(mem):
                     assert (c.seq_pos_min(s), c.seq_pos_max(s)) == (ps[0], ps[-1])
 
 
+def shares_cells(mem, s):
+    """True when a cell of sequence s also belongs to another sequence."""
+    for kv in caches(mem):
+        for c in kv.cells:
+            if (c.seq[:, s] & (c.seq.sum(axis=1) > 1)).any():
+                return True
+    return False
+
+
 def next_batch(mem, seq, n, tok0=0):
     p0 = mem.seq_pos_max(seq) + 1
     return Batch((np.arange(n) + tok0) % 64, pos=np.arange(p0, p0 + n), seq_ids=[[seq]] * n)
@@ -99,7 +111,7 @@ def run(ctx, model, ops):
             mem.seq_cp(a, b, -1, -1)
         elif kind == "keep":
             mem.seq_keep(a)
-        elif kind == "shift" and mem.get_can_shift():
+        elif kind == "shift" and mem.get_can_shift() and not shares_cells(mem, a):
             mem.seq_add(a, 0, -1, b)
             ctx.memory_update()
         elif kind == "prepare":
@@ -132,3 +144,20 @@ def test_random_operations_keep_invariants_iswa_cache(ops, n_swa, swa_full):
     ctx = Context(model, ContextParams(n_ctx=512, n_seq_max=N_SEQ, n_ubatch=8,
                                        swa_full=swa_full))
     run(ctx, model, ops)
+
+
+def test_shifting_shared_cells_moves_them_for_every_sequence():
+    """llama_kv_cells::pos_add: the shift of seq 1 moves the cells it shares with seq 0, and the cell
+    pushed below position 0 is emptied for both - seq 0 is left with positions [0, 2]."""
+    model = StubModel(make_hparams(n_layer=1))
+    ctx = Context(model, ContextParams(n_ctx=256, n_seq_max=N_SEQ, n_ubatch=16))
+    mem = ctx.memory
+    assert ctx.decode(next_batch(mem, 1, 2)) == 0
+    mem.seq_cp(1, 0, -1, -1)
+    assert ctx.decode(next_batch(mem, 0, 1)) == 0
+    mem.seq_add(1, 0, -1, -1)
+    ctx.memory_update()
+    c = mem.cells[0]
+    assert sorted(c.pos[c.seq[:, 0]].tolist()) == [0, 2]
+    assert c.pos[c.seq[:, 1]].tolist() == [0]
+    assert (mem.seq_pos_min(0), mem.seq_pos_max(0)) == (0, 2)
