@@ -100,9 +100,9 @@ def test_a_corrupt_state_is_refused_with_nothing_changed(hybrid):
     assert_same(before, snapshot(ctx.memory))
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
-def test_seq_cp_then_diverging_keeps_independent_states(hybrid):
-    ctx = make_rctx(hybrid=hybrid, n_seq_max=2)
+@pytest.mark.parametrize("hybrid,unified", [(False, True), (True, True), (True, False)])
+def test_seq_cp_then_diverging_keeps_independent_states(hybrid, unified):
+    ctx = make_rctx(hybrid=hybrid, n_seq_max=2, unified=unified)
     assert ctx.decode(Batch.one_seq(TOKENS[:10], 0)) == 0
     ctx.memory.seq_cp(0, 1, -1, -1)
     a, b = TOKENS[10:13], (TOKENS[10:13] + 5) % 64
