@@ -16,6 +16,8 @@ _FULL_WHY = {
     FullCause.RECURRENT: "this model's recurrent state cannot drop old tokens",
     FullCause.KEEP_ALL: ("--keep covers all of it, so nothing can be dropped (/set keep N with "
                          "a smaller N, or restart with a smaller --keep)"),
+    FullCause.SHARED: ("the other branches share or hold the cells (a shift would move shared "
+                       "cells for every branch; /drop a branch to make room)"),
 }
 
 

@@ -27,6 +27,7 @@ class FullCause(str, Enum):
     CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full)
     RECURRENT = "recurrent"        # a recurrent state cannot drop old tokens (recurrent, hybrid)
     KEEP_ALL = "keep_all"          # --keep covers everything cached: nothing may be dropped
+    SHARED = "shared"              # other branches share or hold the cells (runtime/branches.py)
 
 
 @dataclass(frozen=True)

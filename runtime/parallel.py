@@ -58,6 +58,7 @@ class Result:
     step_admitted: int = -1  # decode step at which the request got a sequence
     step_first: int = -1     # decode step whose logits gave its first answer token
     label: str = ""
+    logits: object = None    # f32 [n_vocab] after its last decoded token (continue_alternatives)
 
     def json(self) -> dict:
         d = {"index": self.index, "seed": self.seed, "text": self.text, "n_prompt": self.n_prompt,
@@ -338,9 +339,8 @@ def alternatives(runner: ParallelRunner, ids: list[int], seeds: list[int]) -> li
                  f"each of the {n} streams has {have} cells")
         raise KvchatError(f"{len(ids)} prompt tokens and {n} sequences need at least {need} cells, "
                           f"{where}; raise -c or lower -np")
-    t_start = time.perf_counter()
+    t_start = t0 = time.perf_counter()
     mem = runner.ctx.memory
-    t0 = time.perf_counter()
     if runner.unified:
         runner._prefill_shared(ids, list(range(n)))
     else:
@@ -348,26 +348,42 @@ def alternatives(runner: ParallelRunner, ids: list[int], seeds: list[int]) -> li
         for i in range(1, n):
             mem.seq_cp(0, i, -1, -1)
     logits = np.array(runner.ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
+    out = continue_alternatives(runner, list(range(n)), list(ids), logits, seeds, t_prompt=time.perf_counter() - t0)
+    runner.t_total = time.perf_counter() - t_start
+    return out
+
+
+def continue_alternatives(runner: ParallelRunner, seq_ids: list[int], history: list[int],
+                          logits: np.ndarray, seeds: list[int], free: bool = True,
+                          t_prompt: float = 0.0) -> list[Result]:
+    """Answers on seq_ids, which all hold `history` already; `logits` f32 [n_vocab] follow its
+    last token. Answer i is sampled with seeds[i]; with free=False the sequences keep their cells
+    (the chat's /alts keeps them until /pick). Each result's `logits` are its last decoded ones."""
+    mem = runner.ctx.memory
     now = time.perf_counter()
     live = []
-    for i, req in enumerate(reqs):
-        s = _Slot(i, req, runner.sampling, runner.vocab, 0)
-        s.history = list(ids)
+    for i, seq in enumerate(seq_ids):
+        s = _Slot(seq, Request(index=i, ids=list(history), seed=seeds[i]), runner.sampling,
+                  runner.vocab, 0)
+        s.history = list(history)
         s.logits = logits
-        s.res.t_prompt = now - t0
+        s.res.t_prompt = t_prompt
         s.t_gen0 = now
         live.append(s)
-    out: list[Result] = [None] * n
+    out: list[Result] = [None] * len(seq_ids)
+    last: dict[int, np.ndarray] = {i: logits for i in range(len(seq_ids))}
     while live:
         for s in live:
             if s.logits is not None and not s.done:
+                last[s.req.index] = s.logits
                 runner._sample(s)
                 s.logits = None
         for s in [s for s in live if s.done]:
-            mem.seq_rm(s.seq_id, -1, -1)
+            if free:
+                mem.seq_rm(s.seq_id, -1, -1)
             live.remove(s)
+            s.res.logits = last[s.req.index]
             out[s.req.index] = s.res
         if live:
             runner._step(live)
-    runner.t_total = time.perf_counter() - t_start
     return out
