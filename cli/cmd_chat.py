@@ -1,6 +1,9 @@
 """`kvchat chat`, the interactive default: the REPL (cli/repl.py) on a Conversation."""
 from __future__ import annotations
 
+from pathlib import Path  # noqa: F401 (typer resolves the annotations)
+from typing import Annotated
+
 import typer
 
 from cli.chat_setup import make_conversation, open_engine, should_resume
@@ -11,7 +14,14 @@ from cli.render import Renderer
 def register(app: typer.Typer) -> None:
     @app.command("chat")
     @with_settings
-    def chat(settings: ChatSettings = None):
+    def chat(parallel: Annotated[int, typer.Option(
+                 "-np", "--parallel", min=1, max=64, rich_help_panel="Branches",
+                 help="sequences in the cache: branches plus /alts answers (n_seq_max)")] = 4,
+             kv_unified: Annotated[bool, typer.Option(
+                 "-kvu/-no-kvu", "--kv-unified/--no-kv-unified", rich_help_panel="Branches",
+                 help="one cell pool for every branch (shared cells), or one stream of "
+                      "n_ctx/N cells each (copies)")] = True,
+             settings: ChatSettings = None):
         """Chat with a model in the terminal (the default command). /help inside lists commands."""
         import atexit
         import threading
@@ -21,7 +31,7 @@ def register(app: typer.Typer) -> None:
         atexit.register(target.release)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
-        engine = open_engine(settings, renderer, stop)
+        engine = open_engine(settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified)
         conv = make_conversation(engine, settings, renderer, stop)
         repl = Repl(engine, conv, settings, renderer, target=target)
         if should_resume(settings, renderer):

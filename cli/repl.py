@@ -43,6 +43,9 @@ COMMANDS = {
     "/mem": "memory: weights, KV cache per layer kind and type, outputs",
     "/kv": "map of the KV cache cells: sequence and position of each cell, empty cells, head",
 }
+from cli.repl_branches import BRANCH_COMMANDS, BranchCommands  # noqa: E402
+
+COMMANDS.update(BRANCH_COMMANDS)
 ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help", "/save!": "/save"}
 LEAVE_HINT = "(Ctrl-D or /exit leaves the chat)"
 
@@ -71,13 +74,17 @@ def _read_stdin_line(prompt: str) -> str:
     return line.rstrip("\n")
 
 
-class Repl:
+class Repl(BranchCommands):
     def __init__(self, engine, conv, settings, renderer, session_factory=None, target=None):
         from cli.session_file import AutosaveTarget
         self.engine = engine
         self.target = target if target is not None else AutosaveTarget(None)
         self._bang = False
+        from runtime.branches import BranchConversation, Branches, clone_conversation
+        if not isinstance(conv, BranchConversation):  # (it refuses to shift shared cells)
+            conv = clone_conversation(conv, conv.seq_id)
         self.conv = conv
+        self.branches = Branches(conv)  # /branch, /alts: more sequences of the same cache
         self.settings = settings
         self.r = renderer
         self._session_factory = session_factory
@@ -89,7 +96,8 @@ class Repl:
     def toolbar(self) -> str:
         c = self.engine.cache
         shift = "" if self.conv.config.context_shift else " · no shift"
-        return (f" ctx {self.conv.n_cached}/{self.conv.n_ctx} · {c['type_k']}/{c['type_v']}"
+        branch = f" [{self.branches.current}]" if len(self.branches.items) > 1 else ""
+        return (f"{branch} ctx {self.conv.n_cached}/{self.conv.n_ctx} · {c['type_k']}/{c['type_v']}"
                 f"{shift} · {self.engine.identity['file']} · /help ")
 
     def _make_prompt(self):
@@ -218,19 +226,21 @@ class Repl:
         path = self.target.path
         if path is None or not (self.conv.messages or (even_empty and path.exists())):
             return
-        from cli.session import save_conversation
+        from cli.repl_branches import save_all
         try:
-            save_conversation(path, self.conv, self.engine.identity, self.engine.cache,
-                              force=self.settings.force)
+            save_all(path, self.branches, self.engine.identity, self.engine.cache,
+                     force=self.settings.force)
         except KvchatError as e:
             self.r.error(str(e))
 
     def resume(self, path) -> None:
         """Load a session at startup; SessionError propagates (the program exits, file untouched)."""
-        from cli.session import load_conversation
-        data = load_conversation(path, self.conv, self.engine.identity, self.engine.cache,
-                                 self.engine.vocab.n_vocab)
-        apply_saved_sampling(self.conv, data.sampling, self.settings)
+        from cli.repl_branches import load_all
+        data = load_all(path, self.branches, self.engine.identity, self.engine.cache,
+                        self.engine.vocab.n_vocab)
+        self._follow()
+        if "branches" not in (data.extra or {}):
+            apply_saved_sampling(self.conv, data.sampling, self.settings)
         self.r.notice(f"resumed {path}: {self.conv.n_cached} tokens in the cache, "
                       f"{len(self.conv.messages)} messages (nothing re-processed)")
 
@@ -331,30 +341,32 @@ class Repl:
 
     def cmd_save(self, arg: str) -> None:
         path = file_argument(arg, "/save")
-        from cli.session import save_conversation
+        from cli.repl_branches import save_all
         from cli.session_file import SessionLock
         force = self._bang or self.settings.force
         if self.target.is_target(path):
-            size = save_conversation(path, self.conv, self.engine.identity, self.engine.cache, force=force)
+            size = save_all(path, self.branches, self.engine.identity, self.engine.cache, force=force)
         else:
             with SessionLock(path):  # not over a file another chat is using
-                size = save_conversation(path, self.conv, self.engine.identity, self.engine.cache,
-                                         force=force)
+                size = save_all(path, self.branches, self.engine.identity, self.engine.cache,
+                                force=force)
         self.r.notice(f"saved {len(self.conv.messages)} messages, {self.conv.n_cached} cached tokens "
                       f"to {path} ({size / 1024:.0f} KiB)")
 
     def cmd_load(self, arg: str) -> None:
         path = file_argument(arg, "/load")
-        from cli.session import load_conversation
+        from cli.repl_branches import load_all
         lock = self.target.claim(path)  # another process's file: refused before anything changes
         try:
-            data = load_conversation(path, self.conv, self.engine.identity, self.engine.cache,
-                                     self.engine.vocab.n_vocab)
+            data = load_all(path, self.branches, self.engine.identity, self.engine.cache,
+                            self.engine.vocab.n_vocab)
+            self._follow()
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
-        apply_saved_sampling(self.conv, data.sampling, None)
+        if "branches" not in (data.extra or {}):
+            apply_saved_sampling(self.conv, data.sampling, None)
         self.r.notice(f"loaded {path}: {len(self.conv.messages)} messages, {self.conv.n_cached} "
                       "cached tokens (nothing re-processed)")
         if lock is not None:
@@ -389,5 +401,3 @@ class Repl:
         self.r.notice(f"KV cache K {ctx.params.type_k} / V {ctx.params.type_v}: {per_tok:,} bytes per "
                       f"token ({at_ctx / 2**20:.2f} MiB for a full {ctx.n_ctx}-token context)")
 
-    def cmd_kv(self, arg: str) -> None:
-        self.r.kv_map(self.engine.ctx.memory)
