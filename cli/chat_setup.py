@@ -35,6 +35,9 @@ class Engine:
         return self.model.vocab
 
 
+AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
+
+
 def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_max: int = 1,
                 kv_unified: bool = True) -> Engine:
     """Model + Context + template from the flags; KvchatError (one line) for bad input."""
@@ -47,8 +50,13 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
     path = resolve_model(settings.model, renderer.err)
     with renderer.spinner(f"loading {Path(path).name}"):
         model = Model.load(path)
-    ctx = Context(model, settings.context_params(n_seq_max=n_seq_max, kv_unified=kv_unified),
+    ctx = Context(model, settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified),
                   abort_callback=stop_event.is_set)
+    if not n_seq_max:  # auto: room for branches in a KV cache; a recurrent state per sequence costs more
+        from runtime.prompt_cache import kv_caches
+        if kv_caches(ctx.memory) is None:
+            ctx = Context(model, settings.context_params(n_seq_max=1, kv_unified=kv_unified),
+                          abort_callback=stop_event.is_set)
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
     with renderer.spinner("compiling kernels (first use only; cached afterwards)"):

@@ -15,8 +15,9 @@ def register(app: typer.Typer) -> None:
     @app.command("chat")
     @with_settings
     def chat(parallel: Annotated[int, typer.Option(
-                 "-np", "--parallel", min=1, max=64, rich_help_panel="Branches",
-                 help="sequences in the cache: branches plus /alts answers (n_seq_max)")] = 4,
+                 "-np", "--parallel", min=0, max=64, rich_help_panel="Branches",
+                 help="sequences in the cache: branches plus /alts answers (n_seq_max; 0 = auto: "
+                      "4 for a KV cache, 1 for recurrent models)")] = 0,
              kv_unified: Annotated[bool, typer.Option(
                  "-kvu/-no-kvu", "--kv-unified/--no-kv-unified", rich_help_panel="Branches",
                  help="one cell pool for every branch (shared cells), or one stream of "

@@ -30,10 +30,9 @@ INT_MAX = 2**31 - 1
 
 
 def _kv_caches(memory) -> list:
-    caches = getattr(memory, "kv_base", None), getattr(memory, "kv_swa", None)
-    if caches[0] is not None:
-        return list(caches)
-    return [memory] if hasattr(memory, "cells") else []
+    """The memory's KV caches (plain or iSWA pair); [] for recurrent / hybrid memories."""
+    from runtime.prompt_cache import kv_caches
+    return kv_caches(memory) or []
 
 
 def shared_cells_from(memory, seq_id: int, p0: int) -> int:
