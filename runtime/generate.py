@@ -64,39 +64,78 @@ def n_batch_of(ctx) -> int:
     return int(getattr(getattr(ctx, "cparams", None), "n_batch", 0) or 0)
 
 
-def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: str = "last",
-                  on_logits: Optional[Callable[[int, np.ndarray], None]] = None,
-                  batch_factory: Optional[Callable] = None) -> Optional[np.ndarray]:
-    """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call.
+def decode_pieces(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="last",
+                  batch_factory: Optional[Callable] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call;
+    after each call yield (idx i64 [m], rows f32 [m, n_vocab]): the indices into `ids` of that
+    piece's output tokens and their logits (the context's buffer: use them before advancing).
 
-    logits: "last" → a copy of the last token's logits, f32 [n_vocab]; "all" → every token's,
-    f32 [len(ids), n_vocab] (perplexity, logprobs); "none" → None (bench, cache fills), only the
-    last token of each piece is computed as an output. on_logits(i, rows) with "all": called
-    after each piece with its first index in ids and its rows f32 [n_piece, n_vocab] (valid
-    until the next decode) instead of keeping them — a long text never holds all its logits.
-    batch_factory(tokens i32[n], pos0, seq, all_logits=False) builds the batch (tests plug in
-    their own). Raises Interrupted or DecodeError; the pieces before a failed one stay decoded.
-    """
+    outputs: "last" (the last token of each piece), "all", or a bool mask [len(ids)] of the tokens
+    whose logits are wanted (perplexity scores only the second half of a chunk; a piece without
+    any still computes its last token, and yields nothing). batch_factory(tokens i32[n], pos0,
+    seq, all_logits=False) builds "last"/"all" batches (tests plug in their own).
+    Raises Interrupted or DecodeError; the pieces before a failed one stay decoded."""
     ids = np.asarray(ids, dtype=np.int32)  # [n]
-    if ids.size == 0:
+    n = int(ids.size)
+    if n == 0:
         raise ValueError("decode_tokens: no tokens to decode")
-    if logits not in ("last", "all", "none"):
-        raise ValueError(f"decode_tokens: logits must be 'last', 'all' or 'none', not {logits!r}")
+    mask = None
+    if not isinstance(outputs, str):
+        mask = np.asarray(outputs, dtype=bool)  # [n]
+        if mask.shape != (n,):
+            raise ValueError(f"decode_tokens: outputs mask has shape {mask.shape}, not ({n},)")
+    elif outputs not in ("last", "all"):
+        raise ValueError(f"decode_tokens: outputs must be 'last', 'all' or a mask, not {outputs!r}")
     make = batch_factory or _one_seq_batch
-    step = n_batch_of(ctx) or int(ids.size)
-    rows = []
-    for i in range(0, int(ids.size), step):
+    step = n_batch_of(ctx) or n
+    for i in range(0, n, step):
         piece = ids[i:i + step]
-        batch = make(piece, pos0 + i, seq, all_logits=True) if logits == "all" else make(piece, pos0 + i, seq)
+        if mask is not None:
+            want = mask[i:i + step].copy()
+            idx = np.nonzero(want)[0].astype(np.int64) + i
+            if not want.any():
+                want[-1] = True  # a decode computes at least one output; not yielded
+            from runtime.batch import Batch
+            batch = Batch(piece, pos=np.arange(pos0 + i, pos0 + i + piece.size, dtype=np.int64),
+                          seq_ids=[seq] * int(piece.size), logits=want)
+        elif outputs == "all":
+            idx = np.arange(i, i + piece.size, dtype=np.int64)
+            batch = make(piece, pos0 + i, seq, all_logits=True)
+        else:
+            idx = np.array([i + piece.size - 1], dtype=np.int64)
+            batch = make(piece, pos0 + i, seq)
         rc = ctx.decode(batch)
         if rc == 2:
             raise Interrupted(i)
         if rc != 0:
             raise DecodeError(_decode_failure(ctx, rc, len(piece), pos0 + i), rc, i)
+        if idx.size:
+            yield idx, (ctx.get_logits() if mask is not None or outputs == "all"
+                        else ctx.get_logits_ith(-1)[None, :])
+
+
+def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: str = "last",
+                  on_logits: Optional[Callable[[int, np.ndarray], None]] = None,
+                  batch_factory: Optional[Callable] = None) -> Optional[np.ndarray]:
+    """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call
+    (decode_pieces, consumed).
+
+    logits: "last" → a copy of the last token's logits, f32 [n_vocab]; "all" → every token's,
+    f32 [len(ids), n_vocab] (logprobs); "none" → None (bench, cache fills), only the last token
+    of each piece is computed as an output. on_logits(i, rows) with "all": called after each
+    piece with its first index in ids and its rows f32 [n_piece, n_vocab] (valid until the next
+    decode) instead of keeping them — a long text never holds all its logits.
+    Raises Interrupted or DecodeError; the pieces before a failed one stay decoded.
+    """
+    if logits not in ("last", "all", "none"):
+        raise ValueError(f"decode_tokens: logits must be 'last', 'all' or 'none', not {logits!r}")
+    rows = []
+    for idx, r in decode_pieces(ctx, ids, pos0, seq, outputs="all" if logits == "all" else "last",
+                                batch_factory=batch_factory):
         if logits == "all" and on_logits is not None:
-            on_logits(i, ctx.get_logits())
+            on_logits(int(idx[0]), r)
         elif logits == "all":
-            rows.append(np.array(ctx.get_logits(), dtype=np.float32, copy=True))
+            rows.append(np.array(r, dtype=np.float32, copy=True))
     if logits == "last":
         return np.array(ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
     if logits == "all" and rows:

@@ -75,28 +75,19 @@ def chunk_input(model, tokens, i: int, n_ctx: int) -> np.ndarray:
 
 
 def chunk_outputs(ctx, chunk: np.ndarray, first: int, i_chunk: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Decode one chunk into a cleared memory; after each batch that has scored positions yield
-    (positions i64 [m], logits f32 [m, n_vocab]) for positions first <= p < n_ctx - 1. The logits
-    are the context's buffer: use them before advancing the iterator."""
-    from runtime.batch import Batch
+    """Decode one chunk into a cleared memory (runtime.generate.decode_pieces, only the scored
+    positions as outputs); after each batch that has scored positions yield (positions i64 [m],
+    logits f32 [m, n_vocab]) for positions first <= p < n_ctx - 1. The logits are the context's
+    buffer: use them before advancing the iterator."""
+    from runtime.generate import DecodeError, decode_pieces
 
     n_ctx = chunk.shape[0]
-    n_batch = ctx.n_batch
     ctx.memory.clear(True)
-    for j in range(0, n_ctx, n_batch):
-        part = chunk[j:j + n_batch]
-        pos = np.arange(j, j + part.shape[0], dtype=np.int64)
-        out = (pos >= first) & (pos < n_ctx - 1)
-        if not out.any():
-            out[-1] = True  # a decode needs one output; not yielded
-            rc = ctx.decode(Batch(part, pos=pos, seq_ids=[0] * part.shape[0], logits=out))
-            if rc != 0:
-                raise KvchatError(f"decode failed on chunk {i_chunk + 1} (code {rc}: {ctx.last_error})")
-            continue
-        rc = ctx.decode(Batch(part, pos=pos, seq_ids=[0] * part.shape[0], logits=out))
-        if rc != 0:
-            raise KvchatError(f"decode failed on chunk {i_chunk + 1} (code {rc}: {ctx.last_error})")
-        yield pos[out], ctx.get_logits()
+    pos = np.arange(n_ctx, dtype=np.int64)
+    try:
+        yield from decode_pieces(ctx, chunk, 0, 0, outputs=(pos >= first) & (pos < n_ctx - 1))
+    except DecodeError as e:
+        raise KvchatError(f"decode failed on chunk {i_chunk + 1} (code {e.code}: {ctx.last_error})") from None
 
 
 def compute_perplexity(model, tokens, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,

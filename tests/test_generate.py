@@ -148,3 +148,19 @@ def test_on_logits_streams_each_piece_instead_of_keeping_them(model):
                         on_logits=lambda i, rows: seen.append((i, rows.copy())))
     assert got is None and [i for i, _ in seen] == [0, 16, 32]
     assert np.array_equal(np.concatenate([r for _, r in seen]), whole)
+
+
+def test_decode_pieces_yields_only_the_masked_outputs(model):
+    """perplexity's use: only positions 25..38 scored; the first piece (0..15) has none and
+    yields nothing, the rows equal those of an all-logits decode bit for bit."""
+    from runtime.generate import decode_pieces
+    whole = decode_tokens(make_ctx(model), IDS, 0, logits="all")
+    mask = np.zeros(40, dtype=bool)
+    mask[25:39] = True
+    ctx = make_ctx(model, n_batch=16, n_ubatch=16)
+    got = [(idx.copy(), rows.copy()) for idx, rows in decode_pieces(ctx, IDS, 0, outputs=mask)]
+    assert [list(idx) for idx, _ in got] == [list(range(25, 32)), list(range(32, 39))]
+    assert np.array_equal(np.concatenate([r for _, r in got]), whole[25:39])
+    assert ctx.memory.seq_pos_max(0) == 39
+    with pytest.raises(ValueError, match="mask has shape"):
+        list(decode_pieces(ctx, IDS, 40, outputs=mask[:5]))
