@@ -41,10 +41,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
-def all_logits(model, tokens, n_ubatch=512, call=None) -> np.ndarray:
+def all_logits(model, tokens, n_ubatch=512, call=None, **params) -> np.ndarray:
     """f32 [n, n_vocab] logits of every token, decoded in calls of `call` tokens (None = one
-    call) with n_ubatch tokens per forward pass."""
-    params = dict(REF_PARAMS, n_ubatch=n_ubatch)
+    call) with n_ubatch tokens per forward pass (other ContextParams as given, else REF_PARAMS)."""
+    params = dict(REF_PARAMS, n_ubatch=n_ubatch, **params)
     ctx = Context(model, ContextParams(**params))
     step = call or len(tokens)
     rows = []
@@ -98,16 +98,16 @@ def check_logprobs(name: str, tmp_path: Path, tol: float) -> float:
     return worst
 
 
-def check_split_invariance(name: str) -> None:
+def check_split_invariance(name: str, **params) -> None:
     """The long prompt: one batch, 7-token ubatches, 7-token calls and token by token give the
     same logits, bit for bit."""
     ref = load_ref(name)
     tokens = next(e for e in ref["logits"] if e["name"] == "long")["tokens"]
     m = Model.load(model_path(name))
     try:
-        one = all_logits(m, tokens)
+        one = all_logits(m, tokens, **params)
         for kw in (dict(n_ubatch=7), dict(call=7), dict(n_ubatch=1, call=1)):
-            np.testing.assert_array_equal(all_logits(m, tokens, **kw), one, err_msg=str(kw))
+            np.testing.assert_array_equal(all_logits(m, tokens, **kw, **params), one, err_msg=str(kw))
     finally:
         m.close()
 

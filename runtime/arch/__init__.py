@@ -19,6 +19,7 @@ ARCHS = {  # general.architecture -> module runtime.arch.<name> (its ARCH object
     "qwen35": "qwen35",
     "smollm3": "smollm3",
     "phi3": "phi3",
+    "gemma2": "gemma2",
 }
 
 

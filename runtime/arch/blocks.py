@@ -10,6 +10,7 @@ import numpy as np
 
 from kernels.act import geglu, glu_fused, swiglu
 from kernels.attention import attention
+from kernels.gelu_table import geglu_f16_table
 from kernels.attention import round_q_like_ggml as round_q_to_vec_dot_type
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
@@ -125,9 +126,16 @@ def output_projection(L, attn):
     return out
 
 
-def feed_forward(L, h, n_ff, use_gelu):
-    """Gated FFN: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU."""
-    if opt(L, "w_gate_up") is not None:
+def feed_forward(L, h, n_ff, use_gelu, gelu_table=False):
+    """Gated FFN: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU. gelu_table: GELU as
+    ggml's CPU computes it, through its f16 table (kernels/gelu_table.py)."""
+    if gelu_table:
+        if opt(L, "w_gate_up") is not None:
+            gu = L.w_gate_up.matmul(h)  # [n, 2 * n_ff] f32
+            a = geglu_f16_table(gu[:, :n_ff], gu[:, n_ff:])
+        else:
+            a = geglu_f16_table(L.w_gate.matmul(h), L.w_up.matmul(h))
+    elif opt(L, "w_gate_up") is not None:
         a = glu_fused(L.w_gate_up.matmul(h), n_ff, use_gelu)
     else:
         g, u = L.w_gate.matmul(h), L.w_up.matmul(h)

@@ -21,7 +21,8 @@ from runtime.hparams import HParams, positive, swa_layers
 SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
 
 
-def forward(model, ubatch, mctx) -> np.ndarray:
+def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
+    """Logits f32 [n_outputs, n_vocab]; gelu_table: GeGLU through ggml's f16 GELU table (gemma2)."""
     hp = model.hparams
     eps = hp.norm_eps
     pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
@@ -38,7 +39,8 @@ def forward(model, ubatch, mctx) -> np.ndarray:
         cur = rms_norm(output_projection(L, attn), L.post_attn_norm, eps)
         x = cur + x  # sa_out
         h = rms_norm(x, L.ffn_norm, eps)
-        cur = rms_norm(feed_forward(L, h, hp.n_ff, use_gelu=True), L.post_ffn_norm, eps)
+        cur = rms_norm(feed_forward(L, h, hp.n_ff, use_gelu=True, gelu_table=gelu_table),
+                       L.post_ffn_norm, eps)
         x += cur
     return logits(model, x)
 
