@@ -20,6 +20,7 @@ ARCHS = {  # general.architecture -> module runtime.arch.<name> (its ARCH object
     "smollm3": "smollm3",
     "phi3": "phi3",
     "gemma2": "gemma2",
+    "granite": "granite",
 }
 
 
