@@ -5,10 +5,12 @@ real models, fetched once into KVCHAT_CACHE (default ~/.cache/kvchat), for agree
 `smollm2_path` / `gemma3_path` is marked `real_model` here, whatever its module says.
 """
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -16,6 +18,12 @@ if str(ROOT) not in sys.path:
 
 REFERENCE_DIR = ROOT.parent / "shared" / "reference"
 
+
+# Property tests draw the same examples on every run (the suite gates every landing, so a failure must
+# reproduce); KVCHAT_HYPOTHESIS=explore draws fresh ones to hunt for new counterexamples.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile("explore" if os.environ.get("KVCHAT_HYPOTHESIS") == "explore" else "repeatable")
 
 REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path"}
 
