@@ -14,6 +14,10 @@ choices (token chunk, work split, variants tried) are in docs/performance.md.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import numba
 import numpy as np
 
@@ -32,15 +36,46 @@ TOKEN_CHUNK = 32  # tokens per work item: a decoded block is reused by up to thi
 RUNS_PER_THREAD = 4  # prange iterations per (possible) thread, each a run of consecutive work items
 
 
+def _mmap_backed(a: np.ndarray) -> bool:
+    """Whether a's memory is a view on an mmap (a model file's pages), not a private copy."""
+    b = a
+    while isinstance(b, np.ndarray):
+        b = b.base
+    if isinstance(b, memoryview):  # np.frombuffer(mmap) views the mmap through a memoryview
+        b = b.obj
+    return isinstance(b, mmap.mmap)
+
+
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+
+
+def release_file_pages(a: np.ndarray) -> None:
+    """Drop a's file pages from this process's resident set (Linux MADV_DONTNEED on a read-only
+    file mapping: the data stays in the page cache and faults back in if read again). After the
+    repack only get_rows reads the original rows, a few of them per token; without this the
+    file's pages would stay resident next to their repacked copy."""
+    if not sys.platform.startswith("linux") or a.size == 0 or not _mmap_backed(a):
+        return
+    start = a.ctypes.data & ~(_PAGE - 1)
+    end = a.ctypes.data + a.nbytes
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                 ctypes.c_int(_MADV_DONTNEED))
+    except (OSError, AttributeError):  # no madvise: the pages just stay resident
+        pass
+
+
 class QMatrix:
     """A weight matrix of m rows by k values in ggml type t, kept quantized.
 
-    raw: u8 [m, row_bytes] (a read-only view on the model's mmap is fine; it is only read
-    again by get_rows). Attributes: m, k, t, kind (packed layout), nbytes (bytes in the
-    file), packed_nbytes.
+    raw: u8 [m, row_bytes] (a read-only view on the model's mmap is fine: its pages are
+    released from the resident set as they are repacked, and only get_rows reads rows of it
+    again). Attributes: m, k, t, kind (packed layout), fmt (the integer kernel's QFormat, None
+    for float weights), nbytes (bytes in the file), packed_nbytes.
     """
 
-    def __init__(self, raw: np.ndarray, t: int, k: int):
+    def __init__(self, raw: np.ndarray, t: int, k: int, keep_raw: bool = True):
         if raw.ndim != 2 or raw.dtype != np.uint8:
             raise ValueError(f"QMatrix: raw must be uint8 [m, row_bytes], got {raw.dtype} {raw.shape}")
         rb = row_bytes(t, k)
@@ -55,10 +90,13 @@ class QMatrix:
         if self.t in FLOAT_TYPES:
             self.fmt = None
             self.kind, self._packed = repack(raw, t, k)
+            release_file_pages(raw)
         else:
             self.kind = "int"
-            self.fmt, self._packed = repack_int(raw, t, k)
+            self.fmt, self._packed = repack_int(raw, t, k, done=release_file_pages)
         self.packed_nbytes = int(sum(a.nbytes for a in self._packed))
+        if not keep_raw:  # e.g. a fused copy: only the repacked rows are held
+            self.raw = None
         self._macs_per_token = self.m * self.k
 
     def __repr__(self) -> str:
@@ -90,6 +128,8 @@ class QMatrix:
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""
+        if self.raw is None:
+            raise ValueError(f"{self!r}.get_rows: this matrix was loaded without its original rows")
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.m):
             raise IndexError(f"QMatrix.get_rows: id out of range 0..{self.m - 1}")

@@ -173,12 +173,42 @@ class Packed(NamedTuple):
     mn: np.ndarray  # i8 [G, n_sub, R] or empty
 
 
-def repack_int(raw: np.ndarray, t: int, k: int) -> tuple[QFormat, Packed]:
-    """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays)."""
+REPACK_ROWS = 8192  # rows repacked at a time (a multiple of R): bounds the temporaries to ~10 MB
+
+
+def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Packed]:
+    """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays).
+
+    Rows are repacked REPACK_ROWS at a time into the preallocated result, so a 170 MB output
+    matrix never has several full-size temporaries; ``done(rows)`` is called after each slice
+    of raw has been read (the caller releases those file pages, kernels/matmul.py)."""
     t = GGMLType(t)
     fmt = FORMATS.get(t)
     if fmt is None:
         raise ValueError(f"matmul: ggml type {t.name} is not supported for weights")
+    m = raw.shape[0]
+    if m <= REPACK_ROWS:
+        out = _repack_rows(raw, t, k, fmt)
+        if done is not None:
+            done(raw)
+        return fmt, out
+    parts = None
+    for r0 in range(0, m, REPACK_ROWS):
+        r1 = min(m, r0 + REPACK_ROWS)
+        p = _repack_rows(raw[r0:r1], t, k, fmt)
+        if parts is None:  # [G, ...] arrays of the whole matrix, filled slice by slice
+            g = -(-m // R)
+            parts = [a if a.size == 0 else np.empty((g,) + a.shape[1:], a.dtype) for a in p]
+        for whole, a in zip(parts, p):
+            if a.size:
+                whole[r0 // R:r0 // R + a.shape[0]] = a
+        if done is not None:
+            done(raw[r0:r1])
+    return fmt, Packed(*parts)
+
+
+def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
+    """repack_int on a slice of rows (its start a multiple of R)."""
     m = raw.shape[0]
     if fmt.n_sub == 1:  # legacy 32-value blocks
         nb = k // 32
@@ -200,8 +230,8 @@ def repack_int(raw: np.ndarray, t: int, k: int) -> tuple[QFormat, Packed]:
             qs = blk[..., off + 4:]
             v = (np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)).astype(np.uint8)
         q = _pack_values(np.ascontiguousarray(v), m, fmt.nib)
-        return fmt, Packed(q, _interleave_rows(d, m), EMPTY_U16 if mm is None else _interleave_rows(mm, m),
-                           EMPTY_I8, EMPTY_I8)
+        return Packed(q, _interleave_rows(d, m), EMPTY_U16 if mm is None else _interleave_rows(mm, m),
+                      EMPTY_I8, EMPTY_I8)
 
     nsb = k // 256
     blk = raw.reshape(m, nsb, raw.shape[1] // nsb)
@@ -240,6 +270,6 @@ def repack_int(raw: np.ndarray, t: int, k: int) -> tuple[QFormat, Packed]:
     q = _pack_values(np.ascontiguousarray(v), m, fmt.nib)
     n_sub = k // fmt.sub
     neg_dmin = EMPTY_U16 if dmin is None else _interleave_rows(dmin ^ np.uint16(0x8000), m)  # -dmin, exact
-    return fmt, Packed(q, _interleave_rows(d, m), neg_dmin,
-                       _interleave_rows(sc.reshape(m, n_sub).astype(np.int8), m),
-                       EMPTY_I8 if mn is None else _interleave_rows(mn.reshape(m, n_sub).astype(np.int8), m))
+    return Packed(q, _interleave_rows(d, m), neg_dmin,
+                  _interleave_rows(sc.reshape(m, n_sub).astype(np.int8), m),
+                  EMPTY_I8 if mn is None else _interleave_rows(mn.reshape(m, n_sub).astype(np.int8), m))
