@@ -24,7 +24,7 @@ import numpy as np
 from kernels.cpu import ISA
 from kernels.ggml_types import GGMLType, row_bytes
 from kernels.matmul_int import matmul_q, matmul_q_serial
-from kernels.parallel import MATMUL_PAR_MIN_MACS
+from kernels import parallel
 from kernels.matmul_kernels import matmul_blocks
 from kernels.qlayout import repack_int
 from kernels.quants import dequantize
@@ -120,7 +120,7 @@ class QMatrix:
             runs = RUNS_PER_THREAD * numba.config.NUMBA_NUM_THREADS
             if self.fmt is None:
                 matmul_blocks(*self._packed, x, y, TOKEN_CHUNK, runs)
-            elif n * self._macs_per_token < MATMUL_PAR_MIN_MACS:
+            elif n * self._macs_per_token < parallel.MATMUL_PAR_MIN_MACS:
                 matmul_q_serial(ISA, self.fmt, *self._packed, x, y, TOKEN_CHUNK)
             else:
                 matmul_q(ISA, self.fmt, *self._packed, x, y, TOKEN_CHUNK, runs)

@@ -31,12 +31,12 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kernels.qlayout import ACT_Q8_K, R, QFormatType
 from kernels.quant_act import quantize_row_q8
 from kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
 from kernels.simd_int import bhi, blo, bload, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
 
-QUANT_PAR_ROWS = 16  # rows of x from which the activation quantization runs in parallel
 
 
 def fmt_get(fmt, field):
@@ -163,7 +163,7 @@ def _quantize_rows(x, act, parallel):
     xd = np.empty((n, nbx), np.float32)
     xs = np.empty((n, k // 16), np.int32)
     xm = np.empty((n, k // 32), np.float32)
-    if parallel and n >= QUANT_PAR_ROWS:
+    if parallel and n >= QUANT_ACT_PAR_MIN_ROWS:
         for t in prange(n):
             quantize_row_q8(x, t, act, xq, xd, xs, xm)
     else:
