@@ -86,49 +86,91 @@ def _sub_dot(isa, fmt, q, base, x32, t, xo):
 
 
 @njit(cache=True, inline="always")
-def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
-    """y[t, 32 g : 32 g + 32] (the last group's padding rows not written)."""
+def _sub_dot4(isa, fmt, q, base, x32, t, xo):
+    """_sub_dot for tokens t .. t+3 at once: each weight vector is loaded (and its nibbles split)
+    once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31). The integers equal
+    _sub_dot's (exact sums, only their association differs)."""
+    z = izero()
+    p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+    if fmt_get(fmt, "nib"):
+        for s in range(4):
+            v0 = bload(q, base + s * 128)
+            v1 = bload(q, base + s * 128 + 64)
+            l0, l1, h0, h1 = blo(v0), blo(v1), bhi(v0), bhi(v1)
+            xl, xh = x32[t, xo + s], x32[t, xo + 4 + s]
+            p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
+            xl, xh = x32[t + 1, xo + s], x32[t + 1, xo + 4 + s]
+            p2, p3 = idot(isa, idot(isa, p2, l0, xl), h0, xh), idot(isa, idot(isa, p3, l1, xl), h1, xh)
+            xl, xh = x32[t + 2, xo + s], x32[t + 2, xo + 4 + s]
+            p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
+            xl, xh = x32[t + 3, xo + s], x32[t + 3, xo + 4 + s]
+            p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
+    else:
+        S = fmt_get(fmt, "sub")
+        for s in range(S // 4):
+            v0 = bload(q, base + s * 128)
+            v1 = bload(q, base + s * 128 + 64)
+            if fmt_get(fmt, "signed"):
+                p0, p1 = idot_s(isa, p0, v0, x32[t, xo + s]), idot_s(isa, p1, v1, x32[t, xo + s])
+                p2, p3 = idot_s(isa, p2, v0, x32[t + 1, xo + s]), idot_s(isa, p3, v1, x32[t + 1, xo + s])
+                p4, p5 = idot_s(isa, p4, v0, x32[t + 2, xo + s]), idot_s(isa, p5, v1, x32[t + 2, xo + s])
+                p6, p7 = idot_s(isa, p6, v0, x32[t + 3, xo + s]), idot_s(isa, p7, v1, x32[t + 3, xo + s])
+            else:
+                p0, p1 = idot(isa, p0, v0, x32[t, xo + s]), idot(isa, p1, v1, x32[t, xo + s])
+                p2, p3 = idot(isa, p2, v0, x32[t + 1, xo + s]), idot(isa, p3, v1, x32[t + 1, xo + s])
+                p4, p5 = idot(isa, p4, v0, x32[t + 2, xo + s]), idot(isa, p5, v1, x32[t + 2, xo + s])
+                p6, p7 = idot(isa, p6, v0, x32[t + 3, xo + s]), idot(isa, p7, v1, x32[t + 3, xo + s])
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@njit(cache=True, inline="always")
+def _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc):
+    """Sub-block j's raw dots (i0, i1) of token t into acc = (I0, I1, M0, M1): offset removed,
+    K-quant sub-scale and min applied — all integer."""
     S = fmt_get(fmt, "sub")
-    NS = fmt_get(fmt, "n_sub")
-    n_sub_all = xs.shape[1] * 16 // S
-    n_super = n_sub_all // NS
-    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
     off = fmt_get(fmt, "offset")
     if fmt_get(fmt, "signed"):
         off = off + s8_bias(isa)
-    a0, a1 = vzero(), vzero()
-    for B in range(n_super):
-        I0, I1, M0, M1 = izero(), izero(), izero(), izero()
-        for jj in range(NS):
-            j = B * NS + jj
-            i0, i1 = _sub_dot(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
-            xsum = xs[t, j * S // 16]
-            if S == 32:
-                xsum += xs[t, j * 2 + 1]
-            if off != 0:
-                c = ibcast(off * xsum)
-                i0, i1 = isub(i0, c), isub(i1, c)
-            if NS == 1:
-                I0, I1 = i0, i1
-            else:
-                so = (g * n_sub_all + j) * R
-                I0 = iadd(I0, imul(iload8(sc, so), i0))
-                I1 = iadd(I1, imul(iload8(sc, so + 16), i1))
-                if fmt_get(fmt, "kmin"):
-                    bx = ibcast(xsum)
-                    M0 = iadd(M0, imul(iload8(mn, so), bx))
-                    M1 = iadd(M1, imul(iload8(mn, so + 16), bx))
-        so = (g * n_super + B) * R
-        dx = vbcast(xd[t, B])
-        a0 = vfma(vmul(vload(d, so), dx), itof(I0), a0)
-        a1 = vfma(vmul(vload(d, so + 16), dx), itof(I1), a1)
-        if fmt_get(fmt, "lmin"):
-            s = vbcast(xm[t, B])
-            a0 = vfma(vload(m, so), s, a0)
-            a1 = vfma(vload(m, so + 16), s, a1)
-        if fmt_get(fmt, "kmin"):
-            a0 = vfma(vmul(vload(m, so), dx), itof(M0), a0)
-            a1 = vfma(vmul(vload(m, so + 16), dx), itof(M1), a1)
+    xsum = xs[t, j * S // 16]
+    if S == 32:
+        xsum += xs[t, j * 2 + 1]
+    if off != 0:
+        c = ibcast(off * xsum)
+        i0, i1 = isub(i0, c), isub(i1, c)
+    I0, I1, M0, M1 = acc
+    if fmt_get(fmt, "n_sub") == 1:
+        return i0, i1, M0, M1
+    so = (g * n_sub_all + j) * R
+    I0 = iadd(I0, imul(iload8(sc, so), i0))
+    I1 = iadd(I1, imul(iload8(sc, so + 16), i1))
+    if fmt_get(fmt, "kmin"):
+        bx = ibcast(xsum)
+        M0 = iadd(M0, imul(iload8(mn, so), bx))
+        M1 = iadd(M1, imul(iload8(mn, so + 16), bx))
+    return I0, I1, M0, M1
+
+
+@njit(cache=True, inline="always")
+def _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1):
+    """Scale block B's integers acc = (I0, I1, M0, M1) of token t into the float sums (a0, a1)."""
+    I0, I1, M0, M1 = acc
+    so = (g * n_super + B) * R
+    dx = vbcast(xd[t, B])
+    a0 = vfma(vmul(vload(d, so), dx), itof(I0), a0)
+    a1 = vfma(vmul(vload(d, so + 16), dx), itof(I1), a1)
+    if fmt_get(fmt, "lmin"):
+        s = vbcast(xm[t, B])
+        a0 = vfma(vload(m, so), s, a0)
+        a1 = vfma(vload(m, so + 16), s, a1)
+    if fmt_get(fmt, "kmin"):
+        a0 = vfma(vmul(vload(m, so), dx), itof(M0), a0)
+        a1 = vfma(vmul(vload(m, so + 16), dx), itof(M1), a1)
+    return a0, a1
+
+
+@njit(cache=True, inline="always")
+def _store(y, ym, t, g, a0, a1):
+    """y[t, 32 g : 32 g + 32] = (a0, a1), the last group's padding rows not written."""
     n_rows = y.shape[1]
     if g * R + R <= n_rows:
         vstore(y, t * n_rows + g * R, a0)
@@ -140,18 +182,76 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
             y[t, g * R + r] = ym[r]
 
 
+@njit(cache=True, inline="always")
+def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+    """y[t, 32 g : 32 g + 32] for one token."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
+    z = izero()
+    a0, a1 = vzero(), vzero()
+    for B in range(n_super):
+        acc = (z, z, z, z)
+        for jj in range(NS):
+            j = B * NS + jj
+            i0, i1 = _sub_dot(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            acc = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc)
+        a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1)
+    _store(y, ym, t, g, a0, a1)
+
+
+@njit(cache=True, inline="always")
+def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+    """_row for tokens t .. t+3, sharing each weight load; every token's operations and their
+    order are _row's, so the four rows are bit-identical to four _row calls."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
+    z = izero()
+    f = vzero()
+    a = (f, f, f, f, f, f, f, f)
+    for B in range(n_super):
+        c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
+        for jj in range(NS):
+            j = B * NS + jj
+            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, t + 1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, t + 2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, t + 3, j, g, n_sub_all, p[6], p[7], c3)
+        a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, c0, a[0], a[1])
+        a2, a3 = _fold_super(fmt, d, m, xd, xm, t + 1, B, g, n_super, c1, a[2], a[3])
+        a4, a5 = _fold_super(fmt, d, m, xd, xm, t + 2, B, g, n_super, c2, a[4], a[5])
+        a6, a7 = _fold_super(fmt, d, m, xd, xm, t + 3, B, g, n_super, c3, a[6], a[7])
+        a = (a0, a1, a2, a3, a4, a5, a6, a7)
+    _store(y, ym, t, g, a[0], a[1])
+    _store(y, ym, t + 1, g, a[2], a[3])
+    _store(y, ym, t + 2, g, a[4], a[5])
+    _store(y, ym, t + 3, g, a[6], a[7])
+
+
 @njit(cache=True)
 def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1):
-    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk). A serial function,
-    so that the parallel kernel's body stays small (numba's parfor passes are slow on big bodies)."""
+    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): four tokens at a
+    time through _row4, the chunk's last 0-3 through _row. A serial function, so that the
+    parallel kernel's body stays small (numba's parfor passes are slow on big bodies)."""
     n = y.shape[0]
     n_tc = (n + token_chunk - 1) // token_chunk
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
     for it in range(i0, i1):
         g = it // n_tc
-        t0 = (it - g * n_tc) * token_chunk
-        for t in range(t0, min(n, t0 + token_chunk)):
+        t = (it - g * n_tc) * token_chunk
+        t1 = min(n, t + token_chunk)
+        while t + 4 <= t1:
+            _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+            t += 4
+        while t < t1:
             _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+            t += 1
 
 
 @njit(cache=True, inline="always")
