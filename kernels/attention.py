@@ -9,8 +9,10 @@ Batch invariance: the output row of a query (token, head) is bit-identical whate
 call — how many tokens, which ones, how many cells beyond those it sees (n_kv), how many threads,
 serial or parallel, split or not. Cached K/V are rounded to the cache type, so any last-bit
 difference between decoding a text token by token and in batches would flip roundings of stored
-values and grow over the layers. So every sum is cut at fixed boundaries counted from cell 0 and
-spelled out operation by operation:
+values and grow over the layers. So every sum is cut at fixed boundaries counted from cell 0, taken from
+the row's start cell on (0, or for a sliding-window ring the cell of its oldest position, so
+the ring's size does not change the order; see `attention`) and spelled out operation by
+operation:
 - no fast-math anywhere: with reassoc/contract LLVM picks a summation order or an FMA per loop
   nest, and the same source then rounds differently in the serial and the parallel kernel — or
   in one kernel depending on whether a helper was inlined fresh or linked from numba's on-disk
@@ -84,12 +86,14 @@ def _unit_coords(u, n_tb, n_sub):
 
 
 @njit(cache=True, inline="always")
-def _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, kb0, kb, vb0, vb, scale, softcap, j_lo, j_hi,
-           kt, vt, sc, mt, mx, sm, acc):
+def _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, kb0, kb, vb0, vb, scale, softcap, j_lo,
+           j_hi, kt, vt, sc, mt, mx, sm, acc, bmx, bsm, bacc):
     """Online softmax of the unit's queries (qb [nq, dk]; query qi is token t0 + qi // gq) over
     the cells [j_lo, j_hi) of one chunk, from a fresh state: mx [nq] max score (-inf: no cell
-    seen), sm [nq] sum of p = e^(s - mx), acc [nq, dv] sum of p * v. kt [KT, dk] / vt [KT, dv]
-    tiles, sc [4 * KT] scores of up to four queries, mt [t1 - t0, KT] mask tile: scratch."""
+    seen), sm [nq] sum of p = e^(s - mx), acc [nq, dv] sum of p * v. In a query's start chunk
+    (the one holding the tile of start[token], see `attention`) the tiles before its start tile
+    go to a second state bmx/bsm/bacc (fresh: set to -inf by the caller), folded last. kt [KT, dk]
+    / vt [KT, dv] tiles, sc [4 * KT] scores of up to four queries, mt [t1 - t0, KT] mask tile."""
     nq = qb.shape[0]
     n_kv = mask.shape[1]
     for qi in range(nq):
@@ -115,7 +119,11 @@ def _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, kb0, kb, vb0, vb, sca
             for i in range(n):
                 m_tile = _scores(sc, i * KT, mt, (qi + i) // gq, scale, softcap)
                 if m_tile != _NINF:
-                    _online_update(qi + i, m_tile, sc, i * KT, vt, mx, sm, acc)
+                    s0 = start[t0 + (qi + i) // gq] // KT * KT  # the query's start tile
+                    if j0 < s0 and s0 // CHUNK == j_lo // CHUNK:
+                        _online_update(qi + i, m_tile, sc, i * KT, vt, bmx, bsm, bacc)
+                    else:
+                        _online_update(qi + i, m_tile, sc, i * KT, vt, mx, sm, acc)
             qi += n
 
 
@@ -154,13 +162,15 @@ def _finish(m, s, a, o):
 
 
 @njit(cache=True, inline="always")
-def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
-                cpu, pm, ps, pacc, out):
+def _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
+                split, cpu, pm, ps, pacc, bm, bs, bacc, out):
     """One work unit of the flash path: (kv head, token block), or with split (kv head, token
     block, group of cpu chunks). Every query head of the kv head's group and every token of the
     block is computed against each dequantized tile, so a K/V row is decoded once per unit.
-    Without split the unit folds all chunks and writes out; with split it stores each chunk's
-    partial softmax in pm/ps/pacc [n_ch, n_tokens, n_head(, dv)] for _merge_partials."""
+    Without split the unit folds all chunks, from the start chunk of its first token on
+    (cyclically), then the part of the start chunk before the start tile, and writes out; with
+    split it stores each chunk's partial softmax in pm/ps/pacc [n_ch, n_tokens, n_head(, dv)] and
+    that last part in bm/bs/bacc [n_tokens, n_head(, dv)] for _merge_partials."""
     n_tokens, n_head, dk = q.shape
     dv = out.shape[2]
     n_kv = mask.shape[1]
@@ -196,9 +206,14 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, 
     rm = np.full(nq, _NINF, dtype=np.float32)  # running result over the chunks folded so far
     rs = np.zeros(nq, dtype=np.float32)
     ra = np.zeros((nq, dv), dtype=np.float32)
-    for c in range(c_lo, c_hi):
-        _chunk(qb, gq, t0, t1, mask, k, type_k, v, type_v, st, hk * kb, kb, hk * vb, vb, scale, softcap,
-               c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, mt, cm, cs, ca)
+    bmx = np.full(nq, _NINF, dtype=np.float32)  # the start chunk's cells before the start tile
+    bsm = np.zeros(nq, dtype=np.float32)
+    bac = np.zeros((nq, dv), dtype=np.float32)
+    c_first = 0 if split else start[t0] // CHUNK
+    for ci in range(c_lo, c_hi):
+        c = ci if split else (c_first + ci) % n_ch
+        _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, hk * kb, kb, hk * vb, vb, scale,
+               softcap, c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, mt, cm, cs, ca, bmx, bsm, bac)
         for qi in range(nq):
             if split:
                 t = t0 + qi // gq
@@ -207,66 +222,83 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, 
                 ps[c, t, h] = cs[qi]
                 for e in range(dv):
                     pacc[c, t, h, e] = ca[qi, e]
+                if start[t] // CHUNK == c:
+                    bm[t, h] = bmx[qi]
+                    bs[t, h] = bsm[qi]
+                    for e in range(dv):
+                        bacc[t, h, e] = bac[qi, e]
             else:
                 rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[qi], cs[qi], ca[qi])
     if not split:
         for qi in range(nq):
+            rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], bmx[qi], bsm[qi], bac[qi])
             _finish(rm[qi], rs[qi], ra[qi], out[t0 + qi // gq, h0 + qi % gq])
 
 
 @njit(cache=True)
-def _merge_partials(pm, ps, pacc, out):
-    """Fold the chunks' partial softmaxes of every query in chunk order (as an unsplit unit does)."""
+def _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out):
+    """Fold the chunks' partial softmaxes of every query in chunk order from its start chunk on,
+    then the start chunk's part before the start tile (as an unsplit unit does)."""
     n_ch, n_tokens, n_head, dv = pacc.shape
     a = np.empty(dv, dtype=np.float32)
     for t in range(n_tokens):
+        c0 = start[t] // CHUNK
         for h in range(n_head):
             m = _NINF
             s = np.float32(0.0)
             for e in range(dv):
                 a[e] = 0.0
-            for c in range(n_ch):
+            for ci in range(n_ch):
+                c = (c0 + ci) % n_ch
                 m, s = _fold(m, s, a, pm[c, t, h], ps[c, t, h], pacc[c, t, h])
+            m, s = _fold(m, s, a, bm[t, h], bs[t, h], bacc[t, h])
             _finish(m, s, a, out[t, h])
 
 
 def _partials(split, n_kv, n_tokens, n_head, dv):
-    """Partial-softmax buffers of a split launch (empty when not split)."""
+    """Partial-softmax buffers of a split launch (empty when not split): per chunk, and for the
+    start chunk's part before the start tile (-inf: nothing there)."""
     n_ch = -(-n_kv // CHUNK) if split else 0
+    nt = n_tokens if split else 0
     return (np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # max per chunk
             np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # sum of p per chunk
-            np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32))  # sum of p * v per chunk
+            np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32),  # sum of p * v per chunk
+            np.full((nt, n_head), _NINF, dtype=np.float32),
+            np.zeros((nt, n_head), dtype=np.float32),
+            np.zeros((nt, n_head, dv), dtype=np.float32))
 
 
 @njit(cache=True, parallel=True)
-def _flash_attn_par(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
-                    cpu, n_units, pm, ps, pacc, out):
+def _flash_attn_par(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
+                    split, cpu, n_units, pm, ps, pacc, bm, bs, bacc, out):
     """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
-    mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32; out: [n_tokens, n_head, dv] f32.
-    One parallel launch over the n_units units, then (split) the serial merge."""
+    mask: [n_tokens, n_kv] f32 (0 / -inf); start: [n_tokens] i64; tok_stream: [n_tokens] i32;
+    out: [n_tokens, n_head, dv] f32. One parallel launch over the n_units units, then (split) the serial merge."""
     for u in prange(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
-                    cpu, pm, ps, pacc, out)
+        _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
+                    split, cpu, pm, ps, pacc, bm, bs, bacc, out)
     if split:
-        _merge_partials(pm, ps, pacc, out)
+        _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
 
 @njit(cache=True)
-def _flash_attn_ser(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
-                    cpu, n_units, pm, ps, pacc, out):
+def _flash_attn_ser(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
+                    split, cpu, n_units, pm, ps, pacc, bm, bs, bacc, out):
     for u in range(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, split,
-                    cpu, pm, ps, pacc, out)
+        _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
+                    split, cpu, pm, ps, pacc, bm, bs, bacc, out)
     if split:
-        _merge_partials(pm, ps, pacc, out)
+        _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
 
 @njit(cache=True, inline="always")
-def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
+def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
+                  out):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
     u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
-    each output are 16 lane chains over the visible tiles in cell order, then one fixed tree; tiles
-    the query cannot see are skipped, so cells past the ones it sees never enter a sum."""
+    each output are 16 lane chains over the visible tiles in cell order from the query's start
+    tile on (cyclically), then one fixed tree; tiles the query cannot see are skipped, so cells
+    past the ones it sees never enter a sum."""
     n_tokens, n_head, dk = q.shape
     dv = out.shape[2]
     n_kv = mask.shape[1]
@@ -312,7 +344,9 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scal
         for ti in range(n_tiles):
             m = max(m, tmax[qi, ti])
         sv = vzero()
-        for ti in range(n_tiles):
+        s0 = start[t0 + qi // hpg] // KT
+        for i in range(n_tiles):
+            ti = (s0 + i) % n_tiles
             if tmax[qi, ti] != _NINF:
                 o = qi * n_kvp + ti * KT
                 for j in range(KT):  # libm expf: here faster than _exp_le0, which LLVM leaves scalar
@@ -330,7 +364,9 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scal
         dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow[:n_kv])
         for qi in range(nq):
             x = vzero()  # lane l: fma chain over cells l, l+16, ... of the visible tiles, in order
-            for ti in range(n_tiles):
+            s0 = start[t0 + qi // hpg] // KT
+            for i in range(n_tiles):
+                ti = (s0 + i) % n_tiles
                 if tmax[qi, ti] != _NINF:
                     o = qi * n_kvp + ti * KT
                     x = vfma(vload(p, o), vload(vrow, ti * KT), x)
@@ -344,15 +380,19 @@ def _n_units(q, n_head_kv, tb, hpg):
 
 
 @njit(cache=True, parallel=True)
-def _classic_attn_par(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+def _classic_attn_par(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
+                      n_units, out):
     for u in prange(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
+                      out)
 
 
 @njit(cache=True)
-def _classic_attn_ser(q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out):
+def _classic_attn_ser(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
+                      n_units, out):
     for u in range(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
+                      out)
 
 
 def round_q_like_ggml(q, type_k):
@@ -401,14 +441,19 @@ def flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2):
 
 
 def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap=0.0,
-              flash=True, n_threads=2, round_q=False):
+              flash=True, n_threads=2, round_q=False, start=None):
     """Attention of fresh queries over the cache.
 
     q: [n_tokens, n_head, dk] f32; k: (u8 [n_stream, n_kv, row_k], type_k) cache view;
     v: flash -> u8 [n_stream, n_kv, row_v]; classic -> transposed u8 [n_stream, n_embd_v_gqa, kv_size*elem];
     mask: [n_tokens, n_kv] f32 (0 / -inf); tok_stream: [n_tokens] i32.
+    start: None (cell 0) or [n_tokens] ints in [0, n_kv): the cell where each row's sums begin,
+    taken cyclically from its tile. A sliding-window cache is a ring (a position lives in cell
+    pos % kv_size once it wraps), so with start = the cell of the oldest position a row sees the
+    cells are folded in position order, and the row's bits do not depend on the ring's size
+    (kv_size is a multiple of CHUNK). Cells before start in its chunk are folded last.
     Returns [n_tokens, n_head * dv] f32 (heads concatenated, ready for the output projection).
-    Each row depends only on its own query, mask row and the cells it sees (module docstring).
+    Each row depends only on its own query, mask row, start and the cells it sees (module docstring).
     """
     n_tokens, n_head, dk = q.shape
     n_kv = mask.shape[1]
@@ -424,13 +469,20 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= PARALLEL_MIN_WORK
     mask = np.ascontiguousarray(mask, dtype=np.float32)
     ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
-    args = (qr, k, int(type_k), v, int(type_v), mask, ts, int(n_head_kv), np.float32(scale), np.float32(softcap))
+    if start is None:
+        start = np.zeros(n_tokens, dtype=np.int64)
+    else:
+        start = np.ascontiguousarray(start, dtype=np.int64)
+        if start.shape != (n_tokens,) or (n_tokens and (start.min() < 0 or start.max() >= max(n_kv, 1))):
+            raise ValueError(f"attention: start must be {n_tokens} cells in [0, {n_kv})")
+    args = (qr, k, int(type_k), v, int(type_v), mask, start, ts, int(n_head_kv), np.float32(scale),
+            np.float32(softcap))
     if flash:
         tb, split, cpu = flash_plan(n_tokens, n_head_kv, n_kv, k.shape[0], n_threads if par else 1)
         fn = _flash_attn_par if par else _flash_attn_ser
-        pm, ps, pacc = _partials(split, n_kv, n_tokens, n_head, dv)
+        pm, ps, pacc, bm, bs, bacc = _partials(split, n_kv, n_tokens, n_head, dv)
         n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
-        fn(*args, int(tb), bool(split), int(cpu), int(n_units), pm, ps, pacc, out)
+        fn(*args, int(tb), bool(split), int(cpu), int(n_units), pm, ps, pacc, bm, bs, bacc, out)
     else:
         tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
         fn = _classic_attn_par if par else _classic_attn_ser

@@ -13,19 +13,60 @@ def test_logprobs_match_llama_cpp_on_every_reference_prompt(tmp_path):
     assert arch_refs.check_logprobs(NAME, tmp_path, tol=1e-2) < 1e-2
 
 
-def test_one_batch_ubatches_and_token_by_token_are_bit_identical_on_the_same_cells():
-    """A row's bits depend on which cells hold the sequence (attention folds its cells in tiles
-    from cell 0). The SWA cache is pad256(window + n_ubatch) cells: 512 for the one-batch run,
-    256 for 7-token ubatches and token by token, whose cache wraps at token 256. So: with
-    --swa-full (the same cells for every split) all 300 positions are bit-identical; with the
-    default cache, 7-token ubatches = token by token everywhere and = one batch before the wrap."""
-    arch_refs.check_split_invariance(NAME, swa_full=True)
+@pytest.mark.parametrize("flash_attn", ["off", "on"])
+def test_one_batch_ubatches_and_token_by_token_are_bit_identical_with_the_default_swa_cache(flash_attn):
+    """The default SWA cache is pad256(window + n_ubatch) cells: 768 for the one-batch run, 256
+    for 7-token ubatches and token by token, whose ring wraps at token 256 (position p in cell
+    p % 256). Attention sums a row's cells from the one holding its oldest visible position
+    (kq_start), so all 300 positions are bit-identical across every split anyway; and with
+    --swa-full (one cache size for every split) as well."""
+    from runtime.model import Model
+    tokens = arch_refs.load_ref(NAME)["logits"][2]["tokens"]
+    assert len(tokens) > 256 + 32  # past the wrap by more than the window
+    m = Model.load(arch_refs.model_path(NAME))
+    one = arch_refs.all_logits(m, tokens, flash_attn=flash_attn)
+    for ub, call in ((7, None), (7, 7), (1, 1)):
+        got = arch_refs.all_logits(m, tokens, n_ubatch=ub, call=call, flash_attn=flash_attn)
+        np.testing.assert_array_equal(got, one, err_msg=f"n_ubatch={ub} call={call}")
+    m.close()
+    if flash_attn == "off":
+        arch_refs.check_split_invariance(NAME, swa_full=True)
+
+
+def test_the_swa_cache_is_a_ring_and_kq_start_names_each_tokens_oldest_cell(monkeypatch):
+    """7-token ubatches of the long prompt: the SWA cache (256 cells) ends holding position p in
+    cell p % 256, and kq_start of every ubatch is the cell of each token's pos - n_swa + 1 (its
+    oldest visible position); the base cache (no window) gives None (sums from cell 0, as for
+    every other model)."""
+    from runtime.batch import Batch
+    from runtime.context import Context
+    from runtime.cparams import ContextParams
+    from runtime.memory.kv_cache_context import KVCacheContext
     from runtime.model import Model
     tokens = arch_refs.load_ref(NAME)["logits"][2]["tokens"]
     m = Model.load(arch_refs.model_path(NAME))
-    ub7 = arch_refs.all_logits(m, tokens, n_ubatch=7)
-    np.testing.assert_array_equal(arch_refs.all_logits(m, tokens, n_ubatch=1, call=1), ub7)
-    np.testing.assert_array_equal(arch_refs.all_logits(m, tokens)[:256], ub7[:256])
+    seen = []
+    real = KVCacheContext.kq_start
+
+    def spy(self, il=None):
+        got = real(self, il)
+        seen.append((self.kv.n_swa, self.get_ubatch().pos.copy(), None if got is None else got.copy()))
+        return got
+
+    monkeypatch.setattr(KVCacheContext, "kq_start", spy)
+    ctx = Context(m, ContextParams(**dict(arch_refs.REF_PARAMS, n_ubatch=7)))
+    assert ctx.decode(Batch.one_seq(tokens, 0, all_logits=True)) == 0
+    swa = ctx.memory.kv_swa
+    pos = swa.cells[0].pos
+    assert swa.kv_size == 256 and (pos >= 0).all() and pos.max() == len(tokens) - 1
+    np.testing.assert_array_equal(pos % 256, np.arange(256))
+    n_swa = m.hparams.n_swa
+    assert {n for n, _, _ in seen} == {0, n_swa}
+    for n, ub_pos, got in seen:
+        if n == 0:
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, np.maximum(ub_pos - n_swa + 1, 0) % 256)
     m.close()
 
 

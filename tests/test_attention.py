@@ -161,11 +161,13 @@ def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True
     dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
     tb = 1 if k.shape[0] > 1 else min(32, n_tokens)
-    pm, ps, pacc = _partials(split, mask.shape[1], n_tokens, n_head, dv)
+    pm, ps, pacc, bm, bs, bacc = _partials(split, mask.shape[1], n_tokens, n_head, dv)
     n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
     fn = _flash_attn_par if parallel else _flash_attn_ser
-    fn(np.ascontiguousarray(q), k, int(tk), v, int(tv), np.ascontiguousarray(mask), ts.astype(np.int32),
-       int(n_head_kv), np.float32(scale), np.float32(softcap), tb, split, cpu, n_units, pm, ps, pacc, out)
+    start = np.zeros(n_tokens, dtype=np.int64)
+    fn(np.ascontiguousarray(q), k, int(tk), v, int(tv), np.ascontiguousarray(mask), start, ts.astype(np.int32),
+       int(n_head_kv), np.float32(scale), np.float32(softcap), tb, split, cpu, n_units, pm, ps, pacc, bm, bs,
+       bacc, out)
     return out.reshape(n_tokens, -1)
 
 
@@ -373,3 +375,74 @@ def test_two_streams_rows_are_invariant(monkeypatch):
             np.testing.assert_array_equal(got, alone[-n:])
     finally:
         numba.set_num_threads(n_threads0)
+
+
+def _ring_case(flash, ring_size, n_pos, n_swa, rows, seed=31):
+    """The last positions of a text of n_pos tokens with a window of n_swa, held in a cache of
+    ring_size cells where position p lives in cell p % ring_size (as a sliding-window cache
+    places them once it wraps). -> the attention of `rows` (positions), start at the cell of the
+    oldest position each row sees."""
+    rng = np.random.default_rng(seed)
+    n_head, n_head_kv, dk = 4, 2, 64
+    q = rng.standard_normal((n_pos, n_head, dk)).astype(np.float32)
+    kx = rng.standard_normal((n_pos, n_head_kv * dk)).astype(np.float32)
+    vx = rng.standard_normal((n_pos, n_head_kv * dk)).astype(np.float32)
+    cell = np.full(ring_size, -1)
+    for p in range(n_pos):  # later positions overwrite older ones in the ring
+        cell[p % ring_size] = p
+    held = cell >= 0
+    k = np.zeros((ring_size, n_head_kv * dk), dtype=np.float32)
+    v = np.zeros_like(k)
+    k[held], v[held] = kx[cell[held]], vx[cell[held]]
+    kraw, _ = _make_rows(k, "f16", rng)
+    if flash:
+        vraw, _ = _make_rows(v, "f16", rng)
+        vraw = vraw.reshape(1, ring_size, -1)
+    else:
+        vraw, _ = _make_rows(np.ascontiguousarray(v.T), "f16", rng)
+        vraw = vraw.reshape(1, n_head_kv * dk, -1)
+    rows = np.asarray(rows)
+    mask = np.full((rows.size, ring_size), -np.inf, dtype=np.float32)
+    for i, p in enumerate(rows):
+        mask[i, held & (cell <= p) & (cell > p - n_swa)] = 0.0
+    start = (rows - n_swa + 1).clip(0) % ring_size
+    ts = np.zeros(rows.size, dtype=np.int32)
+    return (q[rows], kraw.reshape(1, ring_size, -1), GGMLType.F16, vraw, GGMLType.F16, mask, ts, n_head_kv,
+            0.125), start
+
+
+@pytest.mark.parametrize("n_pos", [300, 600])
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "classic"])
+def test_a_wrapped_sliding_window_ring_gives_the_bits_of_the_unwrapped_cache(flash, n_pos, monkeypatch):
+    """A text of 300 / 600 positions, window 40: a 256-cell ring (wrapped once / twice) and a
+    768-cell cache (never wrapped) hold the same K/V in different cells. With each row's sums
+    started at the cell of its oldest position, every row of the last 76 is bit-identical
+    between the two, in one call or row by row, serial, parallel or split over the cells; and
+    on the unwrapped cache the start changes nothing (cell 0 gives the same bits)."""
+    import numba
+
+    import kernels.attention as ka
+    rows = list(range(n_pos - 76, n_pos))
+    lin, s_lin = _ring_case(flash, 768, n_pos, 40, rows)
+    ring, s_ring = _ring_case(flash, 256, n_pos, 40, rows)
+    want = attention(*lin, flash=flash, n_threads=1, start=s_lin)
+    np.testing.assert_array_equal(attention(*lin, flash=flash, n_threads=1), want)
+    n_threads0 = numba.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            numba.set_num_threads(n_threads)
+            for min_work in (ka.PARALLEL_MIN_WORK, 0):
+                monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", min_work)
+                np.testing.assert_array_equal(attention(*ring, flash=flash, n_threads=n_threads, start=s_ring),
+                                              want, err_msg=f"threads={n_threads} min_work={min_work}")
+                for i in (0, 20, 31, 32, 33, 50, 75):  # alone, on both sides of the wrap
+                    one, s_one = _ring_case(flash, 256, n_pos, 40, [rows[i]])
+                    np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
+                                                  want[i], err_msg=f"row {rows[i]}")
+                    one, s_one = _ring_case(flash, 768, n_pos, 40, [rows[i]])  # split over 3 chunks
+                    np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
+                                                  want[i], err_msg=f"row {rows[i]}, unwrapped")
+                monkeypatch.undo()
+    finally:
+        numba.set_num_threads(n_threads0)
+    assert not np.array_equal(attention(*ring, flash=flash, n_threads=1), want)  # cell order differs

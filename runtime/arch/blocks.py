@@ -84,7 +84,7 @@ def attend(model, il, q, k, v, mctx, kq_scale):
     mask, tok_stream = mctx.kq_mask(il)
     out = attention(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, hp.n_head_kv,
                     kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
-                    n_threads=numba.get_num_threads())
+                    n_threads=numba.get_num_threads(), start=mctx.kq_start(il))
     return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
 
 

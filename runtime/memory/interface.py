@@ -101,6 +101,10 @@ class AttentionMemoryContext(Protocol):
     def kq_mask(self, il: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(f32 [n_tokens, n_kv] 0/-inf mask, i32 [n_tokens] stream of each token)."""
 
+    def kq_start(self, il: int | None = None) -> np.ndarray | None:
+        """i64 [n_tokens] cell where each token's attention sums begin (the cell of the oldest
+        position it sees, for a sliding-window ring), or None for cell 0."""
+
 
 @runtime_checkable
 class RecurrentMemoryContext(Protocol):

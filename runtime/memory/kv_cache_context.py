@@ -35,6 +35,7 @@ class KVCacheContext(MemoryContext):
         self.v_trans = kv.v_trans
         self.n_rot_k, self.n_rot_v = kv.n_rot_k, kv.n_rot_v
         self._mask = None
+        self._start = None
         self._dst_strm = None
         self._dst_cell = None
 
@@ -43,6 +44,7 @@ class KVCacheContext(MemoryContext):
     def next(self) -> bool:
         self.i_cur += 1
         self._mask = None
+        self._start = None
         return self.i_cur < len(self.ubatches)
 
     def apply(self) -> bool:
@@ -64,6 +66,7 @@ class KVCacheContext(MemoryContext):
             self._dst_strm = np.repeat(np.asarray(sinfo.strm, dtype=np.int64), n_per)
             self._dst_cell = np.concatenate(sinfo.idxs)
         self._mask = None
+        self._start = None
         return True
 
     def rollback(self) -> None:
@@ -130,6 +133,24 @@ class KVCacheContext(MemoryContext):
         if self._mask is None:
             self._mask = self._build_mask()
         return self._mask
+
+    def kq_start(self, il: int | None = None):
+        """i64 [n_tokens]: the cell of the oldest position each token sees (0 if none), where
+        attention begins its sums (kernels/attention.py: attention's start). Only a sliding-window
+        cache reuses cells as a ring, so only there does it differ from the first visible cell;
+        elsewhere None (cell 0, as before)."""
+        if self.kv.n_swa <= 0:
+            return None
+        if self._start is None:
+            mask, tok_strm = self.kq_mask(il)
+            start = np.zeros(mask.shape[0], dtype=np.int64)
+            for strm in np.unique(tok_strm).tolist():
+                rows = np.flatnonzero(tok_strm == strm)
+                pos = self.kv.cells[strm].pos[:self.n_kv].astype(np.int64)
+                seen = np.where(mask[rows] == 0, pos[None, :], np.iinfo(np.int64).max)  # [rows, n_kv]
+                start[rows] = np.argmin(seen, axis=1) if self.n_kv else 0
+            self._start = start
+        return self._start
 
     def _build_mask(self):
         ub = self.ubatches[self.i_cur]

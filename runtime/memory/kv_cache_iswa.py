@@ -241,3 +241,6 @@ class KVCacheISWAContext(MemoryContext):
 
     def kq_mask(self, il):
         return self._ctx(il).kq_mask(il)
+
+    def kq_start(self, il):
+        return self._ctx(il).kq_start(il)
