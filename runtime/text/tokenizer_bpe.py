@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import regex
 
+from runtime.string_array import StringArray, StringIndex
+
 # The GPT-2 pre-tokenizer and its relatives (contractions, letters, numbers, other, spaces).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -112,20 +114,28 @@ class BPETokenizer:
 
     _CACHE_LIMIT = 200_000
 
-    def __init__(self, pre: PreTokenizer, token_to_id: dict, merges: list[str]):
+    def __init__(self, pre: PreTokenizer, token_to_id, merges):
+        """token_to_id: text -> id (a dict or runtime.string_array.StringIndex); merges: the
+        "left right" strings in rank order (a list or StringArray)."""
         self.pre = pre
         self.token_to_id = token_to_id
         self._patterns = [regex.compile(p) for p in pre.regexes]
-        # "left right" → rank; split at the first space after position 0, as the converter wrote it
-        ranks = {}
-        for rank, m in enumerate(merges):
-            cut = m.find(" ", 1)
-            if cut < 0:
-                ranks[(m, "")] = rank
-            else:
-                ranks[(m[:cut], m[cut + 1:])] = rank
-        self.ranks = ranks
+        if not isinstance(merges, StringArray):
+            merges = StringArray.from_strings(merges)
+        self._merges = StringIndex(merges)  # merge text -> its rank (the last one if repeated)
         self._cache: dict[str, list[int]] = {}
+
+    def rank(self, left: str, right: str) -> int | None:
+        """The rank of merging left + right, as the converter wrote it: merge m is split at its
+        first space after position 0 into (left, right), or is (m, "") without one."""
+        get = self._merges.get
+        if right:
+            r = get(left + " " + right)
+            return r if r is not None and left and left.find(" ", 1) < 0 else None
+        # (m, "") comes from m without a space, or from m = left + " " (the later rank wins)
+        a = get(left) if left.find(" ", 1) < 0 else None
+        b = get(left + " ") if left.find(" ", 1) < 0 and left != "" else None
+        return a if b is None else b if a is None else max(a, b)
 
     def split_words(self, text: str) -> list[str]:
         """Pre-tokenize: each regex splits every current piece into matches and the gaps between."""
@@ -188,13 +198,13 @@ class BPETokenizer:
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
         prev = list(range(-1, n - 1))
-        ranks = self.ranks
+        rank_of = self.rank
         heap: list = []
 
         def add(left: int, right: int) -> None:
             if left == -1 or right == -1:
                 return
-            rank = ranks.get((syms[left], syms[right]))
+            rank = rank_of(syms[left], syms[right])
             if rank is not None:
                 heapq.heappush(heap, (rank, left, right, syms[left] + syms[right]))
 

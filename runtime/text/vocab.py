@@ -16,10 +16,12 @@ Lookup tables are built once per file; per-token pieces are computed lazily and 
 from __future__ import annotations
 
 import codecs
+from array import array
 
 import numpy as np
 
 from runtime.errors import ModelFileError
+from runtime.string_array import StringArray, StringIndex
 from runtime.text.tokenizer_bpe import BPETokenizer, byte_decode, pre_tokenizer, supported_pre_names
 from runtime.text.tokenizer_spm import spm_tokenize
 from runtime.text.utf8 import clean_text
@@ -64,22 +66,25 @@ class Vocab:
         self.source = source
         self.kind = kind
         self.n_vocab = len(tokens)
-        # llama.cpp gives empty token texts a placeholder so that every text maps to one id
-        self.tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self.token_to_id: dict[str, int] = dict(zip(self.tokens, range(self.n_vocab)))
+        # llama.cpp gives empty token texts a placeholder so that every text maps to one id.
+        # Texts live in one blob with a hash index (runtime/string_array.py), not as Python objects.
+        if not isinstance(tokens, StringArray) or tokens.has_empty():
+            tokens = StringArray.from_strings(t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens))
+        self.tokens: StringArray = tokens
+        self.token_to_id = StringIndex(tokens)  # text -> id (the last id of a repeated text)
         types = np.zeros(self.n_vocab, dtype=np.int64) if token_types is None else np.asarray(token_types)
         if types.shape[0] < self.n_vocab:
             raise ModelFileError(f"{source}: {_KEY}token_type: {types.shape[0]} entries for {self.n_vocab} tokens")
         types = types[:self.n_vocab].astype(np.int64)
         self.attrs = np.where((types >= 0) & (types < len(_TYPE_TO_ATTR)),
                               _TYPE_TO_ATTR[np.clip(types, 0, len(_TYPE_TO_ATTR) - 1)], ATTR_UNDEFINED)
-        if scores is None:
-            self.scores = [0.0] * self.n_vocab
+        if scores is None:  # array('f'): indexing gives the float32 value as a Python float
+            self.scores = array("f", bytes(4 * self.n_vocab))
         else:
             scores = np.asarray(scores, dtype=np.float32)
             if scores.shape[0] < self.n_vocab:
                 raise ModelFileError(f"{source}: {_KEY}scores: {scores.shape[0]} entries for {self.n_vocab} tokens")
-            self.scores = scores[:self.n_vocab].tolist()
+            self.scores = array("f", scores[:self.n_vocab].tobytes())
 
         if kind == "spm":
             default_bos, default_eos, default_unk = 1, 2, 0
@@ -100,7 +105,7 @@ class Vocab:
             self.add_bos = pre_tok.add_bos if add_bos is None else bool(add_bos)
             self.add_eos = False if add_eos is None else bool(add_eos)
             self.clean_spaces = pre_tok.clean_spaces
-            self._bpe = BPETokenizer(pre_tok, self.token_to_id, list(merges))
+            self._bpe = BPETokenizer(pre_tok, self.token_to_id, merges)
         else:
             raise ModelFileError(f"{source}: {_KEY}model: unsupported tokenizer '{kind}' (supported: llama, gpt2)")
 
@@ -122,7 +127,7 @@ class Vocab:
         if self.add_eos and self.eos is None:
             raise ModelFileError(f"{source}: {_KEY}add_eos_token is set but there is no valid eos_token_id")
         self._detect_special_tokens()
-        self._pieces: list = [None] * self.n_vocab   # token_to_piece(id, special=True), lazily
+        self._pieces: dict[int, bytes] = {}   # token_to_piece(id, special=True), lazily
         self._byte_ids: dict[int, int] = {}
 
     # ---------------------------------------------------------------- construction
@@ -139,7 +144,7 @@ class Vocab:
         tokens = md.get(_KEY + "tokens")
         if tokens is None:
             raise ModelFileError(f"{source}: {_KEY}tokens: missing (the file has no vocabulary)")
-        return cls(kind=kinds[model], tokens=list(tokens), token_types=md.get(_KEY + "token_type"),
+        return cls(kind=kinds[model], tokens=tokens, token_types=md.get(_KEY + "token_type"),
                    scores=md.get(_KEY + "scores"), merges=md.get(_KEY + "merges"),
                    pre=md.get(_KEY + "pre"), bos=md.get(_KEY + "bos_token_id"),
                    eos=md.get(_KEY + "eos_token_id"), eot=md.get(_KEY + "eot_token_id"),
@@ -279,7 +284,7 @@ class Vocab:
 
     def _piece(self, tid: int) -> bytes:
         """The bytes of a token as llama.cpp renders it with special=True (cached)."""
-        piece = self._pieces[tid]
+        piece = self._pieces.get(tid)
         if piece is not None:
             return piece
         attr = int(self.attrs[tid])
