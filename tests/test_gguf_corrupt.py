@@ -367,6 +367,6 @@ def test_vocab_size_mismatch_with_embedding(tmp_path):
     assert a.tensors["token_embd.weight"].shape == (64, 300)
     # splice: b's vocabulary arrays with a's tensors is what a bad converter produces
     msg = hparams_error(tmp_path, "token_embd.weight", "[64, 300]", "[64, 310]", n_vocab=300,
-                        metadata={"tokenizer.ggml.tokens": b.metadata["tokenizer.ggml.tokens"],
+                        metadata={"tokenizer.ggml.tokens": list(b.metadata["tokenizer.ggml.tokens"]),
                                   "tokenizer.ggml.token_type": (list(map(int, b.metadata["tokenizer.ggml.token_type"])), GVT.INT32)})
     assert "does not match" in msg
