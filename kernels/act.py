@@ -18,7 +18,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-PARALLEL_MIN_ROWS = 8  # fewer rows: serial (a parallel launch costs more than the work)
+from kernels import parallel
+
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_COEF_A = np.float32(0.044715)
 
@@ -89,7 +90,7 @@ def geglu(gate, up):
 def glu_fused(gate_up, n_ff, use_gelu):
     """The same on one [n, 2*n_ff] f32 array holding gate then up (a fused gate+up matmul)."""
     out = np.empty((gate_up.shape[0], n_ff), dtype=np.float32)
-    fn = _glu_rows_par if gate_up.shape[0] >= PARALLEL_MIN_ROWS else _glu_rows_ser
+    fn = _glu_rows_par if gate_up.shape[0] >= parallel.GLU_PAR_MIN_ROWS else _glu_rows_ser
     fn(gate_up, n_ff, use_gelu, out)
     return out
 

@@ -36,10 +36,11 @@ hides for every token of the block are skipped (causal prefill touches only the 
 
 The tile-level pieces (cache decode, scores, a tile's online-softmax step) are kernels/attention_tiles.py.
 
-Numerics: ggml's one-row CPU kernel first rounds Q to the vec-dot type of K (f16 for f16 K,
-8-bit blocks for quantized K); its tiled prompt kernel does not. ``round_q=True`` emulates the
-former, but it is off by default: the rounding is a step function that amplifies any difference
-in Q, and it did not bring the logits measurably closer to llama.cpp's (docs/performance.md).
+Numerics: ggml converts Q to K's vec-dot type before K·Q: 8-bit blocks for a quantized K and
+bf16 for a bf16 K on every path, f16 for an f16 K only on its one-row path.
+``round_q_to_vec_dot_type`` is that rounding; the forward applies it for quantized and bf16 K
+(runtime/arch/blocks.py: round_q_like_ggml, which also says why f16 K is left in f32), so
+``attention(round_q=...)`` stays False there (docs/performance.md has the perplexity effect).
 """
 import math
 
@@ -64,6 +65,7 @@ from kernels.attention_tiles import (
     _tile_live,
     dequant_cache_row,
 )
+from kernels import parallel
 from kernels.ggml_types import type_info
 from kernels.quants import dequantize, quantize
 from kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
@@ -71,7 +73,6 @@ from kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
 CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from the call's shape
 # below this many multiply-adds of K·Q a parallel launch costs more than it saves (a generated
 # token at a few hundred cells of context runs serially; long contexts and prompts in parallel)
-PARALLEL_MIN_WORK = 1 << 20
 
 
 @njit(cache=True, inline="always")
@@ -395,7 +396,7 @@ def _classic_attn_ser(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_
                       out)
 
 
-def round_q_like_ggml(q, type_k):
+def round_q_to_vec_dot_type(q, type_k):
     """Round Q to the vec-dot type ggml's CPU backend converts it to before K·Q.
 
     f16 K -> f16, bf16 K -> bf16, quantized K -> 8-bit blocks (q8_0 / q8_1 share values).
@@ -463,10 +464,10 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
         dv = v.shape[1] // n_head_kv
     if dk % LANES or dv % LANES:
         raise ValueError(f"attention: head sizes must be multiples of {LANES} (got K {dk}, V {dv})")
-    qr = round_q_like_ggml(q, int(type_k)) if round_q else q
+    qr = round_q_to_vec_dot_type(q, int(type_k)) if round_q else q
     qr = np.ascontiguousarray(qr, dtype=np.float32)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
-    par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= PARALLEL_MIN_WORK
+    par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= parallel.ATTN_PAR_MIN_MACS
     mask = np.ascontiguousarray(mask, dtype=np.float32)
     ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
     if start is None:

@@ -1,74 +1,81 @@
-"""y = x · Wᵀ for a quantized weight matrix W (``QMatrix``), for generation and for prefill.
+"""y = x · Wᵀ for a weight matrix W (``QMatrix``), kept in its file's block format, for every n.
 
-Weights stay quantized. At load time each matrix is repacked once (kernels/repack.py) into a
-row-interleaved layout — 32 rows side by side, scales separated from the 4- or 8-bit values —
-so that the SIMD lanes run over output rows (kernels/matmul_kernels.py).
+Block-quantized weights (q4_0 ... q8_0, iq4_nl, q2_K ... q6_K) run the integer kernel of
+kernels/matmul_int.py: the activations are quantized per row to ggml's q8_0 / q8_1 / q8_K and
+each block's dot product is an exact integer sum (VNNI where the CPU has it, kernels/cpu.py),
+scaled in one fixed float order — ggml's own arithmetic. Float weights (f32 / f16 / bf16) run
+the float kernel of kernels/matmul_kernels.py. Both are one kernel for every number of tokens,
+so ``W.matmul(x)[t]`` is bit-identical to ``W.matmul(x[t:t+1])[0]`` whatever the batch, the
+thread count and the token chunk (tests/test_matmul.py and tests/test_matmul_int.py assert it).
 
-**Batch invariance.** Every n (1 for generation, up to n_ubatch for prefill) runs the same
-kernel, ``matmul_blocks``, and each output element y[t, r] is computed by the same explicit
-vector operations in the same order whatever n is, whatever the other rows of x are and
-whatever the thread count: ``W.matmul(x)[t]`` is bit-identical to ``W.matmul(x[t:t+1])[0]``
-(tests/test_matmul.py asserts it with array_equal for every layout). Before, n < 8 ran numba
-gemv kernels and n >= 8 decoded panels for a BLAS sgemm; the two rounded differently in the
-last bit, and with an f16 KV cache that made token-by-token decoding of SmolLM2 differ from
-one-batch decoding by up to 3e-2 in the logits. BLAS is not used for weights any more: its
-summation order depends on n.
-
-Measured choices (this machine shared with other busy sessions, so ±30 %; one thread,
-process time; GMAC/s = m·k·n / time; benchmarks/bench_matmul.py --threads 1, and the old
-kernels run on the same packed arrays in the same session for the comparisons):
-- explicit <16 x float> vectors (kernels/simd.py) instead of loops left to LLVM's vectorizer:
-  the vectorizer only handles innermost loops, so a register-blocked multi-token loop came out
-  scalar (2 GMAC/s), and with fastmath it may reassociate sums differently per loop nest.
-- prefill: a block is decoded once per 32-token chunk into a 4 KB scratch and four tokens at a
-  time go through it with 16 accumulators in zmm registers (16 FMAs per 4 vector loads; six
-  tokens measured the same). SmolLM2 q4_1 40 GMAC/s (decode + sgemm before: 43), q8_0 46 (28);
-  Gemma-3 q4_K 39 (33), q5_0 42 (31), q8_0 41 (32), q6_K 32 (40: its 16-value blocks double
-  the per-block work of applying scales); best runs 57-61 GMAC/s, against 83 for a pure
-  register FMA loop. Under load the numba pool also degrades far less than OpenBLAS's spinning
-  threads did (SmolLM2 prefill matmuls 1.4-1.6 s vs 4 s per 512 tokens at load average 4).
-  Tried without gain: a block-major copy of x per call (tokens contiguous per block; 0-18 %
-  slower), dynamic scheduling of the runs (numba.set_parallel_chunksize; same times).
-- generation (fewer than 4 tokens in a chunk): the block is decoded in registers, no scratch;
-  two partial sums per half of the rows keep 4 FMA chains in flight. 17.6-19.5 GMAC/s in
-  cache for q4_1 / q8_0 / q4_K / q6_K (old gemv in the same session: 10.4-14.7). It is bound by
-  the decode uops (widen + convert per 16 values); widening the nibble bytes to i32 before
-  masking measured the same.
-- work split: (32-row group, 32-token chunk) items, cut into RUNS_PER_THREAD runs of consecutive
-  items per possible thread; each run allocates its scratch once (per-item allocation and
-  call overhead cost ~40 % on the small generation matrices) and keeps a row group's weights
-  in cache across its token chunks (interleaved items re-streamed Gemma's 167 MB output matrix
-  once per chunk). The parallel kernel only splits items and calls a serial function: numba's
-  parfor passes over the whole body took 7 of 9.5 s of compiling one specialization (now
-  4-6 s per layout and scale dtype on a cold cache; SmolLM2's cold first token 35.7 s against
-  39.3 s with the old gemv + decode kernels, same session).
-- token chunk 32 vs 64 / 128 / 256 (one thread, min of 12 alternating runs, three sessions):
-  32 is the fastest or within noise everywhere, clearly for k = 1536 / 2048 (q4_1 576x1536
-  31-34 vs 28-32 GMAC/s at 64, q6_K 640x2048 30-47 vs 29-43, 22-31 at 256).
+At load time each matrix is repacked once into a row-interleaved layout, 32 output rows side by
+side (kernels/qlayout.py, kernels/repack.py), so that the SIMD lanes run over rows. Measured
+choices (token chunk, work split, variants tried) are in docs/performance.md.
 """
 from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
 
 import numba
 import numpy as np
 
+from kernels.cpu import ISA
 from kernels.ggml_types import GGMLType, row_bytes
+from kernels.matmul_int import matmul_q, matmul_q_serial
+from kernels import parallel
 from kernels.matmul_kernels import matmul_blocks
+from kernels.qlayout import repack_int
 from kernels.quants import dequantize
 from kernels.repack import padded_k, repack
+
+FLOAT_TYPES = (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16))
 
 TOKEN_CHUNK = 32  # tokens per work item: a decoded block is reused by up to this many tokens
 RUNS_PER_THREAD = 4  # prange iterations per (possible) thread, each a run of consecutive work items
 
 
+def _mmap_backed(a: np.ndarray) -> bool:
+    """Whether a's memory is a view on an mmap (a model file's pages), not a private copy."""
+    b = a
+    while isinstance(b, np.ndarray):
+        b = b.base
+    if isinstance(b, memoryview):  # np.frombuffer(mmap) views the mmap through a memoryview
+        b = b.obj
+    return isinstance(b, mmap.mmap)
+
+
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+
+
+def release_file_pages(a: np.ndarray) -> None:
+    """Drop a's file pages from this process's resident set (Linux MADV_DONTNEED on a read-only
+    file mapping: the data stays in the page cache and faults back in if read again). After the
+    repack only get_rows reads the original rows, a few of them per token; without this the
+    file's pages would stay resident next to their repacked copy."""
+    if not sys.platform.startswith("linux") or a.size == 0 or not _mmap_backed(a):
+        return
+    start = a.ctypes.data & ~(_PAGE - 1)
+    end = a.ctypes.data + a.nbytes
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                 ctypes.c_int(_MADV_DONTNEED))
+    except (OSError, AttributeError):  # no madvise: the pages just stay resident
+        pass
+
+
 class QMatrix:
     """A weight matrix of m rows by k values in ggml type t, kept quantized.
 
-    raw: u8 [m, row_bytes] (a read-only view on the model's mmap is fine; it is only read
-    again by get_rows). Attributes: m, k, t, kind (packed layout), nbytes (bytes in the
-    file), packed_nbytes.
+    raw: u8 [m, row_bytes] (a read-only view on the model's mmap is fine: its pages are
+    released from the resident set as they are repacked, and only get_rows reads rows of it
+    again). Attributes: m, k, t, kind (packed layout), fmt (the integer kernel's QFormat, None
+    for float weights), nbytes (bytes in the file), packed_nbytes.
     """
 
-    def __init__(self, raw: np.ndarray, t: int, k: int):
+    def __init__(self, raw: np.ndarray, t: int, k: int, keep_raw: bool = True):
         if raw.ndim != 2 or raw.dtype != np.uint8:
             raise ValueError(f"QMatrix: raw must be uint8 [m, row_bytes], got {raw.dtype} {raw.shape}")
         rb = row_bytes(t, k)
@@ -80,8 +87,17 @@ class QMatrix:
         self.m = int(raw.shape[0])
         self.nbytes = int(raw.nbytes)
         self._k_packed = padded_k(self.t, self.k)  # float rows are padded to whole 32-blocks
-        self.kind, self._packed = repack(raw, t, k)
+        if self.t in FLOAT_TYPES:
+            self.fmt = None
+            self.kind, self._packed = repack(raw, t, k)
+            release_file_pages(raw)
+        else:
+            self.kind = "int"
+            self.fmt, self._packed = repack_int(raw, t, k, done=release_file_pages)
         self.packed_nbytes = int(sum(a.nbytes for a in self._packed))
+        if not keep_raw:  # e.g. a fused copy: only the repacked rows are held
+            self.raw = None
+        self._macs_per_token = self.m * self.k
 
     def __repr__(self) -> str:
         return f"QMatrix({GGMLType(self.t).name}, m={self.m}, k={self.k})"
@@ -101,11 +117,19 @@ class QMatrix:
             x = xp
         y = np.empty((n, self.m), np.float32)  # [n, m]
         if n:
-            matmul_blocks(*self._packed, x, y, TOKEN_CHUNK, RUNS_PER_THREAD * numba.config.NUMBA_NUM_THREADS)
+            runs = RUNS_PER_THREAD * numba.config.NUMBA_NUM_THREADS
+            if self.fmt is None:
+                matmul_blocks(*self._packed, x, y, TOKEN_CHUNK, runs)
+            elif n * self._macs_per_token < parallel.MATMUL_PAR_MIN_MACS:
+                matmul_q_serial(ISA, self.fmt, *self._packed, x, y, TOKEN_CHUNK)
+            else:
+                matmul_q(ISA, self.fmt, *self._packed, x, y, TOKEN_CHUNK, runs)
         return y
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""
+        if self.raw is None:
+            raise ValueError(f"{self!r}.get_rows: this matrix was loaded without its original rows")
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.m):
             raise IndexError(f"QMatrix.get_rows: id out of range 0..{self.m - 1}")

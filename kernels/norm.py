@@ -16,7 +16,8 @@ LLVM choose the order per loop nest), the scaling is plain IEEE arithmetic. It c
 import numpy as np
 from numba import njit, prange
 
-PARALLEL_MIN_ROWS = 16  # fewer rows than this: serial
+from kernels import parallel
+
 
 
 @njit(cache=True)
@@ -89,7 +90,7 @@ def rms_norm(x, w, eps, out=None):
     if out is None:
         out = np.empty_like(x)
     o2 = out.reshape(-1, d)
-    fn = _rms_norm_par if x2.shape[0] >= PARALLEL_MIN_ROWS else _rms_norm_ser
+    fn = _rms_norm_par if x2.shape[0] >= parallel.RMS_NORM_PAR_MIN_ROWS else _rms_norm_ser
     if w is None:
         fn(x2, _NO_WEIGHT, False, np.float64(eps), o2)
     else:

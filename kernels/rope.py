@@ -15,9 +15,9 @@ work is a few hundred values per token next to cos/sin calls.
 import numpy as np
 from numba import njit, prange
 
+from kernels import parallel
 from kernels.norm import rms_norm_row
 
-PARALLEL_MIN_TOKENS = 16  # fewer tokens: prepare_qkv runs its serial twin
 
 
 @njit(cache=True, inline="always")
@@ -141,7 +141,7 @@ def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_
     k = np.empty((n, n_head_kv, head_dim), dtype=np.float32)
     v = np.empty((n, v_in.shape[1]), dtype=np.float32)
     has_norm = q_norm is not None
-    fn = _prep_qkv_par if n >= PARALLEL_MIN_TOKENS else _prep_qkv_ser
+    fn = _prep_qkv_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_qkv_ser
     fn(q_in, k_in, v_in, q_norm if has_norm else _ONE, k_norm if has_norm else _ONE, has_norm,
        np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), int(n_rot),
        _theta_scale(freq_base, n_rot), np.float32(freq_scale), _factors(freq_factors, n_rot),

@@ -179,3 +179,15 @@ def vhsum(typingctx, v):
         return builder.extract_element(x, ir.Constant(_I32, 0))
 
     return types.float32(v), codegen
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """a * b lane by lane (one rounding)."""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], args[1])
+
+    return f32vec(a, b), codegen

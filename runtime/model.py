@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kernels.ggml_types import GGMLType
-from kernels.matmul import QMatrix
+from kernels.matmul import QMatrix, release_file_pages
 from runtime.arch import get_arch, is_supported, unsupported_message
 from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
@@ -73,6 +73,7 @@ class Model:
             hp = HParams.from_gguf(gf)
             vocab = Vocab.from_gguf(gf)
             weights = load_weights(gf, hp, arch)
+            release_file_pages(gf.raw)  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
         except BaseException:
             gf.close()
             raise
@@ -139,7 +140,9 @@ def _fused(infos: list) -> QMatrix | None:
     if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
         return None
     raw = np.concatenate([i.data for i in infos], axis=0)  # [sum m, row_bytes] u8
-    return QMatrix(raw, t0, k0)
+    for i in infos:
+        release_file_pages(i.data)  # the parts' file pages: only the repacked rows stay resident
+    return QMatrix(raw, t0, k0, keep_raw=False)
 
 
 def _load_one(gf: GGUFFile, spec):

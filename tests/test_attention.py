@@ -9,7 +9,8 @@ import gguf.quants as gq
 import numpy as np
 import pytest
 
-from kernels.attention import attention, round_q_like_ggml
+from kernels import parallel
+from kernels.attention import attention, round_q_to_vec_dot_type
 from kernels.ggml_types import GGMLType
 
 CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
@@ -134,7 +135,7 @@ def test_fully_masked_query_gives_zeros():
 @pytest.mark.parametrize("type_k", ["f16", "q8_0", "q4_0", "bf16"])
 def test_q_rounding_follows_ggml_vec_dot_type(type_k):
     q = np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32)
-    r = round_q_like_ggml(q, int(GGMLType[type_k.upper()]))
+    r = round_q_to_vec_dot_type(q, int(GGMLType[type_k.upper()]))
     if type_k == "f16":
         np.testing.assert_array_equal(r, q.astype(np.float16).astype(np.float32))
     else:
@@ -313,8 +314,8 @@ def test_each_row_is_bit_identical_to_the_row_computed_alone(type_k, flash, monk
     try:
         for n_threads in (1, 2):
             numba.set_num_threads(n_threads)
-            for min_work in (ka.PARALLEL_MIN_WORK, 0):
-                monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", min_work)
+            for min_work in (parallel.ATTN_PAR_MIN_MACS, 0):
+                monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", min_work)
                 for n in BATCH_SIZES:
                     got = attention(q[-n:], k, tk, v, tv, mask[-n:], ts[-n:], 3, 0.125, flash=flash,
                                     n_threads=n_threads)
@@ -343,7 +344,7 @@ def test_sliding_window_rows_and_other_companions_are_invariant(flash, monkeypat
     try:
         for n_threads in (1, 2):
             numba.set_num_threads(n_threads)
-            monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", 0)
+            monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", 0)
             got = attention(q[pick], k, GGMLType.F16, v, GGMLType.F16, mask[pick], ts[pick], 2, 0.125,
                             flash=flash, n_threads=n_threads)
             np.testing.assert_array_equal(got, alone[pick])
@@ -369,7 +370,7 @@ def test_two_streams_rows_are_invariant(monkeypatch):
     n_threads0 = numba.get_num_threads()
     try:
         numba.set_num_threads(2)
-        monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", 0)
         for n in (1, 2, 7, 16):
             got = attention(q[-n:], k, GGMLType.Q8_0, v, GGMLType.Q8_0, mask[-n:], ts[-n:], 3, 0.125, n_threads=2)
             np.testing.assert_array_equal(got, alone[-n:])

@@ -40,6 +40,18 @@ def _w(gf, name):
     return np.asarray(vals, dtype=np.float64).reshape(tuple(reversed(ti.shape)))
 
 
+def _mm(gf, x, name):
+    """x @ W.T as ggml computes it: for a block-quantized W the activations are first rounded to
+    its vec_dot type (q8_0 / q8_1 / q8_K, tests/qref.py), then multiplied exactly (float64)."""
+    from kernels.qlayout import FORMATS
+    from tests.qref import dequantized_act
+
+    t = int(gf.tensors[name].ggml_type)
+    if t in [int(f) for f in FORMATS]:
+        x = dequantized_act(np.asarray(x, np.float32), t)
+    return x @ _w(gf, name).T
+
+
 def _rms(x, w, eps):
     y = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
     return y * w if w is not None else y
@@ -70,8 +82,9 @@ def reference_forward(path, tokens):
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         W = lambda s: _w(gf, p + s)  # noqa: E731
+        M = lambda h, s: _mm(gf, h, p + s)  # noqa: E731
         h = _rms(x, W("attn_norm.weight"), hp.norm_eps)
-        q, k, v = h @ W("attn_q.weight").T, h @ W("attn_k.weight").T, h @ W("attn_v.weight").T
+        q, k, v = M(h, "attn_q.weight"), M(h, "attn_k.weight"), M(h, "attn_v.weight")
         for t, b in ((q, "attn_q.bias"), (k, "attn_k.bias"), (v, "attn_v.bias")):
             if W(b) is not None:
                 t += W(b)
@@ -91,23 +104,21 @@ def reference_forward(path, tokens):
             s = np.where(visible, s, -np.inf)
             pr = np.exp(s - s.max(1, keepdims=True))
             att[:, hh] = (pr / pr.sum(1, keepdims=True)) @ v[:, hh // (H // KV)]
-        o = att.reshape(n, -1) @ W("attn_output.weight").T
+        o = M(att.reshape(n, -1), "attn_output.weight")
         if hp.arch == "gemma3":
             x = x + _rms(o, W("post_attention_norm.weight"), hp.norm_eps)
             h = _rms(x, W("ffn_norm.weight"), hp.norm_eps)
-            g = h @ W("ffn_gate.weight").T
+            g = M(h, "ffn_gate.weight")
             a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * g * (1 + 0.044715 * g * g)))
-            f = (a * (h @ W("ffn_up.weight").T)) @ W("ffn_down.weight").T
+            f = M(a * M(h, "ffn_up.weight"), "ffn_down.weight")
             x = x + _rms(f, W("post_ffw_norm.weight"), hp.norm_eps)
         else:
             x = x + o
             h = _rms(x, W("ffn_norm.weight"), hp.norm_eps)
-            g = h @ W("ffn_gate.weight").T
-            x = x + ((g / (1 + np.exp(-g))) * (h @ W("ffn_up.weight").T)) @ W("ffn_down.weight").T
-    out = _w(gf, "output.weight")
-    if out is None:
-        out = _w(gf, "token_embd.weight")
-    logits = _rms(x, _w(gf, "output_norm.weight"), hp.norm_eps) @ out.T
+            g = M(h, "ffn_gate.weight")
+            x = x + M((g / (1 + np.exp(-g))) * M(h, "ffn_up.weight"), "ffn_down.weight")
+    out = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
+    logits = _mm(gf, _rms(x, _w(gf, "output_norm.weight"), hp.norm_eps), out)
     if hp.final_logit_softcap:
         logits = np.tanh(logits / hp.final_logit_softcap) * hp.final_logit_softcap
     gf.close()
@@ -141,7 +152,17 @@ def test_tiny_models_match_float64_reference(tmp_path, arch, opts, cache, flash,
     ref = reference_forward(path, tokens)
     got = decode_all(model, tokens, type_k=cache, type_v=cache, flash=flash)
     assert got.shape == ref.shape
-    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * max(1.0, np.abs(ref).max()))
+    scale = max(1.0, np.abs(ref).max())
+    if opts.get("weight_type", GGMLType.F32) != GGMLType.F32:
+        # quantized weights: the reference rounds the activations as ggml does, so rows agree to
+        # float rounding until a last-bit difference upstream flips one rounding to the next
+        # q8 step; attention carries that to the later tokens (~1 % here, one step of one value).
+        # An f16 / q8_0 cache rounds K and V, which flips many of them (up to ~2 %).
+        if cache == "f32":
+            row_err = np.abs(got - ref).max(axis=1)
+            assert np.mean(row_err <= tol * scale) >= 0.5, f"most rows should match tightly: {row_err}"
+        tol = max(tol, 3e-2)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * scale)
 
 
 def test_only_flagged_outputs_are_computed(tmp_path):

@@ -2,12 +2,16 @@
 the batch invariance of matmul: row t of W.matmul(x) is bit-identical to W.matmul(x[t:t+1])[0]
 whatever n, the other rows of x, the token chunk and the thread count.
 
-Tolerance: the kernels compute in float32 (per block d * (q . x) + mn * sum(x), accumulated in
-float32 in one fixed order, kernels/matmul_kernels.py). The classic bound for a float sum of k
-products is |err| <= gamma_{k+2} * sum_i |x_i w_i| with gamma_j = j * eps / (1 - j * eps);
-the decode adds at most two roundings per weight. So we assert
-    |y - x @ W.T| <= (k + 4) * eps32 * (|x| @ |W|.T)
+Tolerance: float weights are multiplied in float32 (kernels/matmul_kernels.py: per block
+s_a + s_b fma chains, accumulated in one fixed order); block-quantized weights by exact integer
+block dots on activations quantized as ggml does (kernels/matmul_int.py), so their reference is
+the float64 product of the dequantized weights with those quantized activations
+(tests/qref.py). The classic bound for a float sum of k products is
+|err| <= gamma_{k+2} * sum_i |x_i w_i| with gamma_j = j * eps / (1 - j * eps); the decode or
+the scale steps add at most two roundings per term. So we assert
+    |y - ref| <= (k + 4) * eps32 * (|x| @ |W|.T)
 computed in float64 — a proven bound, not a fitted one (typical errors are ~100x below it).
+tests/test_matmul_int.py covers the integer kernel's paths in detail.
 """
 from __future__ import annotations
 
@@ -55,11 +59,16 @@ def reference(raw: np.ndarray, t: GGMLType, k: int) -> np.ndarray:
 
 
 def assert_matmul_close(qm: QMatrix, w: np.ndarray, x: np.ndarray) -> None:
+    from tests.qref import int_matmul_reference
+
     y = qm.matmul(x)  # [n, m]
     assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == np.float32
-    x64 = x.astype(np.float64)
-    ref = x64 @ w.T
-    bound = (qm.k + 4) * EPS32 * (np.abs(x64) @ np.abs(w).T)
+    if qm.fmt is not None:  # integer kernel: the product with ggml's quantized activations
+        ref, base = int_matmul_reference(np.ascontiguousarray(qm.raw), qm.t, qm.k, x)
+    else:
+        x64 = x.astype(np.float64)
+        ref, base = x64 @ w.T, np.abs(x64) @ np.abs(w).T
+    bound = (qm.k + 4) * EPS32 * base
     err = np.abs(y - ref)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
     assert np.all(err <= bound), f"error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
@@ -102,15 +111,15 @@ def test_one_dimensional_x_and_tiny_matrix():
 def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
     """Work items are (32-row group, token chunk) pairs, the last of each partial, cut into runs
     of consecutive items for the threads. Chunk size and runs decide only which item computes
-    an element, never its value."""
+    an element, never its value (float layout here; the integer kernel in test_matmul_int)."""
     import kernels.matmul as mm
     from kernels.matmul_kernels import matmul_blocks
 
-    raw = random_raw(GGMLType.Q4_1, 32 * 5 + 3, 64, seed=4)
-    qm = QMatrix(raw, GGMLType.Q4_1, 64)
+    raw = random_raw(GGMLType.F16, 32 * 5 + 3, 64, seed=4)
+    qm = QMatrix(raw, GGMLType.F16, 64)
     x = np.random.default_rng(5).standard_normal((21, 64)).astype(np.float32)
     want = qm.matmul(x)
-    assert_matmul_close(qm, reference(raw, GGMLType.Q4_1, 64), x)
+    assert_matmul_close(qm, reference(raw, GGMLType.F16, 64), x)
     for chunk in (1, 4, 5, 8, 21, 64):
         monkeypatch.setattr(mm, "TOKEN_CHUNK", chunk)
         assert np.array_equal(qm.matmul(x), want), f"token chunk {chunk} changed the result"
@@ -182,32 +191,24 @@ def test_f16_scale_decode_is_exact_for_every_half():
     assert np.isnan(got[nan]).all()
 
 
-@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q3_K,
-                               GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_1],
-                         ids=lambda t: t.name)
-def test_packed_layout_streams_no_zero_offsets_and_f16_scales(t):
-    """Symmetric formats keep no offset array; formats with f16 scales in the file keep 2-byte scales."""
+@pytest.mark.parametrize("t", list(F16_FIELDS), ids=lambda t: t.name)
+def test_packed_layout_holds_the_file_bytes_once_with_f16_scales(t):
+    """The integer layout keeps the file's f16 scales as 2-byte patterns, no offset array for
+    the symmetric formats, and 4-bit values two per byte (q4_0 / q4_1 / q8_0: exactly the file's
+    bytes; q4_K: +4 bytes per super-block for unpacked 6-bit scales and mins)."""
     k = 512 if type_info(t).block_size == 256 else 64
     m = 64
-    qm = QMatrix(random_raw(t, m, k, seed=7), t, k)
-    q, d, mn = qm._packed
-    symmetric = t in (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q3_K)
-    assert (mn.size == 0) == symmetric
-    if type_info(t).block_size == 32:
-        assert d.dtype == np.uint16 and (mn.size == 0 or mn.dtype == np.uint16)
-        values_bytes = m * k if qm.kind == "i8" else m * k // 2
-        assert qm.packed_nbytes == values_bytes + (2 if symmetric else 4) * m * (k // 32)
-
-
-def test_scale_overflowing_f16_falls_back_to_f32():
-    """q4_0's offset -8 d overflows f16 for d > 8188: the repack keeps f32 scales and stays exact."""
-    raw = random_raw(GGMLType.Q4_0, 33, 64, seed=8)
-    raw[5, 0:2] = np.array([30000.0], np.float16).view(np.uint8)  # d = 30000, -8 d = -240000
-    qm = QMatrix(raw, GGMLType.Q4_0, 64)
-    assert qm._packed[1].dtype == np.float32
-    x = np.random.default_rng(9).standard_normal((2, 64)).astype(np.float32)
-    assert_matmul_close(qm, reference(raw, GGMLType.Q4_0, 64), x)
-    assert_matmul_close(qm, reference(raw, GGMLType.Q4_0, 64), np.tile(x, (6, 1)))
+    raw = random_raw(t, m, k, seed=7)
+    qm = QMatrix(raw, t, k)
+    q, d, mm, sc, mn = qm._packed
+    assert d.dtype == np.uint16 and (mm.size == 0 or mm.dtype == np.uint16)
+    symmetric = t in (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q3_K, GGMLType.Q4_0)
+    assert (mm.size == 0) == symmetric
+    assert q.nbytes == (m * k // 2 if qm.fmt.nib else m * k)
+    if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
+        assert qm.packed_nbytes == raw.nbytes
+    if t == GGMLType.Q4_K:
+        assert qm.packed_nbytes == raw.nbytes + 4 * m * (k // 256)
 
 
 # ---- batch invariance: every output element computed the same way whatever the batch ----------
@@ -244,15 +245,18 @@ def _invariance_cases():
 
 
 def test_invariance_cases_cover_every_layout():
-    """nib, i8 with and without offsets (f16 and f32 scales), and the float layout are all tested."""
+    """Nibbles, unsigned and signed bytes, legacy and K-quant scales, both offset terms, and the
+    float layout are all in the batch-invariance cases."""
     seen = set()
     for p in _invariance_cases():
         t, k = p.values
         qm = QMatrix(random_raw(t, 33, k), t, k)
-        q, d, mn = qm._packed
-        seen.add((qm.kind, mn.size > 0, d.dtype.name if d.size else "none"))
-    assert {("nib", True, "uint16"), ("nib", True, "float32"), ("i8", True, "uint16"), ("i8", True, "float32"),
-            ("i8", False, "uint16"), ("i8", False, "float32"), ("f32", False, "none")} <= seen
+        f = qm.fmt
+        seen.add("f32" if f is None else (f.nib, f.signed, f.n_sub > 1, f.lmin, f.kmin))
+    assert {"f32", (True, False, False, True, False), (True, False, False, False, False),
+            (False, True, False, False, False), (False, False, False, True, False),
+            (True, False, True, False, True), (False, False, True, False, False),
+            (False, False, True, False, True)} <= seen
 
 
 @pytest.mark.parametrize("t,k", list(_invariance_cases()))

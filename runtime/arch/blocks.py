@@ -10,8 +10,8 @@ import numpy as np
 
 from kernels.act import geglu, glu_fused, swiglu
 from kernels.attention import attention
+from kernels.attention import round_q_to_vec_dot_type
 from kernels.gelu_table import geglu_f16_table
-from kernels.attention import round_q_like_ggml as round_q_to_vec_dot_type
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv

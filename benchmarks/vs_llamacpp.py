@@ -1,0 +1,107 @@
+"""kvchat against llama.cpp on the same model, interleaved, as ratios.
+
+    python benchmarks/vs_llamacpp.py --llama-bench PATH/llama-bench [-m smollm2 -m gemma3 | -m FILE.gguf]
+        [--rounds 3] [--reps 2] [--threads 2] [--tests pp512,tg128,tg128@d4096] [--caches f16,q8_0]
+
+For every model, test and cache type, each round runs ``kvchat bench`` and then ``llama-bench``
+with the same settings (one process each, alternating, so that both see the same machine load)
+and the table reports the median t/s of the rounds and the ratio of the medians. The machine is
+shared: only the ratio of runs made side by side means anything; absolute t/s do not.
+
+Tests: ``ppN`` (a prompt of N tokens), ``tgN`` (N generated tokens), ``tgN@dD`` (N generated
+tokens after D tokens in the cache). Flash attention is on for both (the q8_0 V cache needs it).
+How to build llama-bench: docs/performance.md, "Side by side with llama.cpp".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {
+    "smollm2": Path.home() / ".cache/kvchat/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gemma3": Path.home() / ".cache/kvchat/models/gemma-3-270m-q4_k_m.gguf",
+}
+
+
+def parse_test(name: str) -> tuple[int, int, int]:
+    """"pp512" -> (512, 0, 0); "tg128" -> (0, 128, 0); "tg128@d4096" -> (0, 128, 4096)."""
+    m = re.fullmatch(r"(pp|tg)(\d+)(?:@d(\d+))?", name)
+    if not m:
+        raise SystemExit(f"vs_llamacpp: test '{name}' is not ppN, tgN or tgN@dD")
+    n = int(m.group(2))
+    depth = int(m.group(3) or 0)
+    return (n, 0, depth) if m.group(1) == "pp" else (0, n, depth)
+
+
+def _json_tail(text: str):
+    """The JSON array a tool printed (kvchat may print a spinner line before it)."""
+    i = text.find("[")
+    if i < 0:
+        raise ValueError(text[-500:])
+    return json.loads(text[i:])
+
+
+def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int) -> float:
+    p, n, d = test
+    cmd = [sys.executable, "-c", "from cli.app import main; main()", "bench", "-m", str(model), "-p", str(p),
+           "-n", str(n), "-d", str(d), "-r", str(reps), "-t", str(threads), "-ctk", cache, "-ctv", cache,
+           "-fa", "on", "--json"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    rows = _json_tail(out.stdout)
+    return float(rows[-1]["avg_ts"])
+
+
+def run_llama(binary: Path, model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int) -> float:
+    p, n, d = test
+    cmd = [str(binary), "-m", str(model), "-p", str(p), "-n", str(n), "-r", str(reps), "-t", str(threads),
+           "-ctk", cache, "-ctv", cache, "-fa", "on", "-o", "json"]
+    if d:
+        cmd += ["-d", str(d)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = _json_tail(out.stdout)
+    return float(rows[-1]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-bench", required=True, type=Path)
+    ap.add_argument("-m", "--model", action="append", help="smollm2, gemma3 or a .gguf path (repeatable)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2, help="repetitions inside each tool's run (-r)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tests", default="pp512,tg128,tg128@d4096")
+    ap.add_argument("--caches", default="f16,q8_0")
+    a = ap.parse_args()
+    if not a.llama_bench.is_file():
+        raise SystemExit(f"vs_llamacpp: no llama-bench at {a.llama_bench} (docs/performance.md says how to build one)")
+    models = [MODELS.get(m, Path(m)) for m in (a.model or ["smollm2", "gemma3"])]
+    tests = [t.strip() for t in a.tests.split(",") if t.strip()]
+    caches = [c.strip() for c in a.caches.split(",") if c.strip()]
+    rows = []
+    for model in models:
+        for test in tests:
+            # depth tests run with every cache type; plain pp / tg with the first (f16) only
+            for cache in (caches if "@d" in test else caches[:1]):
+                ours, theirs = [], []
+                for r in range(a.rounds):
+                    ours.append(run_kvchat(model, parse_test(test), cache, a.reps, a.threads))
+                    theirs.append(run_llama(a.llama_bench, model, parse_test(test), cache, a.reps, a.threads))
+                    print(f"  {model.name} {test} {cache} round {r + 1}: kvchat {ours[-1]:.1f}  llama.cpp {theirs[-1]:.1f}",
+                          file=sys.stderr, flush=True)
+                mo, mt = statistics.median(ours), statistics.median(theirs)
+                rows.append((model.name, test, cache, mo, mt, mo / mt, ours, theirs))
+    print(f"| model | test | cache | kvchat t/s | llama.cpp t/s | ratio | rounds (kvchat / llama.cpp) |")
+    print("|---|---|---|---:|---:|---:|---|")
+    for name, test, cache, mo, mt, ratio, ours, theirs in rows:
+        per = ", ".join(f"{o:.0f}/{t:.0f}" for o, t in zip(ours, theirs))
+        print(f"| {name} | {test} | {cache} | {mo:.1f} | {mt:.1f} | **{ratio:.2f}×** | {per} |")
+
+
+if __name__ == "__main__":
+    main()

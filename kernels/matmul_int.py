@@ -1,0 +1,305 @@
+"""y = x · Wᵀ for a block-quantized W by exact integer block dot products (ggml's vec_dot scheme).
+
+One kernel, ``matmul_q``, for every weight type of kernels/qlayout.py and every number of
+tokens. Each row of x is first quantized to the weight's activation format
+(kernels/quant_act.py: q8_0, q8_1 or q8_K, ggml's rounding); then for output element y[t, r],
+per sub-block j of S values (signed weight values w = stored - offset):
+
+    i_j  = sum_v w[r, v] * xq[t, v]                        (exact: i32 integer dot products)
+    legacy formats (one sub-block per 32-block b):
+        acc = fma(d[r, b] * xd[t, b], float(i_b), acc)
+        acc = fma(m[r, b], xm[t, b], acc)                 (q4_1 / q5_1: q8_1's s term)
+    K-quants (super-block B of 256 values):
+        I = sum_j sc[r, j] * i_j,  M = sum_j mn[r, j] * xsum_j           (exact integers)
+        acc = fma(d[r, B] * xd[t, B], float(I), acc)
+        acc = fma(-dmin[r, B] * xd[t, B], float(M), acc)  (q4_K / q5_K / q2_K)
+
+blocks in ascending order, from +0. This is ggml's arithmetic (integer sums inside a block,
+one float scale step per block) with one fixed float order, so y[t] depends on row t of x
+only — bit for bit whatever n, the other rows, the token chunk, the thread count and the
+instruction path (kernels/simd_int.py: the integers are the same on every path, and the float
+steps are the same explicit kernels/simd.py operations). tests/test_matmul_int.py asserts it
+with array_equal.
+
+Work split: prange over runs of (32-row group, chunk of token_chunk tokens) items, as
+kernels/matmul_kernels.py; an item computes each of its tokens in turn over the whole row
+(the row group's weights stay in L1/L2 across the chunk's tokens).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
+from kernels.qlayout import ACT_Q8_K, R, QFormatType
+from kernels.quant_act import quantize_row_q8
+from kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
+from kernels.simd_int import bhi, blo, bload, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
+
+
+
+def fmt_get(fmt, field):
+    """A QFormat field as a compile-time constant inside njit code."""
+    raise NotImplementedError
+
+
+@overload(fmt_get, inline="always")
+def _fmt_get(fmt, field):
+    if isinstance(fmt, QFormatType) and isinstance(field, types.StringLiteral):
+        v = getattr(fmt.fmt, field.literal_value)
+        return lambda fmt, field: v
+    return None
+
+
+@njit(cache=True, inline="always")
+def _sub_dot(isa, fmt, q, base, x32, t, xo):
+    """Integer dots of one sub-block for the 32 rows of a group: (rows 0-15, rows 16-31), raw
+    (offset and signed bias not yet removed)."""
+    p0, p1, p2, p3 = izero(), izero(), izero(), izero()
+    if fmt_get(fmt, "nib"):
+        for s in range(4):
+            v0 = bload(q, base + s * 128)
+            v1 = bload(q, base + s * 128 + 64)
+            xl = x32[t, xo + s]
+            xh = x32[t, xo + 4 + s]
+            p0 = idot(isa, p0, blo(v0), xl)
+            p1 = idot(isa, p1, blo(v1), xl)
+            p2 = idot(isa, p2, bhi(v0), xh)
+            p3 = idot(isa, p3, bhi(v1), xh)
+    else:
+        S = fmt_get(fmt, "sub")
+        for s in range(0, S // 4, 2):
+            xa = x32[t, xo + s]
+            xb = x32[t, xo + s + 1]
+            if fmt_get(fmt, "signed"):
+                p0 = idot_s(isa, p0, bload(q, base + s * 128), xa)
+                p1 = idot_s(isa, p1, bload(q, base + s * 128 + 64), xa)
+                p2 = idot_s(isa, p2, bload(q, base + s * 128 + 128), xb)
+                p3 = idot_s(isa, p3, bload(q, base + s * 128 + 192), xb)
+            else:
+                p0 = idot(isa, p0, bload(q, base + s * 128), xa)
+                p1 = idot(isa, p1, bload(q, base + s * 128 + 64), xa)
+                p2 = idot(isa, p2, bload(q, base + s * 128 + 128), xb)
+                p3 = idot(isa, p3, bload(q, base + s * 128 + 192), xb)
+    return iadd(p0, p2), iadd(p1, p3)
+
+
+@njit(cache=True, inline="always")
+def _sub_dot4(isa, fmt, q, base, x32, t, xo):
+    """_sub_dot for tokens t .. t+3 at once: each weight vector is loaded (and its nibbles split)
+    once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31). The integers equal
+    _sub_dot's (exact sums, only their association differs)."""
+    z = izero()
+    p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+    if fmt_get(fmt, "nib"):
+        for s in range(4):
+            v0 = bload(q, base + s * 128)
+            v1 = bload(q, base + s * 128 + 64)
+            l0, l1, h0, h1 = blo(v0), blo(v1), bhi(v0), bhi(v1)
+            xl, xh = x32[t, xo + s], x32[t, xo + 4 + s]
+            p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
+            xl, xh = x32[t + 1, xo + s], x32[t + 1, xo + 4 + s]
+            p2, p3 = idot(isa, idot(isa, p2, l0, xl), h0, xh), idot(isa, idot(isa, p3, l1, xl), h1, xh)
+            xl, xh = x32[t + 2, xo + s], x32[t + 2, xo + 4 + s]
+            p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
+            xl, xh = x32[t + 3, xo + s], x32[t + 3, xo + 4 + s]
+            p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
+    else:
+        S = fmt_get(fmt, "sub")
+        for s in range(S // 4):
+            v0 = bload(q, base + s * 128)
+            v1 = bload(q, base + s * 128 + 64)
+            if fmt_get(fmt, "signed"):
+                p0, p1 = idot_s(isa, p0, v0, x32[t, xo + s]), idot_s(isa, p1, v1, x32[t, xo + s])
+                p2, p3 = idot_s(isa, p2, v0, x32[t + 1, xo + s]), idot_s(isa, p3, v1, x32[t + 1, xo + s])
+                p4, p5 = idot_s(isa, p4, v0, x32[t + 2, xo + s]), idot_s(isa, p5, v1, x32[t + 2, xo + s])
+                p6, p7 = idot_s(isa, p6, v0, x32[t + 3, xo + s]), idot_s(isa, p7, v1, x32[t + 3, xo + s])
+            else:
+                p0, p1 = idot(isa, p0, v0, x32[t, xo + s]), idot(isa, p1, v1, x32[t, xo + s])
+                p2, p3 = idot(isa, p2, v0, x32[t + 1, xo + s]), idot(isa, p3, v1, x32[t + 1, xo + s])
+                p4, p5 = idot(isa, p4, v0, x32[t + 2, xo + s]), idot(isa, p5, v1, x32[t + 2, xo + s])
+                p6, p7 = idot(isa, p6, v0, x32[t + 3, xo + s]), idot(isa, p7, v1, x32[t + 3, xo + s])
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@njit(cache=True, inline="always")
+def _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc):
+    """Sub-block j's raw dots (i0, i1) of token t into acc = (I0, I1, M0, M1): offset removed,
+    K-quant sub-scale and min applied — all integer."""
+    S = fmt_get(fmt, "sub")
+    off = fmt_get(fmt, "offset")
+    if fmt_get(fmt, "signed"):
+        off = off + s8_bias(isa)
+    xsum = xs[t, j * S // 16]
+    if S == 32:
+        xsum += xs[t, j * 2 + 1]
+    if off != 0:
+        c = ibcast(off * xsum)
+        i0, i1 = isub(i0, c), isub(i1, c)
+    I0, I1, M0, M1 = acc
+    if fmt_get(fmt, "n_sub") == 1:
+        return i0, i1, M0, M1
+    so = (g * n_sub_all + j) * R
+    I0 = iadd(I0, imul(iload8(sc, so), i0))
+    I1 = iadd(I1, imul(iload8(sc, so + 16), i1))
+    if fmt_get(fmt, "kmin"):
+        bx = ibcast(xsum)
+        M0 = iadd(M0, imul(iload8(mn, so), bx))
+        M1 = iadd(M1, imul(iload8(mn, so + 16), bx))
+    return I0, I1, M0, M1
+
+
+@njit(cache=True, inline="always")
+def _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1):
+    """Scale block B's integers acc = (I0, I1, M0, M1) of token t into the float sums (a0, a1)."""
+    I0, I1, M0, M1 = acc
+    so = (g * n_super + B) * R
+    dx = vbcast(xd[t, B])
+    a0 = vfma(vmul(vload(d, so), dx), itof(I0), a0)
+    a1 = vfma(vmul(vload(d, so + 16), dx), itof(I1), a1)
+    if fmt_get(fmt, "lmin"):
+        s = vbcast(xm[t, B])
+        a0 = vfma(vload(m, so), s, a0)
+        a1 = vfma(vload(m, so + 16), s, a1)
+    if fmt_get(fmt, "kmin"):
+        a0 = vfma(vmul(vload(m, so), dx), itof(M0), a0)
+        a1 = vfma(vmul(vload(m, so + 16), dx), itof(M1), a1)
+    return a0, a1
+
+
+@njit(cache=True, inline="always")
+def _store(y, ym, t, g, a0, a1):
+    """y[t, 32 g : 32 g + 32] = (a0, a1), the last group's padding rows not written."""
+    n_rows = y.shape[1]
+    if g * R + R <= n_rows:
+        vstore(y, t * n_rows + g * R, a0)
+        vstore(y, t * n_rows + g * R + 16, a1)
+    else:
+        vstore(ym, 0, a0)
+        vstore(ym, 16, a1)
+        for r in range(n_rows - g * R):
+            y[t, g * R + r] = ym[r]
+
+
+@njit(cache=True, inline="always")
+def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+    """y[t, 32 g : 32 g + 32] for one token."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
+    z = izero()
+    a0, a1 = vzero(), vzero()
+    for B in range(n_super):
+        acc = (z, z, z, z)
+        for jj in range(NS):
+            j = B * NS + jj
+            i0, i1 = _sub_dot(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            acc = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc)
+        a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1)
+    _store(y, ym, t, g, a0, a1)
+
+
+@njit(cache=True, inline="always")
+def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+    """_row for tokens t .. t+3, sharing each weight load; every token's operations and their
+    order are _row's, so the four rows are bit-identical to four _row calls."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
+    z = izero()
+    f = vzero()
+    a = (f, f, f, f, f, f, f, f)
+    for B in range(n_super):
+        c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
+        for jj in range(NS):
+            j = B * NS + jj
+            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, t + 1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, t + 2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, t + 3, j, g, n_sub_all, p[6], p[7], c3)
+        a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, c0, a[0], a[1])
+        a2, a3 = _fold_super(fmt, d, m, xd, xm, t + 1, B, g, n_super, c1, a[2], a[3])
+        a4, a5 = _fold_super(fmt, d, m, xd, xm, t + 2, B, g, n_super, c2, a[4], a[5])
+        a6, a7 = _fold_super(fmt, d, m, xd, xm, t + 3, B, g, n_super, c3, a[6], a[7])
+        a = (a0, a1, a2, a3, a4, a5, a6, a7)
+    _store(y, ym, t, g, a[0], a[1])
+    _store(y, ym, t + 1, g, a[2], a[3])
+    _store(y, ym, t + 2, g, a[4], a[5])
+    _store(y, ym, t + 3, g, a[6], a[7])
+
+
+@njit(cache=True)
+def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1):
+    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): four tokens at a
+    time through _row4, the chunk's last 0-3 through _row. A serial function, so that the
+    parallel kernel's body stays small (numba's parfor passes are slow on big bodies)."""
+    n = y.shape[0]
+    n_tc = (n + token_chunk - 1) // token_chunk
+    ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
+    for it in range(i0, i1):
+        g = it // n_tc
+        t = (it - g * n_tc) * token_chunk
+        t1 = min(n, t + token_chunk)
+        while t + 4 <= t1:
+            _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+            t += 4
+        while t < t1:
+            _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+            t += 1
+
+
+@njit(cache=True, inline="always")
+def _quantize_rows(x, act, parallel):
+    """x f32 [n, k] -> (xq i8 [n, k], xd, xs, xm) in activation format act (kernels/quant_act.py)."""
+    n, k = x.shape
+    nbx = k // 256 if act == ACT_Q8_K else k // 32
+    xq = np.empty((n, k), np.int8)
+    xd = np.empty((n, nbx), np.float32)
+    xs = np.empty((n, k // 16), np.int32)
+    xm = np.empty((n, k // 32), np.float32)
+    if parallel and n >= QUANT_ACT_PAR_MIN_ROWS:
+        for t in prange(n):
+            quantize_row_q8(x, t, act, xq, xd, xs, xm)
+    else:
+        for t in range(n):
+            quantize_row_q8(x, t, act, xq, xd, xs, xm)
+    return xq, xd, xs, xm
+
+
+@njit(parallel=True, cache=True)
+def matmul_q(isa, fmt, q, d, m, sc, mn, x, y, token_chunk, n_runs):
+    """y f32 [n, m] = x f32 [n, k] (C-contiguous) @ W.T for W packed by kernels.qlayout.repack_int.
+    isa: kernels.simd_int.Isa (the instruction path), fmt: the weight's QFormat. The (row group,
+    token chunk) items are cut into n_runs runs, one prange iteration each; how they are cut
+    never changes a result."""
+    xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), True)
+    x32 = xq.view(np.int32)  # [n, k / 4]: four activation bytes per broadcast
+    n = x.shape[0]
+    n_tc = (n + token_chunk - 1) // token_chunk
+    n_items = q.shape[0] * n_tc
+    n_par = max(1, min(n_items, n_runs))
+    for p in prange(n_par):
+        _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk,
+                   p * n_items // n_par, (p + 1) * n_items // n_par)
+
+
+@njit(cache=True)
+def matmul_q_serial(isa, fmt, q, d, m, sc, mn, x, y, token_chunk):
+    """matmul_q on the calling thread only (small products: no parallel launch); same results."""
+    xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), False)
+    n = x.shape[0]
+    _run_items(isa, fmt, q, d, m, sc, mn, xq.view(np.int32), xd, xs, xm, y, token_chunk,
+               0, q.shape[0] * ((n + token_chunk - 1) // token_chunk))
+
+
+@njit(cache=True)
+def quantize_activations(x, act):
+    """x f32 [n, k] -> (xq i8 [n, k], xd f32, xs i32 [n, k / 16], xm f32): what matmul_q multiplies
+    (for tests and diagnostics; the kernels quantize inside the same call)."""
+    return _quantize_rows(x, act, False)

@@ -1,0 +1,150 @@
+"""The integer matmul (kernels/matmul_int.py) on every weight type and every CPU path this machine runs.
+
+- the activations are quantized bit for bit as ggml's x86 build does (tests/qref.py);
+- the product equals gguf-py's dequantized weights times those activations, computed in
+  float64, up to the float order of the per-block scale steps: |err| <= (k + 4) eps32 |x̂|·|W|
+  (a proven bound for k accumulations of one rounding each, as in tests/test_matmul.py);
+- every path (vnni512, vnni256, avx2, portable) gives the same bits;
+- a token's row is bit-identical whatever else is in the batch, the thread count, the token
+  chunk, and whether the serial or the parallel driver ran.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from kernels.cpu import select_isa, supported_isas
+from kernels.ggml_types import GGMLType, type_info
+from kernels.matmul import QMatrix
+from kernels.matmul_int import matmul_q, matmul_q_serial
+from kernels.matmul_int import quantize_activations as quantize_rows
+from kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
+from kernels.simd_int import Isa
+from tests.qref import int_matmul_reference, quantize_act
+from tests.test_matmul import random_raw
+
+EPS32 = float(np.finfo(np.float32).eps)
+QTYPES = list(FORMATS)
+ISAS = supported_isas()
+# the other paths are tested on one type of each code shape (nibbles / unsigned bytes / signed
+# bytes, legacy / K-quant scales, both offset terms): each (path, type) is a compilation
+SHAPE_TYPES = (GGMLType.Q4_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K)
+
+
+def _path_cases():
+    for t in QTYPES:
+        for isa in ISAS:
+            if isa == ISAS[0] or t in SHAPE_TYPES:
+                yield pytest.param(t, isa, id=f"{t.name}-{isa}")
+
+
+def _k(t):
+    return 512 if type_info(t).block_size == 256 else 160
+
+
+def _run(qm, x, isa, serial=False, chunk=32, runs=8):
+    y = np.full((x.shape[0], qm.m), np.nan, np.float32)
+    if serial:
+        matmul_q_serial(Isa(isa), qm.fmt, *qm._packed, x, y, chunk)
+    else:
+        matmul_q(Isa(isa), qm.fmt, *qm._packed, x, y, chunk, runs)
+    return y
+
+
+@pytest.mark.parametrize("act", [ACT_Q8_0, ACT_Q8_1, ACT_Q8_K], ids=["q8_0", "q8_1", "q8_K"])
+def test_activation_quantization_is_ggmls_bit_for_bit(act):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((7, 512)) * rng.uniform(0.01, 50, (7, 1))).astype(np.float32)
+    x[1, :256] = 0.0  # an all-zero block (d = 0, q = 0)
+    x[2, 40:72] = np.float32(0.5) * np.arange(32, dtype=np.float32) / 31  # values on exact .5 ties
+    x[3, 256:512] = -x[3, 256:512]
+    x[4, 5] = -1e4  # the largest |x| negative
+    q, d, s16, s = quantize_act(x, act)
+    gq, gd, gs16, gs = quantize_rows(x, act)
+    np.testing.assert_array_equal(gq, q)
+    np.testing.assert_array_equal(gd, d)
+    np.testing.assert_array_equal(gs16, s16)
+    if act == ACT_Q8_1:
+        np.testing.assert_array_equal(gs, s)
+
+
+@pytest.mark.parametrize("t,isa", list(_path_cases()))
+def test_integer_matmul_matches_float64_product_of_dequantized_values(t, isa):
+    k, m = _k(t), 75  # 75 rows: not a multiple of the 32-row groups
+    raw = random_raw(t, m, k)
+    qm = QMatrix(raw, t, k)
+    x = (np.random.default_rng(1).standard_normal((5, k)) * 3).astype(np.float32)
+    y = _run(qm, x, isa, serial=isa != ISAS[0])
+    ref, base = int_matmul_reference(raw, t, k, x)
+    err = np.abs(y - ref)
+    bound = (k + 4) * EPS32 * base
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), f"{t.name}/{isa}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+
+
+@pytest.mark.parametrize("t", SHAPE_TYPES, ids=lambda t: t.name)
+def test_every_cpu_path_gives_the_same_bits(t):
+    k = _k(t)
+    qm = QMatrix(random_raw(t, 40, k, seed=5), t, k)
+    x = (np.random.default_rng(6).standard_normal((3, k)) * 10).astype(np.float32)
+    want = _run(qm, x, ISAS[0], serial=True)
+    for isa in ISAS[1:]:
+        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=f"{t.name}: {isa} vs {ISAS[0]}")
+
+
+def test_this_machine_runs_every_path_it_claims():
+    """The paths are real: this machine (AVX512-VNNI, AVX-VNNI) runs all four in the tests above."""
+    assert ISAS[-1] == "portable"
+    assert set(ISAS) <= {"vnni512", "vnni256", "avx2", "portable"}
+
+
+@pytest.mark.parametrize("t", QTYPES, ids=lambda t: t.name)
+def test_rows_are_batch_invariant_across_drivers_threads_and_chunks(t):
+    k = _k(t)
+    qm = QMatrix(random_raw(t, 70, k, seed=7), t, k)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((67, k)) * rng.uniform(0.05, 30.0, (67, 1))).astype(np.float32)
+    single = np.stack([_run(qm, x[i:i + 1], ISAS[0], serial=True)[0] for i in range(67)])
+    old = numba.get_num_threads()
+    try:
+        for nt in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(nt)
+            for n in (1, 2, 16, 17, 67):
+                np.testing.assert_array_equal(_run(qm, x[:n], ISAS[0]), single[:n], err_msg=f"n={n} threads={nt}")
+            for chunk, runs in ((1, 3), (5, 1), (64, 1000)):
+                np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), single)
+            idx = rng.integers(0, 67, 9)
+            np.testing.assert_array_equal(_run(qm, x[idx], ISAS[0], serial=True), single[idx])
+    finally:
+        numba.set_num_threads(old)
+    np.testing.assert_array_equal(qm.matmul(x[3]), single[3])  # the QMatrix entry point, 1-D x
+
+
+def test_isa_selection_follows_the_cpu_and_the_environment():
+    vnni = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}
+    assert supported_isas(vnni) == ["vnni512", "vnni256", "avx2", "portable"]
+    assert supported_isas({"avx2", "avxvnni"}) == ["vnni256", "avx2", "portable"]
+    assert supported_isas({"sse4.2"}) == ["portable"]
+    assert select_isa("", vnni).name == "vnni512"
+    assert select_isa("AVX2", vnni).name == "avx2"
+    assert select_isa("", {"avx2"}).name == "avx2"
+    with pytest.raises(ValueError, match="lacks"):
+        select_isa("vnni512", {"avx2"})
+    with pytest.raises(ValueError, match="one of"):
+        select_isa("sse9", vnni)
+
+
+def test_forced_path_is_used_by_a_fresh_process(tmp_path):
+    """KVCHAT_ISA picks the path at start-up; the default is the fastest the CPU has."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from kernels.cpu import ISA; print(ISA.name)"
+    env = dict(os.environ, KVCHAT_ISA="portable")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "portable"
+    env["KVCHAT_ISA"] = ""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ISAS[0]
