@@ -248,5 +248,7 @@ def test_without_context_shift_answer_stops_cleanly(chat_factory):
     assert chat.ctx_used == 0
     chat.say("/set n-predict 16")
     out = chat.say("What is the capital of France?")
-    assert "Paris" in answer_of(out)
+    # llama.cpp's own greedy answer to this chat prompt (llama-completion --temp 0, flash on and
+    # off alike) begins "L'Étoile, la"; SmolLM2-135M does not say Paris here
+    assert answer_of(out).startswith("L'Étoile, la"), out
     assert chat.exit() == 0
