@@ -4,8 +4,11 @@ With one stream per sequence a sequence occupies the cells a solo run uses, so i
 the same bits and sampled answers match `kvchat run --seed S+i` token for token. In the unified
 cache the cells of the sequences are interleaved, the attention's fixed 32-cell tiles group each
 sequence's sums differently, and the f16 cache rounding carries that through the layers: max
-|delta logit| ~7e-3 (mean ~7e-4) on SmolLM2 - greedy answers agree (checked here), sampled ones
-may part where two candidates are that close (docs/parallel.md)."""
+|delta logit| ~7e-3 (mean ~7e-4) on SmolLM2; with ggml's 8-bit activation rounding in every matmul
+such a difference flips roundings and cascades (docs/performance.md, "Logits vs llama.cpp"), so
+greedy and sampled answers alike may part at a near-tie. Exact equality with solo runs is the
+promise of one stream per sequence (checked here); the unified cache's answers are checked to
+be well-formed and to start where the solo answer starts (docs/parallel.md)."""
 import json
 from os.path import commonprefix
 
@@ -24,10 +27,14 @@ def texts(r):
 
 def test_four_greedy_alternatives_equal_the_single_answer(smollm2_path):
     alts = texts(kvchat("run", "-m", smollm2_path, "-p", PROMPT, "-np", "4", "--temp", "0", "-n", "40",
-                        "-c", "1024", "--jsonl"))
+                        "-c", "1024", "--no-kv-unified", "--jsonl"))
     solo = kvchat("run", "-m", smollm2_path, "-p", PROMPT, "--temp", "0", "-n", "40", "-c", "1024")
     assert solo.returncode == 0, solo.stderr
     assert alts == [solo.stdout[:-1]] * 4 and len(alts[0]) > 40
+    unified = texts(kvchat("run", "-m", smollm2_path, "-p", PROMPT, "-np", "4", "--temp", "0", "-n", "40",
+                           "-c", "1024", "--jsonl"))
+    assert len(unified) == 4 and all(len(u) > 40 for u in unified)
+    assert all(u[:12] == solo.stdout[:12] for u in unified), (unified, solo.stdout)
 
 
 def test_sampled_alternatives_equal_runs_with_seed_s_plus_i_with_a_stream_per_sequence(smollm2_path):
@@ -65,7 +72,7 @@ def test_sixteen_prompts_on_four_sequences_give_the_solo_greedy_answers(smollm2_
         c = conv(Context(model, ContextParams(n_ctx=512)))
         c.ask(p)
         solo.append(c.messages[-1]["content"])
-    ctx = Context(model, ContextParams(n_ctx=2048, n_seq_max=5))
+    ctx = Context(model, ContextParams(n_ctx=2048, n_seq_max=5, kv_unified=False))  # exact: module docstring
     c = conv(ctx)
     reqs = [Request(i, c.render([{"role": "user", "content": p}]), seed=i) for i, p in enumerate(prompts)]
     shared = list(commonprefix([r.ids for r in reqs]))
