@@ -77,4 +77,8 @@ def test_smollm2_first_chunks_match_llama_perplexity(smollm2_path, reference_dir
     assert res.running[2] == pytest.approx(ref["chunks_running_ppl"][2], rel=0.01)
     assert all(abs(a / b - 1) < 0.025 for a, b in zip(res.running, ref["chunks_running_ppl"]))
     off = compute_perplexity(model, tokens, n_chunks=1, flash_attn="off")
-    assert off.running[0] == pytest.approx(res.running[0], rel=1e-3)
+    # flash off sums the attention in another order; ggml's 8-bit activation rounding carries that
+    # through the layers. llama.cpp's own chunk 1 moves 16.5546 -> 16.2777 (-1.7 %) with flash off
+    # (llama-perplexity --kl-divergence, build of docs/performance.md); ours 16.43 -> 16.28 (-0.9 %)
+    assert off.running[0] == pytest.approx(res.running[0], rel=0.025)
+    assert off.running[0] != res.running[0]  # really the other attention path
