@@ -35,6 +35,7 @@ class Engine:
         return self.model.vocab
 
 
+FIRST_RUN = "compiling kernels, first run only (a few minutes; cached afterwards)…"
 AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
 
 
@@ -47,8 +48,10 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
     from runtime.context import Context
     from runtime.model import Model
 
+    from kernels.jit_cache import kernels_compiled
     path = resolve_model(settings.model, renderer.err)
-    with renderer.spinner(f"loading {Path(path).name}"):
+    first_run = not kernels_compiled()  # numba compiles while loading and warming up
+    with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
         model = Model.load(path)
     ctx = Context(model, settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified),
                   abort_callback=stop_event.is_set)
@@ -59,7 +62,7 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
                           abort_callback=stop_event.is_set)
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
-    with renderer.spinner("compiling kernels (first use only; cached afterwards)"):
+    with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
         from runtime.generate import warm_up
         bos = getattr(model.vocab, "bos", None)
         warm_up(ctx, bos if bos is not None and bos >= 0 else 0)

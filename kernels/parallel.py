@@ -16,3 +16,4 @@ ATTN_PAR_MIN_MACS = 1 << 20  # n_tokens * n_head * n_kv * head_dim of one attent
 RMS_NORM_PAR_MIN_ROWS = 16
 GLU_PAR_MIN_ROWS = 8
 ROPE_PAR_MIN_TOKENS = 16  # prepare_qkv (split + QK-norm + RoPE)
+DEQUANT_PAR_MIN_ROWS = 8  # rows dequantized at once (get_rows: embedding lookups)

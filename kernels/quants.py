@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 from numba import njit, prange
 
+from . import parallel
 from .ggml_types import GGMLType, row_bytes, type_info
 from .quants_fp import (  # noqa: F401  (re-exported)
     bf16_to_f32, dequant_row_bf16, dequant_row_f16, dequant_row_f32, f16_to_f32, f32_to_bf16,
@@ -140,6 +141,14 @@ def _dequant_rows(raw, t, out):
         dequant_row_any(t, raw[r], out[r])
 
 
+@njit(cache=True)
+def _dequant_rows_ser(raw, t, out):
+    """_dequant_rows on the calling thread: a token's embedding row is too little work for a
+    parallel launch (kernels/parallel.py); the same row function, so the same values."""
+    for r in range(raw.shape[0]):
+        dequant_row_any(t, raw[r], out[r])
+
+
 @njit(cache=True, parallel=True)
 def _quant_rows(x, t, out):
     for r in prange(x.shape[0]):  # x [n_rows, n_cols] f32 -> out [n_rows, row_bytes] u8
@@ -169,7 +178,8 @@ def dequantize(raw: np.ndarray, t: int, n_cols: int) -> np.ndarray:
         raise ValueError(
             f"{type_info(t).name} rows of {n_cols} values need {rb} bytes, got shape {raw.shape}")
     out = np.empty((raw.shape[0], n_cols), dtype=np.float32)  # [n_rows, n_cols] f32
-    _dequant_rows(raw, np.int64(t), out)
+    fn = _dequant_rows if raw.shape[0] >= parallel.DEQUANT_PAR_MIN_ROWS else _dequant_rows_ser
+    fn(raw, np.int64(t), out)
     return out
 
 

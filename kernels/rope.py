@@ -128,6 +128,14 @@ def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox, freq_factors=None, 
                   _factors(freq_factors, n_rot), np.float32(attn_factor), bool(neox))
 
 
+def rope_plan(n_rot, freq_base, freq_scale, freq_factors=None, attn_factor=1.0) -> tuple:
+    """A layer's RoPE arguments as the kernels take them: (n_rot, theta_scale, freq_scale,
+    factors f32 [n_rot/2], attn_factor). They are constants of the model and context, so the
+    forward pass computes them once per layer (runtime/arch/blocks.py) instead of per call."""
+    return (int(n_rot), _theta_scale(freq_base, n_rot), np.float32(freq_scale),
+            _factors(freq_factors, n_rot), np.float32(attn_factor))
+
+
 def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_base, freq_scale,
                 neox, q_norm=None, k_norm=None, eps=1e-6, freq_factors=None, attn_factor=1.0):
     """Fresh Q/K/V of one layer in one launch: split (q_in/k_in/v_in may be column views of a
@@ -136,14 +144,22 @@ def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_
 
     Returns q [n, n_head, head_dim], k [n, n_head_kv, head_dim], v [n, v_width] (f32, contiguous).
     """
+    return prepare_qkv_planned(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos,
+                               rope_plan(n_rot, freq_base, freq_scale, freq_factors, attn_factor),
+                               neox, q_norm, k_norm, eps)
+
+
+def prepare_qkv_planned(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, plan, neox,
+                        q_norm=None, k_norm=None, eps=1e-6):
+    """prepare_qkv with the RoPE arguments of rope_plan (same kernel, same results); pos i32 [n]."""
     n = q_in.shape[0]
     q = np.empty((n, n_head, head_dim), dtype=np.float32)
     k = np.empty((n, n_head_kv, head_dim), dtype=np.float32)
     v = np.empty((n, v_in.shape[1]), dtype=np.float32)
     has_norm = q_norm is not None
+    n_rot, theta_scale, fs, ff, mscale = plan
     fn = _prep_qkv_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_qkv_ser
     fn(q_in, k_in, v_in, q_norm if has_norm else _ONE, k_norm if has_norm else _ONE, has_norm,
-       np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), int(n_rot),
-       _theta_scale(freq_base, n_rot), np.float32(freq_scale), _factors(freq_factors, n_rot),
-       np.float32(attn_factor), bool(neox), q, k, v)
+       np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), n_rot, theta_scale, fs, ff,
+       mscale, bool(neox), q, k, v)
     return q, k, v

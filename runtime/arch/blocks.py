@@ -14,7 +14,7 @@ from kernels.attention import round_q_to_vec_dot_type
 from kernels.gelu_table import geglu_f16_table
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
-from kernels.rope import prepare_qkv
+from kernels.rope import prepare_qkv_planned, rope_plan
 from runtime.memory.attn_rotation import rotate
 
 
@@ -57,12 +57,27 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale):
     """Multi-head attention of layer il for the ubatch: returns [n_tokens, n_head * head_dim_v] f32
     (before the output projection). QK-norm is applied when the layer has q_norm / k_norm."""
     hp = model.hparams
-    dk = hp.n_embd_head_k
-    sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
-    q, k, v = prepare_qkv(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv, dk, pos,
-                          neox=hp.rope_type == "neox", q_norm=opt(L, "q_norm"), k_norm=opt(L, "k_norm"),
-                          eps=hp.norm_eps, **hp.rope_args(il, ctx_size(mctx)))
+    sizes, rope, q_norm, k_norm = attention_plan(model, il, L, ctx_size(mctx))
+    q, k, v = prepare_qkv_planned(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv,
+                                  hp.n_embd_head_k, pos, rope, hp.rope_type == "neox",
+                                  q_norm, k_norm, hp.norm_eps)
     return attend(model, il, q, k, v, mctx, kq_scale)
+
+
+def attention_plan(model, il, L, n_ctx_seq):
+    """(Q/K/V widths, rope_plan, q_norm, k_norm) of layer il: constants of the model and of the
+    context size (LongRoPE picks its factors by it), worked out once and kept on the model, so a
+    generated token does not redo them 30 times."""
+    plans = model.__dict__.setdefault("_attention_plans", {})
+    key = (il, n_ctx_seq)
+    plan = plans.get(key)
+    if plan is None:
+        hp = model.hparams
+        dk = hp.n_embd_head_k
+        sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
+        plan = plans[key] = (sizes, rope_plan(**hp.rope_args(il, n_ctx_seq)), opt(L, "q_norm"),
+                             opt(L, "k_norm"))
+    return plan
 
 
 def attend(model, il, q, k, v, mctx, kq_scale):
@@ -160,11 +175,13 @@ def output_ids(ubatch) -> np.ndarray | None:
 
 def logits(model, x) -> np.ndarray:
     """Final norm + lm head (+ final soft-cap): x [n_out, n_embd] -> [n_out, n_vocab] f32."""
-    hp = model.hparams
-    w = model.weights
-    x = rms_norm(x, w.output_norm, hp.norm_eps)
-    out = w.output.matmul(x)
-    cap = hp.final_logit_softcap
+    return lm_head(model, rms_norm(x, model.weights.output_norm, model.hparams.norm_eps))
+
+
+def lm_head(model, h) -> np.ndarray:
+    """lm head (+ final soft-cap) of the already normalized h [n_out, n_embd] -> [n_out, n_vocab] f32."""
+    out = model.weights.output.matmul(h)
+    cap = model.hparams.final_logit_softcap
     if cap:
         out = (np.tanh(out * np.float32(1.0 / cap)) * np.float32(cap)).astype(np.float32)
     return out

@@ -15,34 +15,37 @@ import numpy as np
 
 from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
+from kernels.fused_norm import norm_add_rms_norm
+from runtime.arch.blocks import embed, feed_forward, lm_head, output_ids, output_projection, self_attention
 from runtime.hparams import HParams, positive, swa_layers
 
 SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
 
 
 def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab]; gelu_table: GeGLU through ggml's f16 GELU table (gemma2)."""
+    """Logits f32 [n_outputs, n_vocab]; gelu_table: GeGLU through ggml's f16 GELU table (gemma2).
+
+    Each post-norm, residual add and the norm after it run as one kernel
+    (kernels/fused_norm.norm_add_rms_norm: the same arithmetic in one launch)."""
     hp = model.hparams
     eps = hp.norm_eps
     pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, * sqrt(n_embd)
+    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, * sqrt(n_embd): the residual stream
     out_ids = output_ids(ubatch)
+    layers = model.weights.layers
     last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        h = rms_norm(x, L.attn_norm, eps)
+    h = rms_norm(x, layers[0].attn_norm, eps)
+    for il, L in enumerate(layers):
         attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale)
         if il == last and out_ids is not None:
             attn, x = attn[out_ids], x[out_ids]
             if x.shape[0] == 0:
                 return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        cur = rms_norm(output_projection(L, attn), L.post_attn_norm, eps)
-        x = cur + x  # sa_out
-        h = rms_norm(x, L.ffn_norm, eps)
-        cur = rms_norm(feed_forward(L, h, hp.n_ff, use_gelu=True, gelu_table=gelu_table),
-                       L.post_ffn_norm, eps)
-        x += cur
-    return logits(model, x)
+        h = norm_add_rms_norm(output_projection(L, attn), L.post_attn_norm, x, L.ffn_norm, eps)
+        ffn = feed_forward(L, h, hp.n_ff, use_gelu=True, gelu_table=gelu_table)
+        w_next = layers[il + 1].attn_norm if il < last else model.weights.output_norm
+        h = norm_add_rms_norm(ffn, L.post_ffn_norm, x, w_next, eps)
+    return lm_head(model, h)
 
 
 class Gemma3(Arch):

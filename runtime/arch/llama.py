@@ -14,28 +14,35 @@ import numpy as np
 
 from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
+from kernels.fused_norm import add_rms_norm
+from runtime.arch.blocks import embed, feed_forward, lm_head, output_ids, output_projection, self_attention
 from runtime.hparams import rope_factor_tensor
 
 
 def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab] of one ubatch."""
+    """Logits f32 [n_outputs, n_vocab] of one ubatch.
+
+    Each residual add runs fused with the norm that follows it (kernels/fused_norm.py: the same
+    arithmetic in one launch): after attention with ffn_norm, after the FFN with the next
+    layer's attn_norm, or with output_norm after the last layer."""
     hp = model.hparams
+    eps = hp.norm_eps
     pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
+    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, the residual stream
     out_ids = output_ids(ubatch)
+    layers = model.weights.layers
     last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        h = rms_norm(x, L.attn_norm, hp.norm_eps)
+    h = rms_norm(x, layers[0].attn_norm, eps)
+    for il, L in enumerate(layers):
         attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale)  # [n, n_head*dv]
         if il == last and out_ids is not None:
             attn, x = attn[out_ids], x[out_ids]
             if x.shape[0] == 0:
                 return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x += output_projection(L, attn)
-        h = rms_norm(x, L.ffn_norm, hp.norm_eps)
-        x += feed_forward(L, h, hp.n_ff, use_gelu=False)
-    return logits(model, x)
+        h = add_rms_norm(x, output_projection(L, attn), L.ffn_norm, eps)
+        w_next = layers[il + 1].attn_norm if il < last else model.weights.output_norm
+        h = add_rms_norm(x, feed_forward(L, h, hp.n_ff, use_gelu=False), w_next, eps)
+    return lm_head(model, h)
 
 
 class Llama(Arch):
