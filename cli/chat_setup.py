@@ -65,7 +65,7 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
     with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
         from runtime.generate import warm_up
         bos = getattr(model.vocab, "bos", None)
-        warm_up(ctx, bos if bos is not None and bos >= 0 else 0)
+        warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64 if first_run else 2)
     if settings.chat_template_file is not None:
         template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
     else:

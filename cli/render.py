@@ -11,7 +11,6 @@ import sys
 
 from rich.console import Console
 from rich.live import Live
-from rich.markdown import Markdown
 from rich.table import Table
 from rich.text import Text
 
@@ -92,11 +91,13 @@ class Renderer:
         if (not text and self._live is None) or self.out_lost:
             return
         if self._live is not None:
+            from rich.markdown import Markdown  # markdown-it + pygments: only with --markdown
             self._live.update(Markdown(text), refresh=True)
             self._live.stop()
             self._live = None
         elif self.markdown:  # not a terminal: nothing was streamed; print the rendering
             try:
+                from rich.markdown import Markdown
                 Console(file=self.out, highlight=False).print(Markdown(text))
             except (BrokenPipeError, ValueError, OSError):
                 self._lose_out()

@@ -262,12 +262,16 @@ def generate(ctx, sample: Callable[[np.ndarray], int], *, prompt: Sequence[int] 
                       on_decoded, batch_factory)
 
 
-def warm_up(ctx, token: int, seq: int = 0) -> None:
-    """Run the prompt path (2 tokens) and the generation path (1 token) once, then remove them,
-    so numba compiles its kernels here rather than inside the first answer."""
+def warm_up(ctx, token: int, seq: int = 0, n_prompt: int = 2) -> None:
+    """Run the prompt path (n_prompt tokens) and the generation path (1 token) once, then remove
+    them, so numba compiles its kernels here rather than inside the first answer. Small batches
+    run the kernels' serial twins and large ones their parallel twins (kernels/parallel.py), so
+    a first run (empty numba cache) warms up with a prompt past every threshold (64 tokens)
+    and a warm one with 2 tokens: its kernels only load from the cache, whatever the prompt."""
+    n_prompt = max(1, min(int(n_prompt), ctx.n_ctx_seq - 1))
     try:
-        decode_tokens(ctx, [token, token], 0, seq, logits="none")
-        decode_tokens(ctx, [token], 2, seq, logits="none")
+        decode_tokens(ctx, [token] * n_prompt, 0, seq, logits="none")
+        decode_tokens(ctx, [token], n_prompt, seq, logits="none")
     except (Interrupted, DecodeError):
         pass  # a refused warm-up costs only the compile it would have saved
     finally:

@@ -40,3 +40,29 @@ def test_dequantized_rows_are_the_same_alone_and_in_a_batch(t, monkeypatch):
         np.testing.assert_array_equal(dequantize(raw[r:r + 1], int(t), k)[0], batch[r])  # serial twin
     monkeypatch.setattr(parallel, "DEQUANT_PAR_MIN_ROWS", 1 << 30)
     np.testing.assert_array_equal(dequantize(raw, int(t), k), batch)
+
+
+@pytest.mark.parametrize("n_ctx", [256, 32])
+def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(tiny_model, n_ctx,
+                                                                             monkeypatch):
+    """64 tokens reach every kernel's parallel twin; a context smaller than that still warms up."""
+    from runtime.context import Context
+    from runtime.cparams import ContextParams
+    from runtime.generate import decode_tokens, warm_up
+    from runtime.model import Model
+    model = Model.load(tiny_model("llama"))
+    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64))
+    calls = []
+    import runtime.generate as gen
+    real = gen.decode_tokens
+
+    def spy(ctx_, ids, pos0, seq=0, **kw):
+        calls.append((len(ids), pos0))
+        return real(ctx_, ids, pos0, seq, **kw)
+    monkeypatch.setattr(gen, "decode_tokens", spy)
+    warm_up(ctx, 1, n_prompt=64)
+    monkeypatch.undo()
+    n = min(64, ctx.n_ctx_seq - 1)
+    assert calls == [(n, 0), (1, n)]
+    assert ctx.memory.seq_pos_max(0) == -1
+    assert decode_tokens(ctx, [1, 2, 3], 0) is not None  # the context still decodes from position 0

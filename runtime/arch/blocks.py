@@ -53,15 +53,16 @@ def qkv_projection(L, h, sizes):
     return q, k, v
 
 
-def self_attention(model, il, L, h, pos, mctx, kq_scale):
+def self_attention(model, il, L, h, pos, mctx, kq_scale, n_threads=None):
     """Multi-head attention of layer il for the ubatch: returns [n_tokens, n_head * head_dim_v] f32
-    (before the output projection). QK-norm is applied when the layer has q_norm / k_norm."""
+    (before the output projection). QK-norm is applied when the layer has q_norm / k_norm.
+    n_threads: numba's thread count, which a forward pass reads once for all its layers."""
     hp = model.hparams
     sizes, rope, q_norm, k_norm = attention_plan(model, il, L, ctx_size(mctx))
     q, k, v = prepare_qkv_planned(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv,
                                   hp.n_embd_head_k, pos, rope, hp.rope_type == "neox",
                                   q_norm, k_norm, hp.norm_eps)
-    return attend(model, il, q, k, v, mctx, kq_scale)
+    return attend(model, il, q, k, v, mctx, kq_scale, n_threads)
 
 
 def attention_plan(model, il, L, n_ctx_seq):
@@ -80,7 +81,7 @@ def attention_plan(model, il, L, n_ctx_seq):
     return plan
 
 
-def attend(model, il, q, k, v, mctx, kq_scale):
+def attend(model, il, q, k, v, mctx, kq_scale, n_threads=None):
     """Attention of roped q [n, n_head, dk] over the cache after storing this ubatch's k
     [n, n_head_kv, dk] and v [n, n_embd_v_gqa] through the memory context of layer il;
     returns [n, n_head * dv] f32."""
@@ -99,7 +100,8 @@ def attend(model, il, q, k, v, mctx, kq_scale):
     mask, tok_stream = mctx.kq_mask(il)
     out = attention(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, hp.n_head_kv,
                     kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
-                    n_threads=numba.get_num_threads(), start=mctx.kq_start(il))
+                    n_threads=numba.get_num_threads() if n_threads is None else n_threads,
+                    start=mctx.kq_start(il))
     return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
 
 

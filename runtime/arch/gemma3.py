@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from kernels.norm import rms_norm
@@ -34,9 +35,10 @@ def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
     out_ids = output_ids(ubatch)
     layers = model.weights.layers
     last = hp.n_layer - 1
+    n_threads = numba.get_num_threads()
     h = rms_norm(x, layers[0].attn_norm, eps)
     for il, L in enumerate(layers):
-        attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale)
+        attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale, n_threads)
         if il == last and out_ids is not None:
             attn, x = attn[out_ids], x[out_ids]
             if x.shape[0] == 0:
