@@ -1,0 +1,93 @@
+"""One-token decode: its time, the time outside the matmuls, and a grouped profile.
+
+Usage: python benchmarks/decode_overhead.py MODEL [--stub-matmul] [--profile] [-n 64]
+  --stub-matmul  QMatrix.matmul returns zeros: what is left is the per-layer work around the
+                 matmuls (norms, RoPE, KV writes, attention, Python, numba dispatch)
+  --profile      cProfile tottime per token, grouped by what the time is spent on
+Prints ms/token (wall and CPU, medians of 7 runs of n tokens). On a shared machine compare two
+trees by running this alternately in each (PYTHONPATH=tree), and trust the CPU column.
+"""
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
+
+GROUPS = [("matmul kernels (numba)", ("matmul_q_serial", "matmul_q", "matmul_blocks")),
+          ("QMatrix.matmul wrapper", ("matmul.py:matmul", "_numba_type_")),
+          ("attention kernel", ("_flash_attn", "_classic_attn")),
+          ("attention wrapper + thread count", ("attention.py:attention", "flash_plan", "_partials",
+                                                "_values_per_bytes", "get_num_threads", "_launch_threads")),
+          ("norms (rms_norm / fused)", ("rms_norm", "fused_norm")),
+          ("RoPE + QK split + its constants", ("prepare_qkv", "_prep_qkv", "_theta_scale", "_factors",
+                                               "rope_args", "rope_plan", "attention_plan")),
+          ("KV cache write + mask", ("cpy_k", "cpy_v", "scatter_rows", "kq_mask", "get_k", "get_v", "get_rot")),
+          ("GLU", ("glu", "swiglu", "geglu")),
+          ("embedding", ("get_rows", "dequant", "embed"))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--stub-matmul", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    import kernels.matmul as km
+    from cli.models import resolve_model
+    from runtime.context import Context
+    from runtime.cparams import ContextParams
+    from runtime.generate import generate
+    from runtime.model import Model
+    m = Model.load(resolve_model(a.model))
+    ctx = Context(m, ContextParams(n_ctx=max(512, a.n + 1)))
+    if a.stub_matmul:
+        km.QMatrix.matmul = lambda self, x: np.zeros((x.shape[0], self.m), np.float32)
+    rng = np.random.default_rng(0)
+
+    def run():
+        ctx.memory.clear(True)
+        toks = [int(t) for t in rng.integers(0, m.hparams.n_vocab, a.n)]
+        src = iter(toks[1:] + toks[:1])
+        for _ in generate(ctx, lambda logits: next(src), prompt=toks[:1], pos0=0, max_tokens=a.n):
+            pass
+
+    run()  # compile / load kernels, touch the weights
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        run()
+        pr.disable()
+        per_token = 1e3 / a.n
+        tot = dict.fromkeys([g for g, _ in GROUPS], 0.0)
+        other = total = calls = 0.0
+        for (f, _, fn), (_, nc, tt, _, _) in pstats.Stats(pr).stats.items():
+            key = f"{f.rsplit('/', 1)[-1]}:{fn}"
+            total, calls = total + tt, calls + nc
+            group = next((g for g, pats in GROUPS if any(p in key for p in pats)), None)
+            if group is None:
+                other += tt
+            else:
+                tot[group] += tt
+        for g, _ in GROUPS:
+            print(f"| {g} | {tot[g] * per_token:.2f} |")
+        print(f"| everything else (forward, blocks, batch, memory, sampling loop) | {other * per_token:.2f} |")
+        print(f"| total (profiled), ms/token | {total * per_token:.2f} |")
+        print(f"| function calls per token | {calls / a.n:.0f} |")
+        return
+    wall, cpu = [], []
+    for _ in range(7):
+        t0, c0 = time.perf_counter(), time.process_time()
+        run()
+        wall.append((time.perf_counter() - t0) / a.n * 1e3)
+        cpu.append((time.process_time() - c0) / a.n * 1e3)
+    print(f"{a.model}: ms/token wall {sorted(wall)[3]:.3f} cpu {sorted(cpu)[3]:.3f}"
+          + (" (matmuls stubbed)" if a.stub_matmul else ""))
+
+
+if __name__ == "__main__":
+    main()
