@@ -66,3 +66,35 @@ def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(ti
     assert calls == [(n, 0), (1, n)]
     assert ctx.memory.seq_pos_max(0) == -1
     assert decode_tokens(ctx, [1, 2, 3], 0) is not None  # the context still decodes from position 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, compiled):
+    """open_engine words its spinners by the cache probe and warms up 64 tokens on a first run."""
+    import contextlib
+    import io
+    import threading
+
+    import cli.chat_setup as setup
+    import kernels.jit_cache
+    import runtime.generate
+    from cli.options import ChatSettings
+    from cli.render import Renderer
+
+    class Recording(Renderer):
+        @contextlib.contextmanager
+        def spinner(self, text):
+            self.texts.append(text)
+            yield
+
+    warmed = []
+    real_warm_up = runtime.generate.warm_up
+    monkeypatch.setattr(kernels.jit_cache, "kernels_compiled", lambda: compiled)
+    monkeypatch.setattr(runtime.generate, "warm_up",
+                        lambda ctx, tok, n_prompt=2: warmed.append(n_prompt) or real_warm_up(ctx, tok, n_prompt=n_prompt))
+    r = Recording(out=io.StringIO())
+    r.texts = []
+    setup.open_engine(ChatSettings(model=str(tiny_chat), ctx_size=256), r, threading.Event())
+    first = [t for t in r.texts if "compiling kernels, first run only" in t]
+    assert len(first) == (0 if compiled else 2)  # the load's spinner and the warm-up's
+    assert warmed == [2 if compiled else 64]
