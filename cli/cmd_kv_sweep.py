@@ -9,6 +9,7 @@ chunks (llama-perplexity's KLD statistics), with their KV size, session size and
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -86,8 +87,8 @@ def register(app: typer.Typer) -> None:
         from cli.cmd_perplexity import read_text
         from cli.models import resolve_model
         from runtime.kv_sweep import measure_speed, run_sweep, sweep_configs
-        from runtime.kv_sweep_report import (mark_pareto, provenance, render_table, write_csv,
-                                             write_json)
+        from runtime.kv_sweep_report import (load_average, mark_pareto, provenance, render_table,
+                                             write_csv, write_json)
         from runtime.model import Model
 
         ks, vs, ctxs, rots = _types("--k", k), _types("--v", v), _ints("-c", ctx_sizes), _rots(rot)
@@ -141,6 +142,7 @@ def register(app: typer.Typer) -> None:
             return len(blob), len(sess)
 
         all_rows, pairs = [], []
+        t0, c0, load0 = time.perf_counter(), time.process_time(), load_average()
         with progress:
             task = progress.add_task("sweep", total=steps, info="")
 
@@ -171,6 +173,9 @@ def register(app: typer.Typer) -> None:
                 for cfg, res in zip([ref_row.config] + configs, results):
                     needle_rows += [dict(type_k=cfg.type_k, type_v=cfg.type_v,
                                          rot="auto" if cfg.rotation else "off", **c) for c in res.cases]
+        run = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
+                   load_average=dict(start=load0, end=load_average()))
+        err.print(_run_line(run))
         render_table(all_rows, out)
         _print_pairs(pairs, out)
         if needle_rows:
@@ -179,7 +184,7 @@ def register(app: typer.Typer) -> None:
         flags = dict(k=ks, v=vs, ctx_sizes=ctxs, chunks=chunks, rot=rot, flash_attn=flash_attn,
                      pp=n_pp, tg=n_tg, depth=depth, threads=threads)
         if json_out or csv_out:
-            prov = provenance(model_path, file, flags, threads)
+            prov = provenance(model_path, file, flags, threads, run)
             if json_out:
                 write_json(json_out, prov, all_rows, pairs, needle_rows)
                 err.print(f"wrote {json_out}")
@@ -191,6 +196,15 @@ def register(app: typer.Typer) -> None:
             plot_sweep(plot_out, all_rows, f"{Path(model_path).name} on {file.name}: KV cache types "
                        f"vs f16/f16")
             err.print(f"wrote {plot_out}")
+
+
+def _run_line(run: dict) -> str:
+    """'kv-sweep: 212 s, 390 s of CPU, load average 0.4 -> 2.1': the CPU time says how long
+    the work is, the load how much a busy machine stretched the wall time."""
+    la = run["load_average"]
+    load = (f", load average {la['start'][0]:.1f} -> {la['end'][0]:.1f}"
+            if la["start"] is not None and la["end"] is not None else "")
+    return f"kv-sweep: {run['seconds']:.0f} s, {run['cpu_seconds']:.0f} s of CPU{load}"
 
 
 def _pairs(rows, n_ctx) -> list[dict]:

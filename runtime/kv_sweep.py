@@ -80,7 +80,8 @@ class SweepRow:
     config: SweepConfig
     n_ctx: int
     stats: KLDStats = field(default_factory=KLDStats)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of its decodes and scoring
+    cpu_seconds: float = 0.0  # CPU time of the same (all threads): what a busy machine cannot inflate
     state_bytes: int = 0
     session_bytes: int = 0
     speed: dict = field(default_factory=dict)  # llama-bench test name -> t/s
@@ -104,7 +105,7 @@ class SweepRow:
         d.update(self.stats.summary())
         d.update(kv_bytes_per_token=per_tok, kv_bytes_per_token_at_ctx=at_ctx / self.n_ctx,
                  kv_mib_at_ctx=at_ctx / 2**20, state_bytes=self.state_bytes,
-                 session_bytes=self.session_bytes, seconds=self.seconds)
+                 session_bytes=self.session_bytes, seconds=self.seconds, cpu_seconds=self.cpu_seconds)
         d.update({k: v for k, v in self.speed.items()})
         d["kld_by_depth"] = self.depth_profile()
         return d
@@ -149,7 +150,7 @@ def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: i
 
     for i in range(n_chunk):
         chunk = chunk_input(model, tokens, i, n_ctx)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ctx = ctx_for(*REFERENCE, True)
         for pos, logits in chunk_outputs(ctx, chunk, first, i):
             lo, hi = int(pos[0]) - first, int(pos[-1]) - first + 1
@@ -157,6 +158,7 @@ def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: i
             quantize_log_prob_rows(logits, targets, ref[lo:hi], np.empty(hi - lo))
             ref_row.stats.add_rows(logits, ref[lo:hi], targets, pos)
         ref_row.seconds += time.perf_counter() - t0
+        ref_row.cpu_seconds += time.process_time() - c0
         if i == n_chunk - 1 and state_size is not None:
             ref_row.state_bytes, ref_row.session_bytes = state_size(ctx, chunk)
         ctx = logits = None
@@ -164,12 +166,13 @@ def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: i
             on_step(f"chunk {i + 1}/{n_chunk} reference")
         for row in rows:
             c = row.config
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ctx = ctx_for(c.type_k, c.type_v, c.rotation, flash_attn)
             for pos, logits in chunk_outputs(ctx, chunk, first, i):
                 lo, hi = int(pos[0]) - first, int(pos[-1]) - first + 1
                 row.stats.add_rows(logits, ref[lo:hi], tokens[i * n_ctx + pos + 1], pos)
             row.seconds += time.perf_counter() - t0
+            row.cpu_seconds += time.process_time() - c0
             if i == n_chunk - 1 and state_size is not None:
                 row.state_bytes, row.session_bytes = state_size(ctx, chunk)
             ctx = logits = None

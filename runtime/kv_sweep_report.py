@@ -24,7 +24,7 @@ COLUMNS = ["type_k", "type_v", "rot", "n_ctx", "n_tokens", "mean_kld", "mean_kld
            "p99_kld", "max_kld", "same_top_p", "same_top_p_unc", "rms_dp", "rms_dp_unc", "ppl",
            "ppl_base", "ppl_ratio", "ppl_ratio_unc", "ln_ppl_ratio", "kv_bytes_per_token",
            "kv_bytes_per_token_at_ctx", "kv_mib_at_ctx", "state_bytes", "session_bytes", "pareto",
-           "seconds"]
+           "seconds", "cpu_seconds"]
 
 
 def sha256_file(path) -> str:
@@ -43,11 +43,22 @@ def kvchat_version() -> str:
         return "unknown"
 
 
-def provenance(model_path, text_path, flags: dict, n_threads) -> dict:
+def load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load averages (None where the OS has none): kv-sweep records
+    them so its times and speed columns can be read against how busy the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def provenance(model_path, text_path, flags: dict, n_threads, run: dict | None = None) -> dict:
+    """run: {"seconds", "cpu_seconds", "load_average": {"start", "end"}} of the whole sweep."""
     return dict(model=str(model_path), model_sha256=sha256_file(model_path), text=str(text_path),
                 text_sha256=sha256_file(text_path), kvchat_version=kvchat_version(), flags=flags,
-                n_threads=n_threads, python=platform.python_version(), machine=platform.machine(),
-                date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                n_threads=n_threads, cpu_count=os.cpu_count(), python=platform.python_version(),
+                machine=platform.machine(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                **({"run": run} if run is not None else {}))
 
 
 def mark_pareto(rows: list[dict]) -> None:

@@ -123,19 +123,27 @@ def test_cli_writes_json_csv_and_plot_with_the_documented_fields(tiny, tmp_path)
     prov = doc["provenance"]
     assert re.fullmatch(r"[0-9a-f]{64}", prov["model_sha256"]) and re.fullmatch(r"[0-9a-f]{64}", prov["text_sha256"])
     assert prov["kvchat_version"] and prov["flags"]["k"] == ["q8_0"]
+    run = prov["run"]  # the sweep's wall and CPU time, and how busy the machine was
+    assert 0 < run["cpu_seconds"] and 0 < run["seconds"]
+    for when in ("start", "end"):
+        la = run["load_average"][when]
+        assert la is None or (len(la) == 3 and all(x >= 0 for x in la))
+    assert "s of CPU" in out.output
     labels = [(r["type_k"], r["type_v"], r["n_ctx"]) for r in doc["rows"]]
     assert labels == [("f16", "f16", 64), ("q8_0", "f16", 64), ("q8_0", "q4_0", 64), ("f16", "q4_0", 64),
                       ("f16", "f16", 128), ("q8_0", "f16", 128), ("q8_0", "q4_0", 128), ("f16", "q4_0", 128)]
     for r in doc["rows"]:
         for key in ("mean_kld", "same_top_p", "rms_dp", "ppl_ratio", "kv_bytes_per_token",
-                    "kv_mib_at_ctx", "session_bytes", "kld_by_depth", "pp16", "pareto"):
+                    "kv_mib_at_ctx", "session_bytes", "kld_by_depth", "pp16", "pareto", "cpu_seconds"):
             assert key in r, key
+        assert r["cpu_seconds"] > 0  # every row decoded its chunk
         assert any(k.startswith("tg4 @ d") for k in r)
     assert doc["rows"][0]["kv_bytes_per_token"] > doc["rows"][2]["kv_bytes_per_token"]
     assert doc["pairs"] and {"a", "b", "mean_diff", "ci95_lo", "ci95_hi"} <= set(doc["pairs"][0])
     with open(cs) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and float(rows[2]["mean_kld"]) == pytest.approx(doc["rows"][2]["mean_kld"], rel=1e-9)
+    assert float(rows[2]["cpu_seconds"]) == pytest.approx(doc["rows"][2]["cpu_seconds"], rel=1e-9)
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
 
@@ -160,3 +168,11 @@ def test_plot_without_matplotlib_is_a_one_line_error(tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     out = _sweep("-m", path, "-f", text, "--plot", "x.png")
     assert out.exit_code != 0 and "pip install -e '.[plot]'" in str(out.exception)
+
+
+def test_run_line_reports_cpu_time_and_load_and_omits_an_unknown_load():
+    from cli.cmd_kv_sweep import _run_line
+    run = dict(seconds=212.4, cpu_seconds=390.2, load_average=dict(start=[0.42, 1, 1], end=[2.1, 1, 1]))
+    assert _run_line(run) == "kv-sweep: 212 s, 390 s of CPU, load average 0.4 -> 2.1"
+    run["load_average"] = dict(start=None, end=None)
+    assert _run_line(run) == "kv-sweep: 212 s, 390 s of CPU"
