@@ -162,3 +162,26 @@ def check_chat_and_run_q8(name: str, tmp_path: Path, capsys, monkeypatch) -> Non
     main(["chat", "-m", str(q8), "-n", "8", "--temp", "0", "-c", "512"])
     out = capsys.readouterr()
     assert out.out.strip() and "error" not in out.err.lower(), (out.out, out.err)
+
+
+class ReferenceChecks:
+    """The checks against llama.cpp that every tiny reference architecture passes, as a test
+    class: subclass it in tests/test_arch_<name>.py as `class TestAgainstLlamaCpp(ReferenceChecks)`
+    with `name` (the reference model's), `tol` (issue 9's max |Δ log-prob|) and `n_greedy` (how
+    many greedy tokens must equal llama.cpp's; None = the whole continuation)."""
+
+    name: str
+    tol = 1e-3
+    n_greedy = None
+
+    def test_logprobs_match_llama_cpp_on_every_reference_prompt(self, tmp_path):
+        assert check_logprobs(self.name, tmp_path, tol=self.tol) < self.tol
+
+    def test_one_batch_ubatches_and_token_by_token_are_bit_identical(self):
+        check_split_invariance(self.name)
+
+    def test_greedy_continuation_matches_llama_cpp(self):
+        check_greedy(self.name, n_equal=self.n_greedy)
+
+    def test_a_q8_0_copy_runs_through_chat_and_run(self, tmp_path, capsys, monkeypatch):
+        check_chat_and_run_q8(self.name, tmp_path, capsys, monkeypatch)

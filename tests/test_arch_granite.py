@@ -8,20 +8,8 @@ from tests import arch_refs
 NAME = "granite_s1"
 
 
-def test_logprobs_match_llama_cpp_on_every_reference_prompt(tmp_path):
-    assert arch_refs.check_logprobs(NAME, tmp_path, tol=1e-3) < 1e-3
-
-
-def test_one_batch_ubatches_and_token_by_token_are_bit_identical():
-    arch_refs.check_split_invariance(NAME)
-
-
-def test_greedy_continuation_matches_llama_cpp():
-    arch_refs.check_greedy(NAME)
-
-
-def test_a_q8_0_copy_runs_through_chat_and_run(tmp_path, capsys, monkeypatch):
-    arch_refs.check_chat_and_run_q8(NAME, tmp_path, capsys, monkeypatch)
+class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
+    name = NAME
 
 
 def _granite(tmp_path, name, **meta):

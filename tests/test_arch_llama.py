@@ -8,17 +8,8 @@ from tests import arch_refs
 NAME = "llama3rope_s1"
 
 
-def test_logprobs_match_llama_cpp_on_every_reference_prompt(tmp_path):
-    worst = arch_refs.check_logprobs(NAME, tmp_path, tol=1e-3)
-    assert worst < 1e-3
-
-
-def test_one_batch_ubatches_and_token_by_token_are_bit_identical():
-    arch_refs.check_split_invariance(NAME)
-
-
-def test_greedy_continuation_matches_llama_cpp():
-    arch_refs.check_greedy(NAME)
+class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
+    name = NAME
 
 
 # ---- factory variants --------------------------------------------------------------------
@@ -74,7 +65,3 @@ def test_rope_freqs_of_the_wrong_size_is_a_one_line_error(tmp_path):
     from runtime.errors import ModelFileError
     with pytest.raises(ModelFileError, match=r"rope_freqs.weight.*shape \[8\]"):
         _model(tmp_path, "bad.gguf", factors=np.ones(5))
-
-
-def test_a_q8_0_copy_runs_through_chat_and_run(tmp_path, capsys, monkeypatch):
-    arch_refs.check_chat_and_run_q8(NAME, tmp_path, capsys, monkeypatch)

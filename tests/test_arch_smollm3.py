@@ -7,16 +7,8 @@ from tests import arch_refs
 NAME = "smollm3_s1"
 
 
-def test_logprobs_match_llama_cpp_on_every_reference_prompt(tmp_path):
-    assert arch_refs.check_logprobs(NAME, tmp_path, tol=1e-3) < 1e-3
-
-
-def test_one_batch_ubatches_and_token_by_token_are_bit_identical():
-    arch_refs.check_split_invariance(NAME)
-
-
-def test_greedy_continuation_matches_llama_cpp():
-    arch_refs.check_greedy(NAME)
+class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
+    name = NAME
 
 
 def test_every_fourth_layer_has_no_rope(tmp_path):
@@ -46,7 +38,3 @@ def test_context_shift_leaves_nope_keys_and_matches_a_fresh_decode(tmp_path):
     fresh = Context(m, ContextParams(**arch_refs.REF_PARAMS))
     assert fresh.decode(Batch.one_seq(tokens + [9], 11)) == 0
     np.testing.assert_allclose(ctx.get_logits_ith(-1), fresh.get_logits_ith(-1), atol=2e-4)
-
-
-def test_a_q8_0_copy_runs_through_chat_and_run(tmp_path, capsys, monkeypatch):
-    arch_refs.check_chat_and_run_q8(NAME, tmp_path, capsys, monkeypatch)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tests.gguf_factory import write_tiny_model
-from tests.test_cli_chat_pty import Chat, answer_of
+from tests.pty_chat import Chat, answer_of
 
 pexpect = pytest.importorskip("pexpect")
 

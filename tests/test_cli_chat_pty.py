@@ -1,97 +1,12 @@
-"""`kvchat chat` driven in a pseudo-terminal, as a user would, on SmolLM2 (greedy, -c 256).
-
-The terminal side answers prompt_toolkit's cursor-position requests like a real terminal does
-(without that it cannot know its height and hides the bottom toolbar). The toolbar
-("ctx N/256 · f16/f16") appearing again is the sign the chat waits for input.
-"""
-import os
+"""`kvchat chat` driven in a pseudo-terminal, as a user would, on SmolLM2 (greedy, -c 256);
+the driver is tests/pty_chat.py."""
 import re
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.pty_chat import ACCEPTED, READY, answer_of, chats_on, decoded_prompt_tokens
 
-pexpect = pytest.importorskip("pexpect")
 pytestmark = pytest.mark.real_model
-
-TIMEOUT = 600  # generous: numba compiles on the first run, and the machine may be shared
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]|\x08|\r")
-READY = r"ctx (\d+)/256 · f16/f16"
-ACCEPTED = r"\x1b\[\?2004l"  # prompt_toolkit leaves the input line: what follows is the chat's output
-
-
-def plain(text: str) -> str:
-    return ANSI.sub("", text)
-
-
-class Chat:
-    """One `kvchat chat` process in a pty."""
-
-    def __init__(self, model, tmp_path, *args):
-        env = dict(os.environ, TERM="xterm", PYTHONPATH=str(ROOT), KVCHAT_CACHE=str(tmp_path / "cache"),
-                   COLUMNS="120", LINES="50")
-        env.pop("PROMPT_TOOLKIT_NO_CPR", None)
-        self.child = pexpect.spawn(sys.executable, ["-c", "from cli.app import main; main()", "chat",
-                                                    "-m", str(model), "-c", "256", "--temp", "0", *args],
-                                   env=env, encoding="utf-8", timeout=TIMEOUT, dimensions=(50, 120),
-                                   cwd=str(ROOT))
-        self.ctx_used = None
-        self.wait(READY)
-
-    def wait(self, pattern) -> str:
-        """Output up to `pattern` (ANSI stripped), answering cursor-position requests meanwhile."""
-        seen = []
-        while True:
-            i = self.child.expect([pattern, r"\x1b\[6n"])
-            seen.append(self.child.before)
-            if i == 0:
-                if pattern == READY:
-                    self.ctx_used = int(self.child.match.group(1))
-                return plain("".join(seen) + self.child.after)
-            seen.append("")
-            self.child.send("\x1b[50;1R")
-
-    def say(self, text) -> str:
-        """Send a line; return what the chat printed in reply, until it is ready again."""
-        self.child.sendline(text)
-        self.wait(ACCEPTED)
-        return self.wait(READY)
-
-    def exit(self) -> int:
-        self.child.sendline("/exit")
-        self.child.expect(pexpect.EOF)
-        self.child.close()
-        return self.child.exitstatus
-
-    def close(self):
-        if self.child.isalive():
-            self.child.terminate(force=True)
-
-
-def answer_of(output: str) -> str:
-    """The answer part of a reply (before the next prompt and its toolbar)."""
-    return output.split("ctx ")[0]
-
-
-def decoded_prompt_tokens(stats_output: str) -> int:
-    m = re.search(r"prompt tokens decoded\s+(\d+)", stats_output)
-    assert m, stats_output
-    return int(m.group(1))
-
-
-def chats_on(model, tmp_path):
-    """A factory of Chat processes on `model`, all closed afterwards (for `yield from` fixtures)."""
-    chats = []
-
-    def make(*args):
-        c = Chat(model, tmp_path, *args)
-        chats.append(c)
-        return c
-
-    yield make
-    for c in chats:
-        c.close()
 
 
 @pytest.fixture

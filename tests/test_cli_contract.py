@@ -1,45 +1,22 @@
 """The CLI contract of `kvchat run` / `kvchat chat` on a tiny ChatML model (no real model needed):
 stdout carries only the answer, errors are one line with a clear exit code, sessions resume
 without re-processing, Ctrl-C stops an answer. Most calls run `cli.app.main` in this process
-(the kernels are compiled once); the ones about pipes, signals and --session files (locked
-for the life of the process that uses them) run a real process.
+(tests/cli_inproc.py: the kernels are compiled once); the one about a signal runs a real process.
 tests/test_cli_run.py holds the contract tests that run on both this model and SmolLM2 (the
 `any_model` ones: stdout-only answers, corrupt and resumed sessions) and SmolLM2's agreement
 with llama.cpp's answers."""
-import io
 import os
 import signal
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from tests.cli_inproc import kvchat
 from tests.conftest import ROOT
 
 TIMEOUT = 600
-
-
-def kvchat(*args, input=None, env=None):
-    """`kvchat ARGS` in this process: (returncode, stdout, stderr); stdin is `input` (not a tty)."""
-    from cli.app import main
-    out, err = io.StringIO(), io.StringIO()
-    old_stdin, old_env = sys.stdin, dict(os.environ)
-    sys.stdin = io.StringIO(input or "")
-    os.environ.update(env or {})
-    code = 0
-    try:
-        with redirect_stdout(out), redirect_stderr(err):
-            main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.stdin = old_stdin
-        os.environ.clear()
-        os.environ.update(old_env)
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.fixture(autouse=True)

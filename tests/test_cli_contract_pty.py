@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.test_cli_chat_pty import ACCEPTED, READY, chats_on, decoded_prompt_tokens
+from tests.pty_chat import ACCEPTED, READY, chats_on, decoded_prompt_tokens
 
 pexpect = pytest.importorskip("pexpect")
 

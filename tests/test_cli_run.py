@@ -1,27 +1,17 @@
-"""`kvchat run` as a subprocess on SmolLM2: stdout carries only the answer, errors are one line."""
+"""`kvchat run` on SmolLM2 and on the tiny ChatML model, run in this process (tests/cli_inproc.py):
+stdout carries only the answer, errors are one line."""
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.cli_inproc import kvchat
 
 # tests that take smollm2_path are marked real_model by tests/conftest.py; --help and usage
 # errors need no model and run in the fast lane
-TIMEOUT = 900  # numba compiles the kernels on the first run; the machine may be shared
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                "<|im_end|>\n<|im_start|>user\nWhat is a KV cache in a transformer?<|im_end|>\n"
                "<|im_start|>assistant\n")
-
-
-def kvchat(*args, input=None, timeout=TIMEOUT, env=None):
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", *map(str, args)]
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=e)
 
 
 @pytest.fixture(params=[pytest.param("tiny_chat", id="tiny"),
@@ -215,7 +205,7 @@ def test_usage_errors_are_one_line_with_a_hint():
                          (["info", "--bogus"], "No such option: --bogus"),
                          (["frobnicate"], "No such command 'frobnicate'"),
                          (["pull"], "Missing argument")):
-        r = kvchat(*args, timeout=120)
+        r = kvchat(*args)
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, r.stderr)

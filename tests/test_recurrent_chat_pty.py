@@ -4,7 +4,7 @@ again, no prompt re-decoded for /regen), /save, exit and --session resume the re
 KV state, and a full context on a recurrent memory stops with one line."""
 import pytest
 
-from tests.test_cli_chat_pty import Chat, answer_of, decoded_prompt_tokens
+from tests.pty_chat import Chat, answer_of, decoded_prompt_tokens
 
 pytest.importorskip("pexpect")
 

@@ -2,84 +2,12 @@
 locked sessions, /save over the wrong file, /load under --session, double Ctrl-C, odd bytes."""
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT
 from tests.gguf_factory import write_tiny_model
-
-pexpect = pytest.importorskip("pexpect")
-
-TIMEOUT = 600  # the first chat compiles the kernels
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]|\x08|\r")
-READY = r"ctx (\d+)/(\d+) · f16/f16"
-ACCEPTED = r"\x1b\[\?2004l"  # prompt_toolkit left the input line
-
-
-def plain(text: str) -> str:
-    return ANSI.sub("", text)
-
-
-def flat(text: str) -> str:
-    """Whitespace collapsed: rich wraps long lines at the terminal width."""
-    return " ".join(text.split())
-
-
-class Chat:
-    def __init__(self, model, tmp_path, *args, env=None, ready=True):
-        e = dict(os.environ, TERM="xterm", PYTHONPATH=str(ROOT), KVCHAT_CACHE=str(tmp_path / "cache"),
-                 COLUMNS="120", LINES="50")
-        e.pop("PROMPT_TOOLKIT_NO_CPR", None)
-        e.pop("KVCHAT_DEBUG", None)
-        e.update(env or {})
-        self.child = pexpect.spawn(sys.executable, ["-c", "from cli.app import main; main()", "chat",
-                                                    "-m", str(model), "-c", "256", "--temp", "0", *args],
-                                   env=e, encoding="utf-8", codec_errors="replace", timeout=TIMEOUT,
-                                   dimensions=(50, 120), cwd=str(tmp_path))
-        self.ctx_used = None
-        if ready:
-            self.wait(READY)
-
-    def wait(self, pattern) -> str:
-        seen = []
-        while True:
-            i = self.child.expect([pattern, r"\x1b\[6n"])
-            seen.append(self.child.before)
-            if i == 0:
-                if pattern == READY:
-                    self.ctx_used = int(self.child.match.group(1))
-                return plain("".join(seen) + self.child.after)
-            self.child.send("\x1b[50;1R")  # answer the cursor-position request as a terminal does
-
-    def say(self, text) -> str:
-        self.child.sendline(text)
-        self.wait(ACCEPTED)
-        return self.wait(READY)
-
-    def exit(self) -> int:
-        self.child.sendline("/exit")
-        self.child.expect(pexpect.EOF)
-        self.child.close()
-        return self.child.exitstatus
-
-    def rest(self) -> str:
-        """Everything until the process ends (ANSI stripped), and close it."""
-        out = []
-        while True:
-            i = self.child.expect([pexpect.EOF, r"\x1b\[6n"])
-            out.append(self.child.before)
-            if i == 0:
-                break
-            self.child.send("\x1b[50;1R")
-        self.child.close()
-        return plain("".join(out))
-
-    def close(self):
-        if self.child.isalive():
-            self.child.terminate(force=True)
+from tests.pty_chat import READY, Chat, chats_on, flat
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +17,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def chat(tiny, tmp_path):
-    chats = []
-
-    def make(*args, **kw):
-        c = Chat(tiny, tmp_path, *args, **kw)
-        chats.append(c)
-        return c
-
-    yield make
-    for c in chats:
-        c.close()
+    yield from chats_on(tiny, tmp_path, cwd=tmp_path)
 
 
 def session_users(path):
@@ -241,7 +160,7 @@ def test_damaged_model_in_the_chat_is_one_line_and_exit_1(tmp_path):
         if t.name == "output_norm.weight":
             t.data[:] = np.nan
     del reader
-    c = Chat(path, tmp_path, "-n", "2")
+    c = Chat(path, tmp_path, "-n", "2", cwd=tmp_path)
     try:
         c.child.sendline("hello")
         out = flat(c.rest())

@@ -1,6 +1,8 @@
 """`kvchat run`, `tokenize` and `session show` on bad bytes, damaged models, impossible sizes and
-locked sessions, as subprocesses on a tiny random model: one line and a clear exit code each,
-never a traceback, never a lost turn."""
+locked sessions, on a tiny random model: one line and a clear exit code each, never a traceback,
+never a lost turn. Most calls run in this process (tests/cli_inproc.py); a session held by
+another process, concurrent runs, closed or vanishing stdout and the start-up locale need real
+processes."""
 import json
 import os
 import subprocess
@@ -9,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import cli_inproc as inproc
 from tests.conftest import ROOT
 from tests.gguf_factory import write_tiny_model
 
@@ -16,6 +19,14 @@ TIMEOUT = 600  # the first run compiles the kernels
 
 
 def kvchat(*args, input=None, env=None, cwd=None):
+    """In this process; stdout / stderr as bytes; env=STRICT gives stdin a strict text layer."""
+    strict = env is STRICT
+    return inproc.kvchat(*args, input=input, env=None if strict else env, cwd=cwd, text=False,
+                         stdin_errors="strict" if strict else "surrogateescape")
+
+
+def kvchat_process(*args, input=None, env=None, cwd=None):
+    """As a process of its own."""
     cmd = [sys.executable, "-c", "from cli.app import main; main()",
            *(a if isinstance(a, bytes) else os.fsencode(str(a)) for a in args)]
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
@@ -50,6 +61,7 @@ def nan_model(tmp_path_factory):
 
 
 RUN = ("run", "-c", "256", "-n", "4", "--temp", "0")
+STRICT = {"PYTHONIOENCODING": "utf-8:strict"}  # a locale whose stdin refuses bad bytes
 
 
 # ---- invalid UTF-8 -----------------------------------------------------------------------------------
@@ -138,7 +150,7 @@ def test_run_on_a_session_another_process_holds_is_refused_naming_it(tiny, tmp_p
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
     before = session.read_bytes()
     with SessionLock(session):
-        r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", "msg")
+        r = kvchat_process(*RUN, "-m", tiny, "--session", session, "-p", "msg")
     assert r.returncode == 1
     assert err_lines(r) == [f"error: session file {session} is in use by process {os.getpid()}; "
                             "wait for it to finish or use another file"]
@@ -253,13 +265,14 @@ def test_unusable_cache_directory_is_one_line(tiny, tmp_path, env):
     assert r.returncode == 0, r.stderr
 
 
-STRICT = {"PYTHONIOENCODING": "utf-8:strict"}  # a locale whose stdin refuses bad bytes
 
 
 def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path):
+    """The first call is a real process started with the strict locale; the others emulate it
+    in this process (a strict text layer over stdin, which is what the setting changes)."""
     from cli.session import read_session
     s1, s2, s3 = tmp_path / "1.kvs", tmp_path / "2.kvs", tmp_path / "3.kvs"
-    r = kvchat(*RUN, "-m", tiny, "--session", s1, input=b"ab\xffcd", env=STRICT)
+    r = kvchat_process(*RUN, "-m", tiny, "--session", s1, input=b"ab\xffcd", env=STRICT)
     assert r.returncode == 0, r.stderr
     assert read_session(s1).messages[0]["content"] == "ab\ufffdcd"
     prompt = tmp_path / "p.txt"

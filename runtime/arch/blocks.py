@@ -187,3 +187,30 @@ def lm_head(model, h) -> np.ndarray:
     if cap:
         out = (np.tanh(out * np.float32(1.0 / cap)) * np.float32(cap)).astype(np.float32)
     return out
+
+
+def decoder_layers(model, ubatch, mixer, project=None, ffn_norm: str = "ffn_norm", residual_scale=None):
+    """The block loop llama, granite and the hybrids share (llm_build_llama's shape): per layer
+    cur = mixer(il, L, attn_norm(x), pos); x += project(L, cur); x += SwiGLU FFN of
+    <ffn_norm>(x) — each added output times residual_scale when one is given (granite). After the
+    last layer's mixer only the output rows go on (llama.cpp's inp_out_ids), so project runs on
+    those only. Returns logits f32 [n_outputs, n_vocab] (before any logit scale)."""
+    hp = model.hparams
+    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
+    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
+    out_ids = output_ids(ubatch)
+    last = hp.n_layer - 1
+    rs = None if residual_scale is None else np.float32(residual_scale)
+    for il, L in enumerate(model.weights.layers):
+        h = rms_norm(x, L.attn_norm, hp.norm_eps)
+        cur = mixer(il, L, h, pos)
+        if il == last and out_ids is not None:
+            cur, x = cur[out_ids], x[out_ids]
+            if x.shape[0] == 0:
+                return np.zeros((0, hp.n_vocab), dtype=np.float32)
+        if project is not None:
+            cur = project(L, cur)
+        x += cur if rs is None else cur * rs  # ffn_inp
+        cur = feed_forward(L, rms_norm(x, getattr(L, ffn_norm), hp.norm_eps), hp.n_ff, use_gelu=False)
+        x += cur if rs is None else cur * rs
+    return logits(model, x)

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.norm import rms_norm
-from runtime.arch.blocks import embed, feed_forward, logits, output_ids, output_projection, self_attention
+from runtime.arch.blocks import decoder_layers, output_projection, self_attention
 from runtime.arch.llama import Llama
 from runtime.hparams import HParams
 
@@ -27,24 +26,17 @@ class GraniteHParams(HParams):
 
 
 def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab] of one ubatch."""
+    """Logits f32 [n_outputs, n_vocab] of one ubatch: the shared block loop (blocks.decoder_layers)
+    with the residual multiplier (the embedding multiplier is applied by `embed`, the score scale
+    is kq_scale), then the logits divided by logit_scale."""
     hp = model.hparams
-    rs = np.float32(hp.residual_scale)
-    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, * embedding_scale
-    out_ids = output_ids(ubatch)
-    last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        h = rms_norm(x, L.attn_norm, hp.norm_eps)
-        attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale)  # [n, n_head*dv]
-        if il == last and out_ids is not None:
-            attn, x = attn[out_ids], x[out_ids]
-            if x.shape[0] == 0:
-                return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = output_projection(L, attn) * rs + x  # ffn_inp
-        h = rms_norm(x, L.ffn_norm, hp.norm_eps)
-        x = feed_forward(L, h, hp.n_ff, use_gelu=False) * rs + x
-    return logits(model, x) * np.float32(1.0 / hp.logit_scale)
+
+    def attention_mixer(il, L, h, pos):  # [n, n_head * dv], before the output projection
+        return self_attention(model, il, L, h, pos, mctx, hp.kq_scale)
+
+    logits = decoder_layers(model, ubatch, attention_mixer, project=output_projection,
+                            residual_scale=hp.residual_scale)
+    return logits * np.float32(1.0 / hp.logit_scale)
 
 
 class Granite(Llama):

@@ -8,7 +8,7 @@ value heads of S = ssm.state_size; value head h reads key head h % H_k):
     q, k = l2_norm(q), l2_norm(k)                     (q is scaled by 1/sqrt(S) in the rule)
     g    = softplus(ssm_alpha(h) + ssm_dt_bias) * ssm_a    (ssm_a = -exp(A_log), stored so)
     b    = sigmoid(ssm_beta(h))
-    o    = gated delta rule (kernels/delta_net.py), token by token (see CHUNKED_PREFILL)
+    o    = gated delta rule (kernels/delta_net.py), token by token (its docstring says why)
     out  = ssm_out(RMSNorm_ssm_norm(o) * silu(attn_gate(h)))     (per value head)
 Attention layers: attn_q gives per head [query (head_dim) | gate (head_dim)]; QK-norm; IMROPE
 with the text positions [p, p, p, 0], i.e. NEOX rope on the first n_rot dims of each head;
@@ -29,16 +29,6 @@ from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, de
                                            l2_norm, rms_norm_last, sigmoid, silu, softplus,
                                            without_attention)
 from runtime.hparams import MAX_DIM, HParams, scalar_int
-
-
-# The chunked form of the delta rule (kernels/delta_net.delta_chunked) gives the same outputs to
-# ~1e-7 relative, but on this CPU it is slower than the step (512 tokens, 32 heads of 128:
-# 8.0 s against 1.1 s; its C x C products only pay off on matrix units) and it rounds the
-# state at chunk ends instead of after every token, so a prompt decoded in one batch would
-# differ from the same prompt token by token (8.6e-5 in log-probs on qwen35_s1's long prompt).
-# The step rounds the f32 state after every token, as storing it between decodes does: one
-# batch, any ubatch size and token by token give the same bits.
-CHUNKED_PREFILL = False
 
 
 @dataclass
@@ -79,8 +69,7 @@ def linear_attention(hp, L, h, rctx, il) -> np.ndarray:
     g = softplus(L.ssm_alpha.matmul(h) + L.ssm_dt_b) * L.ssm_a  # [n, H_v] log decay
     b = sigmoid(L.ssm_beta.matmul(h))
     state = np.ascontiguousarray(rctx.get_s(il).reshape(n_rs, h_v, S, S))  # [.., S_v, S_k]
-    o = gated_delta_rule(q, k, v, g.reshape(n_rs, n_st, h_v), b.reshape(n_rs, n_st, h_v), state,
-                         chunked=CHUNKED_PREFILL and n_st > 1)
+    o = gated_delta_rule(q, k, v, g.reshape(n_rs, n_st, h_v), b.reshape(n_rs, n_st, h_v), state)
     rctx.cpy_s(il, state.reshape(n_rs, -1))
     z = L.ssm_gate.matmul(h).reshape(n, h_v, S)
     out = rms_norm_last(o.reshape(n, h_v, S), L.ssm_norm, hp.norm_eps) * silu(z)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.conv import conv_with_state
-from kernels.norm import rms_norm
-from runtime.arch.blocks import embed, feed_forward, logits, output_ids
+from runtime.arch.blocks import decoder_layers
 from runtime.memory.hybrid import MemoryHybrid
 from runtime.memory.recurrent import MemoryRecurrent
 
@@ -93,24 +92,15 @@ def rms_norm_last(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def hybrid_forward(model, ubatch, mctx, recurrent_mixer, attention_mixer, ffn_norm: str) -> np.ndarray:
-    """The block loop of a hybrid model: x += mixer(attn_norm(x)); x += SwiGLU(<ffn_norm>(x)),
-    the mixer being recurrent_mixer(hp, L, h, recr_ctx, il) in recurrent layers and
-    attention_mixer(model, il, L, h, pos, attn_ctx) in the others. Logits f32 [n_outputs, n_vocab]."""
+    """The block loop of a hybrid model (blocks.decoder_layers): x += mixer(attn_norm(x));
+    x += SwiGLU(<ffn_norm>(x)), the mixer being recurrent_mixer(hp, L, h, recr_ctx, il) in
+    recurrent layers and attention_mixer(model, il, L, h, pos, attn_ctx) in the others.
+    Logits f32 [n_outputs, n_vocab]."""
     hp = model.hparams
-    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
-    out_ids = output_ids(ubatch)
-    last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        h = rms_norm(x, L.attn_norm, hp.norm_eps)
+
+    def mixer(il, L, h, pos):
         if hp.is_recurrent(il):
-            cur = recurrent_mixer(hp, L, h, mctx.get_recr(), il)
-        else:
-            cur = attention_mixer(model, il, L, h, pos, mctx.get_attn())
-        if il == last and out_ids is not None:  # only the output rows go on (inp_out_ids)
-            cur, x = cur[out_ids], x[out_ids]
-            if x.shape[0] == 0:
-                return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = x + cur
-        x += feed_forward(L, rms_norm(x, getattr(L, ffn_norm), hp.norm_eps), hp.n_ff, use_gelu=False)
-    return logits(model, x)
+            return recurrent_mixer(hp, L, h, mctx.get_recr(), il)
+        return attention_mixer(model, il, L, h, pos, mctx.get_attn())
+
+    return decoder_layers(model, ubatch, mixer, ffn_norm=ffn_norm)
