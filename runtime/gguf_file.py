@@ -23,149 +23,21 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numba import njit
 
-from kernels.ggml_types import TYPES, UNSUPPORTED_TYPES, GGMLType, TypeInfo
+from kernels.gguf_strings import scan_strings
+from kernels.ggml_types import GGMLType
 from runtime.errors import ModelFileError
+from runtime.gguf_format import (DEFAULT_ALIGNMENT, FLOAT_TYPES, GGUF_MAGIC, INT64_MAX, INT_TYPES,
+                                 MAX_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS, MIN_SIZE, SCALAR_DTYPES,
+                                 SUPPORTED_VERSIONS, VOCAB_MERGES, VOCAB_PARALLEL, VOCAB_TOKENS, Cursor,
+                                 GGUFValueType, TensorInfo, known_type, show_name)
 from runtime.string_array import StringArray
 
 __all__ = ["GGUFFile", "TensorInfo", "ModelFileError", "GGUFValueType"]
-
-GGUF_MAGIC = b"GGUF"
-SUPPORTED_VERSIONS = (2, 3)
-MAX_COUNT = 1 << 30  # cap on tensor / kv counts and on string and array lengths
-MAX_ARRAY_DEPTH = 4  # arrays of arrays: bounded recursion
-MAX_DIMS = 4
-MAX_ALIGNMENT = 1 << 20
-DEFAULT_ALIGNMENT = 32
-INT64_MAX = (1 << 63) - 1
-
-
-class GGUFValueType:
-    """GGUF metadata value type ids (gguf_type)."""
-
-    UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
-    NAMES = ("u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool", "string", "array", "u64", "i64", "f64")
-
-
-# fixed-size value types: id -> numpy little-endian dtype
-_SCALAR_DTYPES = {
-    GGUFValueType.UINT8: np.dtype("<u1"), GGUFValueType.INT8: np.dtype("<i1"),
-    GGUFValueType.UINT16: np.dtype("<u2"), GGUFValueType.INT16: np.dtype("<i2"),
-    GGUFValueType.UINT32: np.dtype("<u4"), GGUFValueType.INT32: np.dtype("<i4"),
-    GGUFValueType.FLOAT32: np.dtype("<f4"), GGUFValueType.BOOL: np.dtype("<u1"),
-    GGUFValueType.UINT64: np.dtype("<u8"), GGUFValueType.INT64: np.dtype("<i8"),
-    GGUFValueType.FLOAT64: np.dtype("<f8"),
-}
-_INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
-_FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
-# smallest encoding of one element of each type (strings: u64 length; arrays: u32 type + u64 n)
-_MIN_SIZE = {**{t: d.itemsize for t, d in _SCALAR_DTYPES.items()},
-             GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
-
-# Tokenizer arrays whose element type and length the container check enforces.
-_VOCAB_TOKENS = "tokenizer.ggml.tokens"
-_VOCAB_PARALLEL = {  # key -> accepted element types (must have one entry per token)
-    "tokenizer.ggml.scores": (GGUFValueType.FLOAT32,),
-    "tokenizer.ggml.token_type": (GGUFValueType.INT32,),
-}
-_VOCAB_MERGES = "tokenizer.ggml.merges"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor: `shape` in ggml ne order (shape[0] = row length); `data` is a read-only
-    `uint8 [n_rows, row_bytes]` view on the file's mmap (no copy)."""
-
-    name: str
-    shape: tuple[int, ...]
-    ggml_type: GGMLType
-    offset: int  # relative to the start of the data section
-    nbytes: int
-    data: np.ndarray  # [n_rows, row_bytes] u8, read-only
-
-    @property
-    def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def type_info(self) -> TypeInfo:
-        return _known_type(self.ggml_type)
-
-    @property
-    def supported(self) -> bool:
-        """True if kernels/quants.py implements this tensor's format."""
-        return int(self.ggml_type) in TYPES
-
-
-def _known_type(t: int) -> TypeInfo | None:
-    return TYPES.get(int(t)) or UNSUPPORTED_TYPES.get(int(t))
-
-
-def _show(name: str, limit: int = 80) -> str:
-    """A file-supplied name made safe for a one-line message (escaped, truncated)."""
-    s = name.encode("unicode_escape", "backslashreplace").decode("ascii")
-    return s if len(s) <= limit else s[:limit] + "..."
-
-
-class _Cursor:
-    """Sequential little-endian reader over the mmap; every read is bounds-checked first."""
-
-    def __init__(self, gf: "GGUFFile", buf: mmap.mmap, size: int):
-        self.gf, self.buf, self.size, self.pos = gf, buf, size, 0
-
-    def remaining(self) -> int:
-        return self.size - self.pos
-
-    def need(self, n: int, field: str) -> None:
-        if n > self.size - self.pos:
-            self.gf._fail(field, f"truncated: needs {n} bytes at offset {self.pos}, "
-                                 f"only {self.size - self.pos} left")
-
-    def unpack(self, fmt: str, n: int, field: str):
-        self.need(n, field)
-        v = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
-        return v[0] if len(v) == 1 else v
-
-    def u32(self, field: str) -> int:
-        return self.unpack("<I", 4, field)
-
-    def u64(self, field: str) -> int:
-        return self.unpack("<Q", 8, field)
-
-    def count(self, field: str, min_item: int) -> int:
-        """A u64 element count, checked against the cap and the bytes left."""
-        n = self.u64(field)
-        if n > MAX_COUNT:
-            self.gf._fail(field, f"count {n} exceeds the limit {MAX_COUNT}")
-        if n * min_item > self.remaining():
-            self.gf._fail(field, f"count {n} needs at least {n * min_item} bytes, "
-                                 f"only {self.remaining()} left in the file")
-        return n
-
-    def raw_string(self, field: str) -> bytes:
-        n = self.count(field, 1)
-        b = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return b
-
-    def string(self, field: str) -> str:
-        b = self.raw_string(field)
-        try:
-            return b.decode("utf-8")
-        except UnicodeDecodeError:
-            self.gf._fail(field, "string is not valid UTF-8")
-
 
 class GGUFFile:
     """A parsed, validated GGUF file.
@@ -227,11 +99,11 @@ class GGUFFile:
         self._fail(field, problem)
 
     def _fail(self, field: str, problem: str):
-        raise ModelFileError(f"{self.path}: {_show(field)}: {problem}")
+        raise ModelFileError(f"{self.path}: {show_name(field)}: {problem}")
 
     # ----------------------------------------------------------------- parsing
     def _parse(self) -> None:
-        cur = _Cursor(self, self._mm, self.file_size)
+        cur = Cursor(self, self._mm, self.file_size)
         magic = bytes(self._mm[0:4])
         if magic != GGUF_MAGIC:
             self._fail("magic", f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
@@ -259,9 +131,9 @@ class GGUFFile:
         self._place_tensors(infos)
         self._check_metadata()
 
-    def _read_value(self, cur: _Cursor, key: str, vtype: int, depth: int):
-        if vtype in _SCALAR_DTYPES:
-            dt = _SCALAR_DTYPES[vtype]
+    def _read_value(self, cur: Cursor, key: str, vtype: int, depth: int):
+        if vtype in SCALAR_DTYPES:
+            dt = SCALAR_DTYPES[vtype]
             cur.need(dt.itemsize, key)
             v = np.frombuffer(self._mm, dtype=dt, count=1, offset=cur.pos)[0].item()
             cur.pos += dt.itemsize
@@ -276,15 +148,15 @@ class GGUFFile:
             if depth >= MAX_ARRAY_DEPTH:
                 self._fail(key, f"arrays nested deeper than {MAX_ARRAY_DEPTH}")
             etype = cur.u32(f"{key} (array type)")
-            if etype not in _MIN_SIZE:
+            if etype not in MIN_SIZE:
                 self._fail(key, f"invalid array element type {etype}")
-            n = cur.count(f"{key} (array length)", _MIN_SIZE[etype])
+            n = cur.count(f"{key} (array length)", MIN_SIZE[etype])
             return self._read_array(cur, key, etype, n, depth), (vtype, etype)
         self._fail(key, f"invalid value type {vtype}")
 
-    def _read_array(self, cur: _Cursor, key: str, etype: int, n: int, depth: int):
-        if etype in _SCALAR_DTYPES:
-            dt = _SCALAR_DTYPES[etype]
+    def _read_array(self, cur: Cursor, key: str, etype: int, n: int, depth: int):
+        if etype in SCALAR_DTYPES:
+            dt = SCALAR_DTYPES[etype]
             # count() already checked n * itemsize against the bytes left
             a = np.frombuffer(self._mm, dtype=dt, count=n, offset=cur.pos)
             cur.pos += n * dt.itemsize
@@ -297,7 +169,7 @@ class GGUFFile:
             return self._read_string_array(cur, key, n)
         return [self._read_value(cur, f"{key}[{i}]", etype, depth + 1)[0] for i in range(n)]
 
-    def _read_string_array(self, cur: _Cursor, key: str, n: int):
+    def _read_string_array(self, cur: Cursor, key: str, n: int):
         """n strings without a Python loop: a numba pass walks the length prefixes (bounds-
         checked) and packs the texts into one blob, held as a StringArray (runtime/string_array.py:
         a str is decoded when read, so a 262144-token vocabulary costs ~4 MB, not ~25 MB of
@@ -305,7 +177,7 @@ class GGUFFile:
         if n == 0:
             return []
         arr = np.frombuffer(self._mm, dtype=np.uint8)
-        packed, bounds, end, bad, has_nul = _scan_strings(arr, cur.pos, n)
+        packed, bounds, end, bad, has_nul = scan_strings(arr, cur.pos, n)
         if bad >= 0:
             self._fail(f"{key}[{bad}]", f"string runs past the end of the file (at offset {end})")
         cur.pos = end
@@ -318,13 +190,13 @@ class GGUFFile:
         if "general.alignment" not in self.metadata:
             return DEFAULT_ALIGNMENT
         a = self.metadata["general.alignment"]
-        if self.value_types["general.alignment"][0] not in _INT_TYPES:
+        if self.value_types["general.alignment"][0] not in INT_TYPES:
             self._fail("general.alignment", "must be an integer")
         if a <= 0 or a & (a - 1) or a > MAX_ALIGNMENT:
             self._fail("general.alignment", f"{a} is not a power of two between 1 and {MAX_ALIGNMENT}")
         return a
 
-    def _read_tensor_info(self, cur: _Cursor, i: int):
+    def _read_tensor_info(self, cur: Cursor, i: int):
         name = cur.string(f"tensor #{i} (name)")
         n_dims = cur.u32(f"tensor {name} (n_dims)")
         if not 1 <= n_dims <= MAX_DIMS:
@@ -338,7 +210,7 @@ class GGUFFile:
                 self._fail(f"tensor {name}", f"element count of shape {list(shape)} overflows int64")
             n *= d
         t = cur.u32(f"tensor {name} (type)")
-        info = _known_type(t)
+        info = known_type(t)
         if info is None:
             self._fail(f"tensor {name}", f"unknown ggml type id {t}")
         if shape[0] % info.block_size:
@@ -366,7 +238,7 @@ class GGUFFile:
         prev = None
         for ti in sorted(self.tensors.values(), key=lambda x: x.offset):
             if prev is not None and ti.offset < prev.offset + prev.nbytes:
-                self._fail(f"tensor {ti.name}", f"data at offset {ti.offset} overlaps tensor {_show(prev.name)} "
+                self._fail(f"tensor {ti.name}", f"data at offset {ti.offset} overlaps tensor {show_name(prev.name)} "
                                     f"[{prev.offset}, {prev.offset + prev.nbytes})")
             prev = ti
 
@@ -378,19 +250,19 @@ class GGUFFile:
             self._fail("general.architecture", "missing (required)")
         if self.value_types["general.architecture"][0] != GGUFValueType.STRING or not self.arch:
             self._fail("general.architecture", "must be a non-empty string")
-        if _VOCAB_TOKENS in self.metadata:
-            self._expect_array(_VOCAB_TOKENS, (GGUFValueType.STRING,))
-            n_vocab = len(self.metadata[_VOCAB_TOKENS])
+        if VOCAB_TOKENS in self.metadata:
+            self._expect_array(VOCAB_TOKENS, (GGUFValueType.STRING,))
+            n_vocab = len(self.metadata[VOCAB_TOKENS])
             if n_vocab == 0:
-                self._fail(_VOCAB_TOKENS, "empty vocabulary")
-            for key, etypes in _VOCAB_PARALLEL.items():
+                self._fail(VOCAB_TOKENS, "empty vocabulary")
+            for key, etypes in VOCAB_PARALLEL.items():
                 if key in self.metadata:
                     self._expect_array(key, etypes)
                     if len(self.metadata[key]) != n_vocab:
                         self._fail(key, f"has {len(self.metadata[key])} entries, "
-                                        f"{_VOCAB_TOKENS} has {n_vocab}")
-        if _VOCAB_MERGES in self.metadata:
-            self._expect_array(_VOCAB_MERGES, (GGUFValueType.STRING,))
+                                        f"{VOCAB_TOKENS} has {n_vocab}")
+        if VOCAB_MERGES in self.metadata:
+            self._expect_array(VOCAB_MERGES, (GGUFValueType.STRING,))
 
     def _expect_array(self, key: str, etypes: tuple[int, ...]) -> None:
         vt, et = self.value_types[key]
@@ -406,7 +278,7 @@ class GGUFFile:
             if default is ...:
                 self._fail(key, "missing (required)")
             return default
-        if self.value_types[key][0] not in _INT_TYPES:
+        if self.value_types[key][0] not in INT_TYPES:
             self._fail(key, f"must be an integer, got {GGUFValueType.NAMES[self.value_types[key][0]]}")
         v = self.metadata[key]
         if min_value is not None and v < min_value:
@@ -420,7 +292,7 @@ class GGUFFile:
                 self._fail(key, "missing (required)")
             return default
         vt = self.value_types[key][0]
-        if vt not in _FLOAT_TYPES and vt not in _INT_TYPES:
+        if vt not in FLOAT_TYPES and vt not in INT_TYPES:
             self._fail(key, f"must be a number, got {GGUFValueType.NAMES[vt]}")
         v = float(self.metadata[key])
         if not np.isfinite(v):
@@ -444,48 +316,6 @@ class GGUFFile:
         if self.value_types[key][0] != GGUFValueType.BOOL:
             self._fail(key, f"must be a bool, got {GGUFValueType.NAMES[self.value_types[key][0]]}")
         return self.metadata[key]
-
-
-@njit(cache=True)
-def _scan_strings(buf, pos, n):
-    """Walk n GGUF strings (u64 length + bytes) from `pos` in `buf` (u8[:]).
-
-    Returns (packed u8: the texts joined by single NUL bytes, bounds i64 [n, 2]: each text's
-    [start, end) in packed, end position in buf, index of the first string that runs past
-    the end or -1, whether any text contains a NUL byte)."""
-    size = buf.shape[0]
-    bounds = np.empty((n, 2), dtype=np.int64)
-    # first pass: lengths and bounds only
-    p = pos
-    total = 0
-    for i in range(n):
-        if p + 8 > size:
-            return np.empty(0, np.uint8), bounds, p, i, False
-        ln = 0
-        for b in range(8):
-            ln |= np.int64(buf[p + b]) << (8 * b)
-        p += 8
-        if ln < 0 or ln > size - p:
-            return np.empty(0, np.uint8), bounds, p, i, False
-        bounds[i, 0] = total
-        total += ln
-        bounds[i, 1] = total
-        total += 1  # separator
-        p += ln
-    packed = np.zeros(max(total - 1, 0), dtype=np.uint8)
-    has_nul = False
-    q = pos
-    for i in range(n):
-        q += 8
-        s = bounds[i, 0]
-        ln = bounds[i, 1] - s
-        for j in range(ln):
-            c = buf[q + j]
-            if c == 0:
-                has_nul = True
-            packed[s + j] = c
-        q += ln
-    return packed, bounds, p, -1, has_nul
 
 
 def _as_ggml_type(t: int):
