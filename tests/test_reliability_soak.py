@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_reliability_chat_pty import ACCEPTED, READY, Chat, flat
+from tests.pty_chat import ACCEPTED, READY, Chat, flat
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
 
 def test_soak_200_random_operations(tiny, tmp_path):
     rng = random.Random(20261201)
-    c = Chat(tiny, tmp_path, "-n", "24", "--ignore-eos")
+    c = Chat(tiny, tmp_path, "-n", "24", "--ignore-eos", cwd=tmp_path)
     saves = []
     counts = {}
     try:
@@ -149,7 +149,8 @@ def _typeable(parts) -> bytes:
 
 @pytest.fixture(scope="module")
 def typed_chat(tiny, tmp_path_factory):
-    c = Chat(tiny, tmp_path_factory.mktemp("typed"), "-n", "2")
+    d = tmp_path_factory.mktemp("typed")
+    c = Chat(tiny, d, "-n", "2", cwd=d)
     yield c
     c.close()
 
