@@ -422,7 +422,6 @@ def test_a_wrapped_sliding_window_ring_gives_the_bits_of_the_unwrapped_cache(fla
     on the unwrapped cache the start changes nothing (cell 0 gives the same bits)."""
     import numba
 
-    import kernels.attention as ka
     rows = list(range(n_pos - 76, n_pos))
     lin, s_lin = _ring_case(flash, 768, n_pos, 40, rows)
     ring, s_ring = _ring_case(flash, 256, n_pos, 40, rows)
@@ -432,8 +431,8 @@ def test_a_wrapped_sliding_window_ring_gives_the_bits_of_the_unwrapped_cache(fla
     try:
         for n_threads in (1, 2):
             numba.set_num_threads(n_threads)
-            for min_work in (ka.PARALLEL_MIN_WORK, 0):
-                monkeypatch.setattr(ka, "PARALLEL_MIN_WORK", min_work)
+            for min_work in (parallel.ATTN_PAR_MIN_MACS, 0):
+                monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", min_work)
                 np.testing.assert_array_equal(attention(*ring, flash=flash, n_threads=n_threads, start=s_ring),
                                               want, err_msg=f"threads={n_threads} min_work={min_work}")
                 for i in (0, 20, 31, 32, 33, 50, 75):  # alone, on both sides of the wrap
