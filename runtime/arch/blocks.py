@@ -190,7 +190,8 @@ def lm_head(model, h) -> np.ndarray:
 
 
 def decoder_layers(model, ubatch, mixer, project=None, ffn_norm: str = "ffn_norm", residual_scale=None):
-    """The block loop llama, granite and the hybrids share (llm_build_llama's shape): per layer
+    """The block loop granite and the hybrids share (llm_build_llama's shape; llama's own forward
+    is this loop with each residual add fused into the next norm, kernels/fused_norm.py): per layer
     cur = mixer(il, L, attn_norm(x), pos); x += project(L, cur); x += SwiGLU FFN of
     <ffn_norm>(x) — each added output times residual_scale when one is given (granite). After the
     last layer's mixer only the output rows go on (llama.cpp's inp_out_ids), so project runs on
