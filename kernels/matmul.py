@@ -36,29 +36,41 @@ TOKEN_CHUNK = 32  # tokens per work item: a decoded block is reused by up to thi
 RUNS_PER_THREAD = 4  # prange iterations per (possible) thread, each a run of consecutive work items
 
 
-def _mmap_backed(a: np.ndarray) -> bool:
-    """Whether a's memory is a view on an mmap (a model file's pages), not a private copy."""
+def _mmap_root(a: np.ndarray) -> np.ndarray | None:
+    """The array viewing a whole mmap (a model file's pages) that a is a view of; None when a's
+    memory is a private copy."""
     b = a
     while isinstance(b, np.ndarray):
-        b = b.base
+        root, b = b, b.base
     if isinstance(b, memoryview):  # np.frombuffer(mmap) views the mmap through a memoryview
         b = b.obj
-    return isinstance(b, mmap.mmap)
+    return root if isinstance(b, mmap.mmap) else None
 
 
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
+_HUGE_PAGE = 2 << 20  # x86-64 PMD size: the page cache of a read-only file may be mapped in 2 MiB pages
 
 
 def release_file_pages(a: np.ndarray) -> None:
     """Drop a's file pages from this process's resident set (Linux MADV_DONTNEED on a read-only
     file mapping: the data stays in the page cache and faults back in if read again). After the
     repack only get_rows reads the original rows, a few of them per token; without this the
-    file's pages would stay resident next to their repacked copy."""
-    if not sys.platform.startswith("linux") or a.size == 0 or not _mmap_backed(a):
+    file's pages would stay resident next to their repacked copy.
+
+    The range is widened to whole 2 MiB blocks (within the mapping): with transparent huge pages
+    for files (khugepaged collapses a cached model file), a huge page only leaves the resident
+    set when the whole of it is released, and a tensor rarely covers its pages exactly (Gemma-3
+    270M kept 60 MB of file pages during load). Releasing a neighbour's pages costs at most one
+    fault when it is read."""
+    if not sys.platform.startswith("linux") or a.size == 0:
         return
-    start = a.ctypes.data & ~(_PAGE - 1)
-    end = a.ctypes.data + a.nbytes
+    root = _mmap_root(a)
+    if root is None:
+        return
+    lo, hi = root.ctypes.data, root.ctypes.data + root.nbytes
+    start = max(a.ctypes.data & ~(_HUGE_PAGE - 1), lo & ~(_PAGE - 1))
+    end = min((a.ctypes.data + a.nbytes + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1), hi)
     try:
         ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
                                                  ctypes.c_int(_MADV_DONTNEED))

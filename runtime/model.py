@@ -72,6 +72,7 @@ class Model:
             arch = get_arch(gf.arch)
             hp = HParams.from_gguf(gf)
             vocab = Vocab.from_gguf(gf)
+            release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             weights = load_weights(gf, hp, arch)
             release_file_pages(gf.raw)  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
         except BaseException:
@@ -127,10 +128,14 @@ def _vector(gf: GGUFFile, name: str) -> np.ndarray | None:
     if ti is None:
         return None
     raw = np.ascontiguousarray(ti.data).reshape(-1)
+    out = None
     if int(ti.ggml_type) == GGMLType.F32:
-        return raw.view(np.float32).copy()
-    if int(ti.ggml_type) == GGMLType.F16:
-        return raw.view(np.float16).astype(np.float32)
+        out = raw.view(np.float32).copy()
+    elif int(ti.ggml_type) == GGMLType.F16:
+        out = raw.view(np.float16).astype(np.float32)
+    if out is not None:
+        release_file_pages(ti.data)  # reading 1 KB may have mapped a whole 2 MiB file page
+        return out
     gf.fail(name, f"a 1-D weight must be F32 or F16, not {GGMLType(int(ti.ggml_type)).name}")
 
 
