@@ -35,7 +35,7 @@ from kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kernels.qlayout import ACT_Q8_K, R, QFormatType
 from kernels.quant_act import quantize_row_q8
 from kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
-from kernels.simd_int import bhi, blo, bload, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
+from kernels.simd_int import bhi, blo, bload, bplane, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
 
 
 
@@ -53,20 +53,39 @@ def _fmt_get(fmt, field):
 
 
 @njit(cache=True, inline="always")
+def _nib_vectors(fmt, q, base, s):
+    """Step s of a nibble sub-block at byte base: the values of rows 0-15 and 16-31 for the low
+    half (values 4s .. 4s+3) and the high half (S/2 + 4s ..), with the bit planes of the 5- and
+    6-bit formats ORed in as bits 4 and 5 (kernels/qlayout.py)."""
+    v0 = bload(q, base + s * 128)
+    v1 = bload(q, base + s * 128 + 64)
+    l0, l1, h0, h1 = blo(v0), blo(v1), bhi(v0), bhi(v1)
+    P = fmt_get(fmt, "planes")
+    if P > 0:
+        pb = base + fmt_get(fmt, "sub") * R // 2 + s * P * 32
+        l0, l1 = bplane(l0, q, pb, 16), bplane(l1, q, pb + 8, 16)
+        h0, h1 = bplane(h0, q, pb + 16, 16), bplane(h1, q, pb + 24, 16)
+        if P > 1:
+            l0, l1 = bplane(l0, q, pb + 32, 32), bplane(l1, q, pb + 40, 32)
+            h0, h1 = bplane(h0, q, pb + 48, 32), bplane(h1, q, pb + 56, 32)
+    return l0, l1, h0, h1
+
+
+@njit(cache=True, inline="always")
 def _sub_dot(isa, fmt, q, base, x32, t, xo):
     """Integer dots of one sub-block for the 32 rows of a group: (rows 0-15, rows 16-31), raw
     (offset and signed bias not yet removed)."""
     p0, p1, p2, p3 = izero(), izero(), izero(), izero()
     if fmt_get(fmt, "nib"):
-        for s in range(4):
-            v0 = bload(q, base + s * 128)
-            v1 = bload(q, base + s * 128 + 64)
+        H = fmt_get(fmt, "sub") // 8  # steps per nibble half
+        for s in range(H):
+            l0, l1, h0, h1 = _nib_vectors(fmt, q, base, s)
             xl = x32[t, xo + s]
-            xh = x32[t, xo + 4 + s]
-            p0 = idot(isa, p0, blo(v0), xl)
-            p1 = idot(isa, p1, blo(v1), xl)
-            p2 = idot(isa, p2, bhi(v0), xh)
-            p3 = idot(isa, p3, bhi(v1), xh)
+            xh = x32[t, xo + H + s]
+            p0 = idot(isa, p0, l0, xl)
+            p1 = idot(isa, p1, l1, xl)
+            p2 = idot(isa, p2, h0, xh)
+            p3 = idot(isa, p3, h1, xh)
     else:
         S = fmt_get(fmt, "sub")
         for s in range(0, S // 4, 2):
@@ -93,17 +112,16 @@ def _sub_dot4(isa, fmt, q, base, x32, t, xo):
     z = izero()
     p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
     if fmt_get(fmt, "nib"):
-        for s in range(4):
-            v0 = bload(q, base + s * 128)
-            v1 = bload(q, base + s * 128 + 64)
-            l0, l1, h0, h1 = blo(v0), blo(v1), bhi(v0), bhi(v1)
-            xl, xh = x32[t, xo + s], x32[t, xo + 4 + s]
+        H = fmt_get(fmt, "sub") // 8
+        for s in range(H):
+            l0, l1, h0, h1 = _nib_vectors(fmt, q, base, s)
+            xl, xh = x32[t, xo + s], x32[t, xo + H + s]
             p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
-            xl, xh = x32[t + 1, xo + s], x32[t + 1, xo + 4 + s]
+            xl, xh = x32[t + 1, xo + s], x32[t + 1, xo + H + s]
             p2, p3 = idot(isa, idot(isa, p2, l0, xl), h0, xh), idot(isa, idot(isa, p3, l1, xl), h1, xh)
-            xl, xh = x32[t + 2, xo + s], x32[t + 2, xo + 4 + s]
+            xl, xh = x32[t + 2, xo + s], x32[t + 2, xo + H + s]
             p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
-            xl, xh = x32[t + 3, xo + s], x32[t + 3, xo + 4 + s]
+            xl, xh = x32[t + 3, xo + s], x32[t + 3, xo + H + s]
             p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
     else:
         S = fmt_get(fmt, "sub")
@@ -189,7 +207,7 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
     z = izero()
     a0, a1 = vzero(), vzero()
     for B in range(n_super):
@@ -210,7 +228,7 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * R // 2 if fmt_get(fmt, "nib") else S * R
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
     z = izero()
     f = vzero()
     a = (f, f, f, f, f, f, f, f)

@@ -6,10 +6,17 @@ every lane, so no horizontal sum is needed, every weight byte is loaded once per
 activation is one 32-bit broadcast. So R = 32 rows are interleaved per group, 4 values per row
 side by side:
 
-    q  [G, n_sub, S / 4, R, 4]   one byte per value (u8 = value + offset, or i8 for the signed
-                                 formats q8_0 / iq4_nl)
-    q  [G, n_sub, 4, R, 4]       nibble formats (q4_0, q4_1, q4_K): byte i of step s holds value
-                                 4s + i in its low nibble and value 16 + 4s + i in its high one
+    q  u8 / i8 [G, n_sub, sub-block bytes], each 32-row sub-block stored as
+       bytes (q8_0, iq4_nl: signed): [S / 4 steps, R, 4], one byte per value;
+       nibbles (every other format): [S / 8 steps, R, 4] bytes, byte i of step s holding value
+           4s + i in its low nibble and value S/2 + 4s + i in its high one; then, for the 5-bit
+           formats (q5_0, q5_1, q5_K: 1 plane) and q6_K (2 planes), the bits above the nibble:
+           [S / 8 steps, planes, 4 words, 8 bytes], word w of step s a little-endian u64 whose
+           bit b is bit 4 + plane of the value in byte b of vector w (rows 0-15 low nibbles,
+           rows 16-31 low, rows 0-15 high, rows 16-31 high). The kernel ORs a plane in with one
+           masked byte move (kernels/simd_int.bplane), so a value costs its file's bits: q5_0 is
+           held in 5 bits a value, q6_K in 6 (one byte each before: +45 % / +33 % over the file).
+           q2_K and q3_K values (<= 7) fit a nibble.
     d, m  u16 [G, n_super, R]    f16 bit patterns from the file: the block scale, and the
                                  q4_1 / q5_1 offset or the K-quants' -dmin (m empty when unused)
     sc, mn  i8 [G, n_sub, R]     K-quants: each sub-block's integer scale and min (else empty)
@@ -23,7 +30,7 @@ offset * sum(x) per sub-block in the kernel, exactly. G = ceil(m / R); rows past
 ``QFormat`` is the per-type description the kernel is specialised on (numba sees it as a type
 whose fields are compile-time constants): values per sub-block, sub-blocks per scale, offset,
 nibbles or bytes, signed bytes, which activation format (ggml's vec_dot_type: q8_0, q8_1 or
-q8_K) and which offset term (q8_1's s, or the K-quants' integer mins).
+q8_K), which offset term (q8_1's s, or the K-quants' integer mins) and the bit planes.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ class QFormat(NamedTuple):
     act: int  # ACT_Q8_0 / ACT_Q8_1 / ACT_Q8_K
     lmin: bool  # + m * s (q4_1, q5_1 with q8_1's s = d * sum(q))
     kmin: bool  # + (-dmin) * dx * sum_j mn_j * sum(x of sub-block j) (q4_K, q5_K, q2_K)
+    planes: int = 0  # bit planes above the nibble: 1 for the 5-bit formats, 2 for q6_K
 
     @property
     def super_values(self) -> int:
@@ -72,15 +80,15 @@ _NUMBA_TYPES: dict = {}
 FORMATS = {
     GGMLType.Q4_0: QFormat("q4_0", 32, 1, 8, True, False, ACT_Q8_0, False, False),
     GGMLType.Q4_1: QFormat("q4_1", 32, 1, 0, True, False, ACT_Q8_1, True, False),
-    GGMLType.Q5_0: QFormat("q5_0", 32, 1, 16, False, False, ACT_Q8_0, False, False),
-    GGMLType.Q5_1: QFormat("q5_1", 32, 1, 0, False, False, ACT_Q8_1, True, False),
+    GGMLType.Q5_0: QFormat("q5_0", 32, 1, 16, True, False, ACT_Q8_0, False, False, 1),
+    GGMLType.Q5_1: QFormat("q5_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, 1),
     GGMLType.Q8_0: QFormat("q8_0", 32, 1, 0, False, True, ACT_Q8_0, False, False),
     GGMLType.IQ4_NL: QFormat("iq4_nl", 32, 1, 0, False, True, ACT_Q8_0, False, False),
-    GGMLType.Q2_K: QFormat("q2_K", 16, 16, 0, False, False, ACT_Q8_K, False, True),
-    GGMLType.Q3_K: QFormat("q3_K", 16, 16, 4, False, False, ACT_Q8_K, False, False),
+    GGMLType.Q2_K: QFormat("q2_K", 16, 16, 0, True, False, ACT_Q8_K, False, True),
+    GGMLType.Q3_K: QFormat("q3_K", 16, 16, 4, True, False, ACT_Q8_K, False, False),
     GGMLType.Q4_K: QFormat("q4_K", 32, 8, 0, True, False, ACT_Q8_K, False, True),
-    GGMLType.Q5_K: QFormat("q5_K", 32, 8, 0, False, False, ACT_Q8_K, False, True),
-    GGMLType.Q6_K: QFormat("q6_K", 16, 16, 32, False, False, ACT_Q8_K, False, False),
+    GGMLType.Q5_K: QFormat("q5_K", 32, 8, 0, True, False, ACT_Q8_K, False, True, 1),
+    GGMLType.Q6_K: QFormat("q6_K", 16, 16, 32, True, False, ACT_Q8_K, False, False, 2),
 }
 
 
@@ -124,17 +132,34 @@ def _interleave_rows(a: np.ndarray, m: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(pad.reshape((g, R) + a.shape[1:]), 1, -1))
 
 
-def _pack_values(v: np.ndarray, m: int, nib: bool) -> np.ndarray:
-    """values [m, n_sub, S] (u8 or i8) -> q [G, n_sub, steps, R, 4] (nibble pairs when nib)."""
+def _pack_values(v: np.ndarray, m: int, fmt: QFormat) -> np.ndarray:
+    """values [m, n_sub, S] (u8 or i8) -> q [G, n_sub, sub-block bytes] (module docstring)."""
     n_sub, s = v.shape[1], v.shape[2]
-    if nib:
-        v = (v[..., :16] | (v[..., 16:] << 4)).astype(np.uint8)  # [m, n_sub, 16]
-        s = 16
-    v = v.reshape(m, n_sub, s // 4, 4)
     g = -(-m // R)
-    pad = np.zeros((g * R, n_sub, s // 4, 4), v.dtype)
-    pad[:m] = v
-    return np.ascontiguousarray(pad.reshape(g, R, n_sub, s // 4, 4).transpose(0, 2, 3, 1, 4))
+
+    def interleave(a):  # [m, n_sub, steps, 4] -> [G, n_sub, steps, R, 4], rows past m zero
+        pad = np.zeros((g * R,) + a.shape[1:], a.dtype)
+        pad[:m] = a
+        return pad.reshape((g, R) + a.shape[1:]).transpose(0, 2, 3, 1, 4)
+
+    if not fmt.nib:
+        return np.ascontiguousarray(interleave(v.reshape(m, n_sub, s // 4, 4)).reshape(g, n_sub, s * R))
+    half = s // 2
+    lo, hi = v[..., :half], v[..., half:]
+    nib = interleave(((lo & 15) | ((hi & 15) << 4)).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
+    parts = [nib.reshape(g, n_sub, half * R)]
+    if fmt.planes:
+        words = []  # [G, n_sub, steps, planes, 4 words (low 0-15, low 16-31, high 0-15, high 16-31), 64 bits]
+        for p in range(fmt.planes):
+            bl = interleave(((lo >> (4 + p)) & 1).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
+            bh = interleave(((hi >> (4 + p)) & 1).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
+            steps = half // 4
+            bl = bl.reshape(g, n_sub, steps, 2, 64)  # rows 0-15, 16-31: byte 4 r + i of the vector
+            bh = bh.reshape(g, n_sub, steps, 2, 64)
+            words.append(np.concatenate([bl, bh], 3))
+        bits = np.stack(words, 3)  # [G, n_sub, steps, planes, 4, 64]
+        parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(g, n_sub, -1))
+    return np.ascontiguousarray(np.concatenate(parts, -1)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
 
 def _bits(x: np.ndarray, n: int) -> np.ndarray:
@@ -166,7 +191,7 @@ EMPTY_I8 = np.zeros((0, 0, 0), np.int8)
 
 
 class Packed(NamedTuple):
-    q: np.ndarray  # u8 / i8 [G, n_sub, steps, R, 4]
+    q: np.ndarray  # u8 / i8 [G, n_sub, sub-block bytes]
     d: np.ndarray  # u16 [G, n_super, R]
     m: np.ndarray  # u16 [G, n_super, R] or empty
     sc: np.ndarray  # i8 [G, n_sub, R] or empty
@@ -229,7 +254,7 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
             qh = _bits(np.ascontiguousarray(blk[..., off:off + 4]).view("<u4")[..., 0], 32)
             qs = blk[..., off + 4:]
             v = (np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)).astype(np.uint8)
-        q = _pack_values(np.ascontiguousarray(v), m, fmt.nib)
+        q = _pack_values(np.ascontiguousarray(v), m, fmt)
         return Packed(q, _interleave_rows(d, m), EMPTY_U16 if mm is None else _interleave_rows(mm, m),
                       EMPTY_I8, EMPTY_I8)
 
@@ -267,7 +292,7 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
         d, dmin = _f16_bits(blk[..., 80:82]), _f16_bits(blk[..., 82:84])
         sc, mn = scb & 15, scb >> 4
         v = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3).astype(np.uint8).reshape(m, nsb * 16, 16)
-    q = _pack_values(np.ascontiguousarray(v), m, fmt.nib)
+    q = _pack_values(np.ascontiguousarray(v), m, fmt)
     n_sub = k // fmt.sub
     neg_dmin = EMPTY_U16 if dmin is None else _interleave_rows(dmin ^ np.uint16(0x8000), m)  # -dmin, exact
     return Packed(q, _interleave_rows(d, m), neg_dmin,

@@ -1,0 +1,78 @@
+"""Weights are held once, in about their file's bytes (issue 11 item 4).
+
+- each quantized type's repacked matrix (kernels/qlayout.py) holds exactly the bytes the layout
+  needs: the file's own bits per value, the f16 scales as they are, and the K-quants' packed
+  6-bit scale / min bytes unpacked to one i8 each. The bound per type is that count, computed
+  here from the block format, not measured;
+- after Model.load no page of the model file stays in the process's resident set (the repacked
+  copy is the only one held): counted from /proc/self/pagemap on Linux.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from kernels.ggml_types import GGMLType, type_info
+from kernels.matmul import QMatrix
+from kernels.qlayout import FORMATS
+from tests.test_matmul import random_raw
+
+# packed bytes per block of the type's block size (m a multiple of 32 rows): values + scales
+_PACKED_PER_BLOCK = {
+    GGMLType.Q4_0: 16 + 2,             # the file's 18: nibbles + d
+    GGMLType.Q4_1: 16 + 2 + 2,         # 20: + m
+    GGMLType.Q5_0: 16 + 4 + 2,         # 22: nibbles + one bit plane + d
+    GGMLType.Q5_1: 16 + 4 + 2 + 2,     # 24
+    GGMLType.Q8_0: 32 + 2,             # 34
+    GGMLType.IQ4_NL: 32 + 2,           # 18 in the file: table values held as i8 (left: nibble + lookup)
+    GGMLType.Q2_K: 128 + 2 + 2 + 16 + 16,  # 84 in the file: 2-bit values held as nibbles
+    GGMLType.Q3_K: 128 + 2 + 16,           # 110 in the file: 3-bit values held as nibbles
+    GGMLType.Q4_K: 128 + 2 + 2 + 8 + 8,    # 144 in the file + 4 B: 6-bit scales / mins as i8
+    GGMLType.Q5_K: 128 + 32 + 2 + 2 + 8 + 8,  # 176 + 4 B
+    GGMLType.Q6_K: 128 + 64 + 2 + 16,      # the file's 210: nibbles + two bit planes + d + scales
+}
+# formats held in exactly their file bytes (no widening at all)
+_EXACT = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q6_K}
+
+
+@pytest.mark.parametrize("t", list(FORMATS), ids=lambda t: t.name)
+def test_repacked_matrix_holds_the_bytes_its_layout_needs_and_no_more(t):
+    info = type_info(t)
+    k, m = 2 * 256, 96
+    qm = QMatrix(random_raw(t, m, k), t, k)
+    blocks = m * k // info.block_size
+    assert qm.nbytes == blocks * info.type_size
+    assert qm.packed_nbytes == blocks * _PACKED_PER_BLOCK[t]
+    if t in _EXACT:
+        assert qm.packed_nbytes == qm.nbytes
+    elif t in (GGMLType.Q4_K, GGMLType.Q5_K):
+        assert qm.packed_nbytes <= 1.03 * qm.nbytes
+
+
+def _resident_pages(a: np.ndarray) -> int:
+    """Pages of a's memory mapped in this process (the present bit of /proc/self/pagemap)."""
+    first, last = a.ctypes.data // 4096, (a.ctypes.data + a.nbytes - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), "<u8")
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagemap and MADV_DONTNEED are Linux's")
+def test_model_file_pages_leave_the_resident_set_once_the_weights_are_repacked(gemma3_path):
+    from runtime.model import Model
+
+    model = Model.load(gemma3_path)
+    try:
+        raw = model.gguf.raw
+        held = sum(getattr(w, "packed_nbytes", 0) for L in model.weights.layers for w in vars(L).values())
+        assert held > 0
+        # the file's 253 MB are not resident next to their repacked copy: at most one 2 MiB page
+        assert _resident_pages(raw) * 4096 <= 2 << 20
+        # an embedding lookup reads a few rows of the file back, and only those
+        model.weights.tok_embd.get_rows(np.array([5, 70000], np.int32))
+        assert _resident_pages(raw) * 4096 <= 3 * (2 << 20)
+    finally:
+        model.close()
