@@ -145,19 +145,21 @@ def bhi(typingctx, v):
 
 @intrinsic
 def bplane(typingctx, v, a, i, bit):
-    """v | (bit-plane word << shift): the 64 bits of the little-endian u64 at bytes i .. i+7 of
-    the u8 array a, bit b set -> byte b of v gets the value ``bit`` (16 or 32: the fifth or sixth
-    bit of a 5- / 6-bit weight, kernels/qlayout.py). One kmov + masked move on AVX512-BW."""
-    if not (v == b64 and isinstance(a, types.Array) and a.dtype == types.uint8
-            and isinstance(i, types.Integer) and isinstance(bit, types.IntegerLiteral)):
+    """v | (bit where a bit-plane word is set): the 64 bits of the little-endian u64 at bytes
+    i .. i+7 of the u8 array a, bit b set -> byte b of v gets ``bit`` (16 or 32: the fifth or
+    sixth bit of a 5- / 6-bit weight, kernels/qlayout.py). kmov + masked move on AVX512-BW."""
+    if not (v == b64 and isinstance(a, types.Array) and a.dtype in (types.uint8, types.int8)
+            and isinstance(i, types.Integer) and isinstance(bit, types.Integer)):
         return None
-    val = bit.literal_value
 
     def codegen(context, builder, sig, args):
         w = builder.load(_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], ir.IntType(64)),
                          align=1)
         mask = builder.bitcast(w, ir.VectorType(ir.IntType(1), 64))
-        return builder.or_(args[0], builder.select(mask, _const(_VB, val, 64), ir.Constant(_VB, None)))
+        b = builder.trunc(context.cast(builder, args[3], sig.args[3], types.int64), _I8)
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_VB, ir.Undefined), b, ir.Constant(_I32, 0)),
+                                       ir.Constant(_VB, ir.Undefined), ir.Constant(ir.VectorType(_I32, 64), [0] * 64))
+        return builder.or_(args[0], builder.select(mask, splat, ir.Constant(_VB, None)))
 
     return b64(v, a, i, bit), codegen
 

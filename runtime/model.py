@@ -21,6 +21,7 @@ from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
 from runtime.gguf_split import open_gguf
 from runtime.hparams import HParams
+from runtime.os_memory import map_large_allocations, trim_heap
 
 
 # llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
@@ -65,6 +66,7 @@ class Model:
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it."""
         from runtime.text.vocab import Vocab
 
+        map_large_allocations()  # freed load temporaries leave the resident set (runtime/os_memory.py)
         gf = open_gguf(path)  # a split model's parts open as one file
         try:
             if not is_supported(gf.arch):
@@ -75,6 +77,7 @@ class Model:
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             weights = load_weights(gf, hp, arch)
             release_file_pages(gf.raw)  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
+            trim_heap()
         except BaseException:
             gf.close()
             raise
