@@ -204,7 +204,7 @@ def test_packed_layout_holds_the_file_bytes_once_with_f16_scales(t):
     assert d.dtype == np.uint16 and (mm.size == 0 or mm.dtype == np.uint16)
     symmetric = t in (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q3_K, GGMLType.Q4_0)
     assert (mm.size == 0) == symmetric
-    assert q.nbytes == (m * k // 2 if qm.fmt.nib else m * k)
+    assert q.nbytes == (m * k // 2 + m * k * qm.fmt.planes // 8 if qm.fmt.nib else m * k)  # + bit planes
     if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
         assert qm.packed_nbytes == raw.nbytes
     if t == GGMLType.Q4_K:
