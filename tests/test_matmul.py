@@ -252,11 +252,13 @@ def test_invariance_cases_cover_every_layout():
         t, k = p.values
         qm = QMatrix(random_raw(t, 33, k), t, k)
         f = qm.fmt
-        seen.add("f32" if f is None else (f.nib, f.signed, f.n_sub > 1, f.lmin, f.kmin))
-    assert {"f32", (True, False, False, True, False), (True, False, False, False, False),
-            (False, True, False, False, False), (False, False, False, True, False),
-            (True, False, True, False, True), (False, False, True, False, False),
-            (False, False, True, False, True)} <= seen
+        seen.add("f32" if f is None else (f.nib, f.signed, f.n_sub > 1, f.lmin, f.kmin, f.planes))
+    # every unsigned format is nibbles now, with 0, 1 or 2 bit planes (kernels/qlayout.py)
+    assert {"f32", (True, False, False, True, False, 0), (True, False, False, False, False, 0),
+            (True, False, False, True, False, 1), (True, False, False, False, False, 1),
+            (False, True, False, False, False, 0), (True, False, True, False, True, 0),
+            (True, False, True, False, True, 1), (True, False, True, False, False, 2),
+            (True, False, True, False, False, 0)} <= seen
 
 
 @pytest.mark.parametrize("t,k", list(_invariance_cases()))
