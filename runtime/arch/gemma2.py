@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from runtime.arch import gemma3
-from runtime.arch.base import Arch, Tensor
+from runtime.arch.base import Arch
 from runtime.hparams import HParams, positive, swa_layers
 
 SWA_PATTERN = 2  # layers il % 2 == 0 slide
@@ -50,9 +50,7 @@ class Gemma2(Arch):
 
     def layer_tensors(self, hp, il):
         t = super().layer_tensors(hp, il)
-        p, e = f"blk.{il}.", hp.n_embd
-        t.update({"post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
-                  "post_ffn_norm": Tensor(p + "post_ffw_norm.weight", (e,))})
+        t.update(gemma3.post_norm_tensors(hp, il))
         return t
 
     @staticmethod

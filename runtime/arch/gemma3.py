@@ -50,6 +50,14 @@ def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
     return lm_head(model, h)
 
 
+def post_norm_tensors(hp, il) -> dict:
+    """The norms gemma applies to the attention and FFN outputs before their residual adds
+    (gemma2 declares the same pair)."""
+    p, e = f"blk.{il}.", hp.n_embd
+    return {"post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
+            "post_ffn_norm": Tensor(p + "post_ffw_norm.weight", (e,))}
+
+
 class Gemma3(Arch):
     name = "gemma3"
     rope_type = "neox"
@@ -72,9 +80,7 @@ class Gemma3(Arch):
 
     def layer_tensors(self, hp, il):
         t = super().layer_tensors(hp, il)
-        p, e = f"blk.{il}.", hp.n_embd
-        t.update({"post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
-                  "post_ffn_norm": Tensor(p + "post_ffw_norm.weight", (e,))})
+        t.update(post_norm_tensors(hp, il))
         return t
 
     forward = staticmethod(forward)
