@@ -34,7 +34,9 @@ small f32 buffer, and reuses it for every query of the unit — GQA heads and a 
 tokens — so dequantization is amortized in prefill and parallel in decode. Tiles that the mask
 hides for every token of the block are skipped (causal prefill touches only the lower triangle).
 
-The tile-level pieces (cache decode, scores, a tile's online-softmax step) are kernels/attention_tiles.py.
+The flash path's hot loop is `_chunk` (per unit and chunk: K/V tiles decoded once, then each
+query's scores and online-softmax step); the classic path is kernels/attention_classic.py; the
+tile-level pieces (cache decode, scores, a tile's online-softmax step) are kernels/attention_tiles.py.
 
 Numerics: ggml converts Q to K's vec-dot type before K·Q: 8-bit blocks for a quantized K and
 bf16 for a bf16 K on every path, f16 for an f16 K only on its one-row path.
@@ -42,48 +44,30 @@ bf16 for a bf16 K on every path, f16 for an f16 K only on its one-row path.
 (runtime/arch/blocks.py: round_q_like_ggml, which also says why f16 K is left in f32), so
 ``attention(round_q=...)`` stays False there (docs/performance.md has the perplexity effect).
 """
-import math
-
 import numpy as np
 from numba import njit, prange
 
+from kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
 from kernels.attention_tiles import (
-    _BF16,
-    _F16,
-    _F32,
-    _NINF,
-    _Q8_0,
     KT,
-    _exp_le0,
-    _load_tile,
-    _mask_tile,
-    _online_update,
-    _scores,
-    _tile_dots,
-    _tile_dots2,
-    _tile_dots4,
-    _tile_live,
-    dequant_cache_row,
+    NEG_INF,
+    exp_le0,
+    load_tile,
+    mask_tile,
+    online_update,
+    tile_dots1,
+    tile_dots2,
+    tile_dots4,
+    tile_live,
+    tile_scores,
 )
 from kernels import parallel
-from kernels.ggml_types import type_info
+from kernels.ggml_types import GGMLType, type_info
 from kernels.quants import dequantize, quantize
-from kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
+from kernels.simd import LANES
 
+_F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
 CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from the call's shape
-# below this many multiply-adds of K·Q a parallel launch costs more than it saves (a generated
-# token at a few hundred cells of context runs serially; long contexts and prompts in parallel)
-
-
-@njit(cache=True, inline="always")
-def _unit_coords(u, n_tb, n_sub):
-    """Unit index -> (token block, head sub-group, kv head). Token blocks are visited in a
-    zig-zag so that the contiguous ranges numba hands each thread get light and heavy
-    (late, long-context) causal blocks alike."""
-    i = u % n_tb
-    tbi = i // 2 if i % 2 == 0 else n_tb - 1 - i // 2
-    rest = u // n_tb
-    return tbi, rest % n_sub, rest // n_sub
 
 
 @njit(cache=True, inline="always")
@@ -98,33 +82,33 @@ def _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, kb0, kb, vb0, 
     nq = qb.shape[0]
     n_kv = mask.shape[1]
     for qi in range(nq):
-        mx[qi] = _NINF
+        mx[qi] = NEG_INF
     for j0 in range(j_lo, j_hi, KT):
         nj = min(KT, n_kv - j0)
-        if not _tile_live(mask, t0, t1, j0, j0 + nj):
+        if not tile_live(mask, t0, t1, j0, j0 + nj):
             continue
-        _load_tile(type_k, k, st, j0, nj, kb0, kb, kt)
-        _load_tile(type_v, v, st, j0, nj, vb0, vb, vt)
-        _mask_tile(mask, t0, t1, j0, nj, mt)
+        load_tile(type_k, k, st, j0, nj, kb0, kb, kt)
+        load_tile(type_v, v, st, j0, nj, vb0, vb, vt)
+        mask_tile(mask, t0, t1, j0, nj, mt)
         qi = 0
         while qi < nq:  # scores of up to four queries per pass over the K tile
             if qi + 4 <= nq:
-                _tile_dots4(qb, qi, kt, sc, 0, KT)
+                tile_dots4(qb, qi, kt, sc, 0, KT)
                 n = 4
             elif qi + 2 <= nq:
-                _tile_dots2(qb, qi, kt, sc, 0, sc, KT)
+                tile_dots2(qb, qi, kt, sc, 0, KT)
                 n = 2
             else:
-                _tile_dots(qb, qi, kt, sc, 0)
+                tile_dots1(qb, qi, kt, sc, 0, KT)
                 n = 1
             for i in range(n):
-                m_tile = _scores(sc, i * KT, mt, (qi + i) // gq, scale, softcap)
-                if m_tile != _NINF:
+                m_tile = tile_scores(sc, i * KT, mt, (qi + i) // gq, scale, softcap)
+                if m_tile != NEG_INF:
                     s0 = start[t0 + (qi + i) // gq] // KT * KT  # the query's start tile
                     if j0 < s0 and s0 // CHUNK == j_lo // CHUNK:
-                        _online_update(qi + i, m_tile, sc, i * KT, vt, bmx, bsm, bacc)
+                        online_update(qi + i, m_tile, sc, i * KT, vt, bmx, bsm, bacc)
                     else:
-                        _online_update(qi + i, m_tile, sc, i * KT, vt, mx, sm, acc)
+                        online_update(qi + i, m_tile, sc, i * KT, vt, mx, sm, acc)
             qi += n
 
 
@@ -133,18 +117,18 @@ def _fold(m, s, a, m_c, s_c, acc_c):
     """Fold one chunk's partial softmax (m_c, s_c, acc_c [dv]) into a query's running result
     (m, s, a [dv], a updated in place); returns the new (m, s). Chunks are always folded in
     chunk order by this one function, so the result does not depend on who computed them."""
-    if m_c == _NINF:
+    if m_c == NEG_INF:
         return m, s
-    if m == _NINF:
+    if m == NEG_INF:
         for e in range(a.shape[0]):
             a[e] = acc_c[e]
         return m_c, s_c
     if m_c > m:
-        r = _exp_le0(m - m_c)
+        r = exp_le0(m - m_c)
         for e in range(a.shape[0]):
             a[e] = a[e] * r + acc_c[e]
         return m_c, s * r + s_c
-    w = _exp_le0(m_c - m)
+    w = exp_le0(m_c - m)
     for e in range(a.shape[0]):
         a[e] = a[e] + w * acc_c[e]
     return m, s + w * s_c
@@ -153,7 +137,7 @@ def _fold(m, s, a, m_c, s_c, acc_c):
 @njit(cache=True, inline="always")
 def _finish(m, s, a, o):
     """o [dv] <- a / s; zeros for a query that saw no cell (as ggml)."""
-    if m == _NINF:
+    if m == NEG_INF:
         for e in range(o.shape[0]):
             o[e] = 0.0
         return
@@ -204,10 +188,10 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, 
     cm = np.empty(nq, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v
     cs = np.empty(nq, dtype=np.float32)
     ca = np.empty((nq, dv), dtype=np.float32)
-    rm = np.full(nq, _NINF, dtype=np.float32)  # running result over the chunks folded so far
+    rm = np.full(nq, NEG_INF, dtype=np.float32)  # running result over the chunks folded so far
     rs = np.zeros(nq, dtype=np.float32)
     ra = np.zeros((nq, dv), dtype=np.float32)
-    bmx = np.full(nq, _NINF, dtype=np.float32)  # the start chunk's cells before the start tile
+    bmx = np.full(nq, NEG_INF, dtype=np.float32)  # the start chunk's cells before the start tile
     bsm = np.zeros(nq, dtype=np.float32)
     bac = np.zeros((nq, dv), dtype=np.float32)
     c_first = 0 if split else start[t0] // CHUNK
@@ -245,7 +229,7 @@ def _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out):
     for t in range(n_tokens):
         c0 = start[t] // CHUNK
         for h in range(n_head):
-            m = _NINF
+            m = NEG_INF
             s = np.float32(0.0)
             for e in range(dv):
                 a[e] = 0.0
@@ -264,7 +248,7 @@ def _partials(split, n_kv, n_tokens, n_head, dv):
     return (np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # max per chunk
             np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # sum of p per chunk
             np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32),  # sum of p * v per chunk
-            np.full((nt, n_head), _NINF, dtype=np.float32),
+            np.full((nt, n_head), NEG_INF, dtype=np.float32),
             np.zeros((nt, n_head), dtype=np.float32),
             np.zeros((nt, n_head, dv), dtype=np.float32))
 
@@ -292,110 +276,6 @@ def _flash_attn_ser(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv,
         _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
 
-@njit(cache=True, inline="always")
-def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                  out):
-    """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
-    u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
-    each output are 16 lane chains over the visible tiles in cell order from the query's start
-    tile on (cyclically), then one fixed tree; tiles the query cannot see are skipped, so cells
-    past the ones it sees never enter a sum."""
-    n_tokens, n_head, dk = q.shape
-    dv = out.shape[2]
-    n_kv = mask.shape[1]
-    n_tiles = (n_kv + KT - 1) // KT
-    n_kvp = n_tiles * KT
-    gq = n_head // n_head_kv
-    n_sub = gq // hpg
-    n_tb = (n_tokens + tb - 1) // tb
-    kb = k.shape[2] // n_head_kv
-    eb = 4 if type_v == _F32 else 2  # bytes per V element (f32, f16, bf16)
-    tbi, sg, hk = _unit_coords(np.int64(u), n_tb, n_sub)
-    t0 = tbi * tb
-    t1 = min(t0 + tb, n_tokens)
-    nq = (t1 - t0) * hpg  # query qi = token t0 + qi // hpg, head h0 + qi % hpg
-    h0 = hk * gq + sg * hpg
-    st = tok_stream[t0]
-    qb = np.empty((nq, dk), dtype=np.float32)
-    for qi in range(nq):
-        for e in range(dk):
-            qb[qi, e] = q[t0 + qi // hpg, h0 + qi % hpg, e]
-    kt = np.empty((KT, dk), dtype=np.float32)
-    mt = np.empty((t1 - t0, KT), dtype=np.float32)
-    p = np.empty(nq * n_kvp, dtype=np.float32)  # [nq, n_kvp] scores, then probabilities
-    tmax = np.full((nq, n_tiles), _NINF, dtype=np.float32)  # per tile max score; -inf: not visible
-    for ti in range(n_tiles):
-        j0 = ti * KT
-        nj = min(KT, n_kv - j0)
-        if not _tile_live(mask, t0, t1, j0, j0 + nj):
-            continue
-        _load_tile(type_k, k, st, j0, nj, hk * kb, kb, kt)
-        _mask_tile(mask, t0, t1, j0, nj, mt)
-        qi = 0
-        while qi + 4 <= nq:
-            _tile_dots4(qb, qi, kt, p, qi * n_kvp + j0, n_kvp)
-            qi += 4
-        while qi < nq:
-            _tile_dots(qb, qi, kt, p, qi * n_kvp + j0)
-            qi += 1
-        for qi in range(nq):
-            tmax[qi, ti] = _scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
-    for qi in range(nq):  # masked softmax per query row: lane l sums cells l, l+16, ... in order
-        m = _NINF
-        for ti in range(n_tiles):
-            m = max(m, tmax[qi, ti])
-        sv = vzero()
-        s0 = start[t0 + qi // hpg] // KT
-        for i in range(n_tiles):
-            ti = (s0 + i) % n_tiles
-            if tmax[qi, ti] != _NINF:
-                o = qi * n_kvp + ti * KT
-                for j in range(KT):  # libm expf: here faster than _exp_le0, which LLVM leaves scalar
-                    p[o + j] = np.float32(math.exp(p[o + j] - m))
-                sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
-        s = vhsum(sv)
-        inv = np.float32(1.0) / s if s > 0.0 else np.float32(0.0)
-        for ti in range(n_tiles):
-            if tmax[qi, ti] != _NINF:
-                o = qi * n_kvp + ti * KT
-                for j in range(KT):
-                    p[o + j] *= inv
-    vrow = np.zeros(n_kvp, dtype=np.float32)  # one row of V^T: component c of every cell
-    for c in range(dv):
-        dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow[:n_kv])
-        for qi in range(nq):
-            x = vzero()  # lane l: fma chain over cells l, l+16, ... of the visible tiles, in order
-            s0 = start[t0 + qi // hpg] // KT
-            for i in range(n_tiles):
-                ti = (s0 + i) % n_tiles
-                if tmax[qi, ti] != _NINF:
-                    o = qi * n_kvp + ti * KT
-                    x = vfma(vload(p, o), vload(vrow, ti * KT), x)
-                    x = vfma(vload(p, o + LANES), vload(vrow, ti * KT + LANES), x)
-            out[t0 + qi // hpg, h0 + qi % hpg, c] = vhsum(x)
-
-
-def _n_units(q, n_head_kv, tb, hpg):
-    n_tokens, n_head = q.shape[0], q.shape[1]
-    return n_head_kv * ((n_head // n_head_kv) // hpg) * ((n_tokens + tb - 1) // tb)
-
-
-@njit(cache=True, parallel=True)
-def _classic_attn_par(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      n_units, out):
-    for u in prange(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      out)
-
-
-@njit(cache=True)
-def _classic_attn_ser(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      n_units, out):
-    for u in range(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      out)
-
-
 def round_q_to_vec_dot_type(q, type_k):
     """Round Q to the vec-dot type ggml's CPU backend converts it to before K·Q.
 
@@ -410,20 +290,6 @@ def round_q_to_vec_dot_type(q, type_k):
         return dequantize(quantize(q.reshape(-1, q.shape[-1]), _BF16), _BF16, q.shape[-1]).reshape(q.shape)
     flat = q.reshape(-1, q.shape[-1])  # [n_tokens * n_head, dk]; dk is a multiple of 32
     return dequantize(quantize(flat, _Q8_0), _Q8_0, q.shape[-1]).reshape(q.shape)
-
-
-def _split(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):
-    """Classic path: choose (token block, heads per unit): share tiles across tokens and GQA heads,
-    yet keep at least a few units per thread (n_threads 1: serial, maximal sharing)."""
-    gq = n_head // n_head_kv
-    tb = 1 if n_stream > 1 else min(32, max(1, n_tokens))
-    n_tb = -(-n_tokens // tb)
-    hpg = gq
-    while n_threads > 1 and hpg > 1 and n_head_kv * (gq // hpg) * n_tb < 2 * n_threads:
-        hpg -= 1
-        while gq % hpg:
-            hpg -= 1
-    return tb, hpg
 
 
 def flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2):
@@ -485,9 +351,9 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
         n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
         fn(*args, int(tb), bool(split), int(cpu), int(n_units), pm, ps, pacc, bm, bs, bacc, out)
     else:
-        tb, hpg = _split(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
-        fn = _classic_attn_par if par else _classic_attn_ser
-        fn(*args, int(tb), int(hpg), int(_n_units(q, n_head_kv, tb, hpg)), out)
+        tb, hpg = classic_plan(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
+        fn = classic_attn_par if par else classic_attn_ser
+        fn(*args, int(tb), int(hpg), int(classic_n_units(q, n_head_kv, tb, hpg)), out)
     return out.reshape(n_tokens, n_head * dv)
 
 

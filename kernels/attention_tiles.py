@@ -27,7 +27,7 @@ from kernels.simd import LANES, vadd, vbcast, vfma, vhsum, vload, vstore, vzero
 
 KT = 32  # cells per tile: two vectors of kernels/simd.py
 assert KT == 2 * LANES
-_NINF = np.float32(-np.inf)
+NEG_INF = np.float32(-np.inf)
 _ROUND = np.float32(12582912.0)  # 1.5 * 2^23: x + _ROUND - _ROUND rounds |x| < 2^22 to an integer
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
@@ -74,17 +74,17 @@ def dequant_cache_row(t, src, dst):
 
 
 @njit(cache=True)
-def _tile_live(mask, t0, t1, j0, j1):
+def tile_live(mask, t0, t1, j0, j1):
     """True if any token of [t0, t1) may see any cell of [j0, j1)."""
     for t in range(t0, t1):
         for j in range(j0, j1):
-            if mask[t, j] != _NINF:
+            if mask[t, j] != NEG_INF:
                 return True
     return False
 
 
 @njit(cache=True, inline="always")
-def _exp_le0(x):
+def exp_le0(x):
     """exp(x) for x <= 0 (or -inf -> 0), branch-free so that loops over a tile vectorize (numba has
     no vector exp here). Cody-Waite reduction x = n*ln2 + r (n rounded by adding and subtracting
     1.5 * 2^23, which needs the strict arithmetic these kernels use), a degree-6 polynomial on
@@ -114,7 +114,7 @@ def _f16_bits(h):
 
 
 @njit(cache=True, inline="always")
-def _load_tile(t, raw, st, j0, nj, b0, nb, dst):
+def load_tile(t, raw, st, j0, nj, b0, nb, dst):
     """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st into dst[:nj] (f32 [KT, d]);
     rows nj..KT become zeros. f16 (one vcvtph2ps per 16 values) and q8_0 (int8 -> f32 times the
     block scale) are decoded with vectors straight from the cache; other formats per row. Every
@@ -147,17 +147,19 @@ def _load_tile(t, raw, st, j0, nj, b0, nb, dst):
 
 
 @njit(cache=True, inline="always")
-def _mask_tile(mask, t0, t1, j0, nj, mt):
+def mask_tile(mask, t0, t1, j0, nj, mt):
     """mt[t - t0, j] <- mask[t, j0 + j] for the tile's cells, -inf past the last cell (j >= nj)."""
     for t in range(t0, t1):
         for j in range(KT):
-            mt[t - t0, j] = mask[t, j0 + j] if j < nj else _NINF
+            mt[t - t0, j] = mask[t, j0 + j] if j < nj else NEG_INF
 
 
 @njit(cache=True, inline="always")
-def _tile_dots(qb, qi, kt, x, off):
+def tile_dots1(qb, qi, kt, x, off, stride):
     """x[off + j] = qb[qi]·kt[j] for the KT cells of a tile (kt [KT, dk] f32): per cell, lane l
-    is an fma chain over components l, l+16, ... in order, then one fixed tree (vhsum)."""
+    is an fma chain over components l, l+16, ... in order, then one fixed tree (vhsum).
+    tile_dots1/2/4 share this signature: query qi + r's scores go to x[off + r * stride:][:KT]
+    (stride is unused here, with one query)."""
     dk = qb.shape[1]
     for j in range(KT):
         a = vzero()
@@ -167,9 +169,9 @@ def _tile_dots(qb, qi, kt, x, off):
 
 
 @njit(cache=True, inline="always")
-def _tile_dots2(qb, qi, kt, x, off, x2, off2):
-    """_tile_dots for queries qi and qi + 1 at once (one K load feeds two fma chains); each
-    query's chain is the very sequence _tile_dots computes, so the results are the same bits."""
+def tile_dots2(qb, qi, kt, x, off, stride):
+    """tile_dots1 for queries qi and qi + 1 at once (one K load feeds two fma chains); each
+    query's chain is the very sequence tile_dots1 computes, so the results are the same bits."""
     dk = qb.shape[1]
     for j in range(KT):
         a = vzero()
@@ -179,13 +181,13 @@ def _tile_dots2(qb, qi, kt, x, off, x2, off2):
             a = vfma(vload(qb, qi * dk + e), kv, a)
             b = vfma(vload(qb, (qi + 1) * dk + e), kv, b)
         x[off + j] = vhsum(a)
-        x2[off2 + j] = vhsum(b)
+        x[off + stride + j] = vhsum(b)
 
 
 @njit(cache=True, inline="always")
-def _tile_dots4(qb, qi, kt, x, off, stride):
-    """_tile_dots for queries qi .. qi + 3 (results at off, off + stride, ...): one K load feeds
-    four fma chains, each the very sequence _tile_dots computes for its query."""
+def tile_dots4(qb, qi, kt, x, off, stride):
+    """tile_dots1 for queries qi .. qi + 3 (results at off, off + stride, ...): one K load feeds
+    four fma chains, each the very sequence tile_dots1 computes for its query."""
     dk = qb.shape[1]
     for j in range(KT):
         a = vzero()
@@ -211,10 +213,10 @@ def _tile_sum(x, off):
 
 
 @njit(cache=True, inline="always")
-def _scores(x, off, mt, mr, scale, softcap):
+def tile_scores(x, off, mt, mr, scale, softcap):
     """x[off + j] <- scale * dot (or soft-capped) + mask row mt[mr], for the KT cells of a tile;
     returns the tile's max."""
-    m = _NINF
+    m = NEG_INF
     for j in range(KT):
         d = x[off + j]
         if softcap != 0.0:
@@ -228,24 +230,24 @@ def _scores(x, off, mt, mr, scale, softcap):
 
 
 @njit(cache=True, inline="always")
-def _online_update(qi, m_tile, sc, so, vt, mx, sm, acc):
+def online_update(qi, m_tile, sc, so, vt, mx, sm, acc):
     """Add a tile to query qi's online softmax (mx, sm, acc [nq, dv]): sc[so:so+KT] holds the
     tile's scores (max m_tile > -inf) and becomes its probabilities; vt [KT, dv] the V rows."""
     dv = acc.shape[1]
-    if mx[qi] == _NINF:  # first visible tile of the chunk
+    if mx[qi] == NEG_INF:  # first visible tile of the chunk
         mx[qi] = m_tile
         sm[qi] = 0.0
         for e in range(dv):
             acc[qi, e] = 0.0
     elif m_tile > mx[qi]:
-        r = _exp_le0(mx[qi] - m_tile)
+        r = exp_le0(mx[qi] - m_tile)
         sm[qi] *= r
         for e in range(dv):
             acc[qi, e] *= r
         mx[qi] = m_tile
     m_new = mx[qi]
     for j in range(KT):
-        sc[so + j] = _exp_le0(sc[so + j] - m_new)
+        sc[so + j] = exp_le0(sc[so + j] - m_new)
     sm[qi] += _tile_sum(sc, so)
     o = qi * dv
     e0 = 0

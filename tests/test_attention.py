@@ -246,12 +246,12 @@ def test_attention_splits_long_decode_and_matches_reference():
 def test_fast_exp_matches_numpy_and_maps_minus_inf_to_zero():
     from numba import njit
 
-    from kernels.attention_tiles import _exp_le0
+    from kernels.attention_tiles import exp_le0
 
     @njit
     def run(x, y):
         for i in range(x.shape[0]):
-            y[i] = _exp_le0(x[i])
+            y[i] = exp_le0(x[i])
 
     x = np.concatenate([-np.logspace(-8, np.log10(86.9), 20001), [0.0, -0.0]]).astype(np.float32)
     y = np.empty_like(x)
