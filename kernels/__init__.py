@@ -13,3 +13,7 @@ import os
 
 os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from kernels.jit_cache import lean_cache_loads  # noqa: E402 (numba's threading env is set above)
+
+lean_cache_loads()  # cached kernels load without numba's compiler registries (kernels/jit_cache.py)

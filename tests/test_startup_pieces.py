@@ -1,5 +1,6 @@
 """Start-up pieces: the first-run probe of numba's kernel cache (the CLI's "compiling kernels,
-first run only" wording) and the serial twin of row dequantization (embedding lookups)."""
+first run only" wording), cache loads without numba's compiler registries, and the serial twin
+of row dequantization (embedding lookups)."""
 import os
 import subprocess
 import sys
@@ -14,6 +15,15 @@ from kernels.quants import dequantize
 from tests.test_matmul import random_raw
 
 PROBE = "from kernels.jit_cache import kernels_compiled; print(kernels_compiled())"
+REGISTRIES = ("numba.np.linalg", "numba.typed.typeddict", "numba.experimental.jitclass.base")
+LOAD_CACHED = f"""
+import sys, numpy as np
+from kernels.matmul import QMatrix
+from tests.test_matmul import random_raw
+qm = QMatrix(random_raw(2, 32, 64), 2, 64)
+print(qm.matmul(np.arange(64, dtype=np.float32)[None]).tobytes().hex())
+print(sorted(m for m in {REGISTRIES!r} if m in sys.modules))
+"""
 
 
 def test_an_empty_numba_cache_reads_as_a_first_run(tmp_path):
@@ -28,6 +38,33 @@ def test_a_compiled_matmul_reads_as_a_warm_cache():
     qm = QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64)
     qm.matmul(np.ones((1, 64), np.float32))  # compiles (and caches) the serial kernel if needed
     assert kernels_compiled()
+
+
+def test_a_cached_kernel_loads_in_a_new_process_without_numbas_compiler_registries():
+    from tests.conftest import ROOT
+    qm = QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64)
+    expected = qm.matmul(np.arange(64, dtype=np.float32)[None])  # compiles (and caches) if needed
+    out = subprocess.run([sys.executable, "-c", LOAD_CACHED], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    got, loaded = out.stdout.split("\n")[:2]
+    assert got == expected.tobytes().hex()
+    assert loaded == "[]"
+
+
+def test_a_cache_miss_still_compiles_with_every_registry(tmp_path):
+    """The lean load leaves compiling alone: a new kernel using np.cumsum (a numba.np.arraymath
+    registration) compiles, is cached, and loads from the cache in the next process."""
+    from tests.conftest import ROOT
+    (tmp_path / "lean_probe.py").write_text(
+        "import numpy as np\nimport kernels\nfrom numba import njit\n"
+        "@njit(cache=True)\ndef norm(x):\n    return np.cumsum(x * x)[-1]\n")
+    code = "import numpy as np, lean_probe; print(lean_probe.norm(np.array([3.0, 4.0])), " \
+           "lean_probe.norm.stats.cache_hits)"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
+    assert runs[0][0] == runs[1][0] == "25.0"
+    assert runs[0][1] == "Counter()" and runs[1][1] != "Counter()"  # compiled, then loaded
 
 
 @pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16])
