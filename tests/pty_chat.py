@@ -32,18 +32,20 @@ def flat(text: str) -> str:
 
 class Chat:
     """One `kvchat chat -m MODEL -c 256 --temp 0 ARGS` process in a pty, run in `cwd` (the repo by
-    default); env entries are added to the environment; ready=False does not wait for the prompt."""
+    default); env entries are added to the environment; ready=False does not wait for the prompt.
+    The terminal is 200 columns wide so that a message naming a pytest tmp path (longer under
+    pytest-xdist's workers) stays on one line for the tests' substring checks."""
 
     def __init__(self, model, tmp_path, *args, env=None, ready=True, cwd=ROOT):
         e = dict(os.environ, TERM="xterm", PYTHONPATH=str(ROOT), KVCHAT_CACHE=str(tmp_path / "cache"),
-                 COLUMNS="120", LINES="50")
+                 COLUMNS="200", LINES="50")
         e.pop("PROMPT_TOOLKIT_NO_CPR", None)
         e.pop("KVCHAT_DEBUG", None)
         e.update(env or {})
         self.child = pexpect.spawn(sys.executable, ["-c", "from cli.app import main; main()", "chat",
                                                     "-m", str(model), "-c", "256", "--temp", "0", *args],
                                    env=e, encoding="utf-8", codec_errors="replace", timeout=TIMEOUT,
-                                   dimensions=(50, 120), cwd=str(cwd))
+                                   dimensions=(50, 200), cwd=str(cwd))
         self.ctx_used = None
         if ready:
             self.wait(READY)

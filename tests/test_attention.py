@@ -293,6 +293,24 @@ def _alone(q, k, tk, v, tv, mask, ts, n_head_kv, flash, i):
                      flash=flash, n_threads=1)[0]
 
 
+def _threads_and_thresholds(monkeypatch):
+    """Yield (n_threads, min_work) for 1 and 2 numba threads x the parallel threshold at its real
+    value and forced to 0 (which also forces the flash path to split the cells of few queries);
+    the thread count and the threshold are restored afterwards."""
+    import numba
+
+    n_threads0 = numba.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            numba.set_num_threads(n_threads)
+            for min_work in (parallel.ATTN_PAR_MIN_MACS, 0):
+                monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", min_work)
+                yield n_threads, min_work
+                monkeypatch.undo()
+    finally:
+        numba.set_num_threads(n_threads0)
+
+
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "classic"])
 @pytest.mark.parametrize("type_k", CACHE_TYPES)
 def test_each_row_is_bit_identical_to_the_row_computed_alone(type_k, flash, monkeypatch):
@@ -300,9 +318,6 @@ def test_each_row_is_bit_identical_to_the_row_computed_alone(type_k, flash, monk
     parallel launch both at its real threshold and forced (which also forces the split of the
     cells for few queries): every output row equals, bit for bit, the row computed alone.
     GQA (9 heads over 3), causal mask with holes, n_kv not a multiple of chunks or tiles."""
-    import numba
-
-    import kernels.attention as ka
     type_v = type_k if flash else {"f32": "f32", "bf16": "bf16"}.get(type_k, "f16")
     n_max = max(BATCH_SIZES)
     q, k, _, v, _, mask, ts = _setup(type_k, type_v, n_max, 9, 3, 64, N_KV, 768, 1, seed=23)
@@ -310,19 +325,11 @@ def test_each_row_is_bit_identical_to_the_row_computed_alone(type_k, flash, monk
         v = _transposed_v(type_v, N_KV, 3 * 64, 768, np.random.default_rng(5))
     tk, tv = GGMLType[type_k.upper()], GGMLType[type_v.upper()]
     alone = np.stack([_alone(q, k, tk, v, tv, mask, ts, 3, flash, i) for i in range(n_max)])
-    n_threads0 = numba.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            numba.set_num_threads(n_threads)
-            for min_work in (parallel.ATTN_PAR_MIN_MACS, 0):
-                monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", min_work)
-                for n in BATCH_SIZES:
-                    got = attention(q[-n:], k, tk, v, tv, mask[-n:], ts[-n:], 3, 0.125, flash=flash,
-                                    n_threads=n_threads)
-                    np.testing.assert_array_equal(got, alone[-n:], err_msg=f"n={n} threads={n_threads}")
-                monkeypatch.undo()
-    finally:
-        numba.set_num_threads(n_threads0)
+    for n_threads, _ in _threads_and_thresholds(monkeypatch):
+        for n in BATCH_SIZES:
+            got = attention(q[-n:], k, tk, v, tv, mask[-n:], ts[-n:], 3, 0.125, flash=flash,
+                            n_threads=n_threads)
+            np.testing.assert_array_equal(got, alone[-n:], err_msg=f"n={n} threads={n_threads}")
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "classic"])
@@ -420,29 +427,19 @@ def test_a_wrapped_sliding_window_ring_gives_the_bits_of_the_unwrapped_cache(fla
     started at the cell of its oldest position, every row of the last 76 is bit-identical
     between the two, in one call or row by row, serial, parallel or split over the cells; and
     on the unwrapped cache the start changes nothing (cell 0 gives the same bits)."""
-    import numba
-
     rows = list(range(n_pos - 76, n_pos))
     lin, s_lin = _ring_case(flash, 768, n_pos, 40, rows)
     ring, s_ring = _ring_case(flash, 256, n_pos, 40, rows)
     want = attention(*lin, flash=flash, n_threads=1, start=s_lin)
     np.testing.assert_array_equal(attention(*lin, flash=flash, n_threads=1), want)
-    n_threads0 = numba.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            numba.set_num_threads(n_threads)
-            for min_work in (parallel.ATTN_PAR_MIN_MACS, 0):
-                monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", min_work)
-                np.testing.assert_array_equal(attention(*ring, flash=flash, n_threads=n_threads, start=s_ring),
-                                              want, err_msg=f"threads={n_threads} min_work={min_work}")
-                for i in (0, 20, 31, 32, 33, 50, 75):  # alone, on both sides of the wrap
-                    one, s_one = _ring_case(flash, 256, n_pos, 40, [rows[i]])
-                    np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
-                                                  want[i], err_msg=f"row {rows[i]}")
-                    one, s_one = _ring_case(flash, 768, n_pos, 40, [rows[i]])  # split over 3 chunks
-                    np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
-                                                  want[i], err_msg=f"row {rows[i]}, unwrapped")
-                monkeypatch.undo()
-    finally:
-        numba.set_num_threads(n_threads0)
+    for n_threads, min_work in _threads_and_thresholds(monkeypatch):
+        np.testing.assert_array_equal(attention(*ring, flash=flash, n_threads=n_threads, start=s_ring),
+                                      want, err_msg=f"threads={n_threads} min_work={min_work}")
+        for i in (0, 20, 31, 32, 33, 50, 75):  # alone, on both sides of the wrap
+            one, s_one = _ring_case(flash, 256, n_pos, 40, [rows[i]])
+            np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
+                                          want[i], err_msg=f"row {rows[i]}")
+            one, s_one = _ring_case(flash, 768, n_pos, 40, [rows[i]])  # split over 3 chunks
+            np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
+                                          want[i], err_msg=f"row {rows[i]}, unwrapped")
     assert not np.array_equal(attention(*ring, flash=flash, n_threads=1), want)  # cell order differs
