@@ -1,9 +1,9 @@
 """Base files exchanged with llama-perplexity itself (SmolLM2, 2 chunks of GPL-3): a file it
 writes is read by `kvchat perplexity --kl-divergence`, a file we write is read by its
 `--kl-divergence`. Skipped when no llama.cpp build is at hand (KVCHAT_LLAMA_PERPLEXITY or a
-llama-perplexity binary under /work/llamacpp) or when the build cannot run on this CPU (a native
-build with AMX tiles dies with SIGILL where the kernel does not grant them; KVCHAT_LLAMA_LIB can
-name a folder with a libggml-cpu.so built without them)."""
+llama-perplexity binary under /work/llamacpp) or when none of them can run on this CPU (a native
+build with AMX tiles dies with SIGILL where the kernel does not grant them: the next build found is
+tried; KVCHAT_LLAMA_LIB can name a folder with a libggml-cpu.so built without them)."""
 import os
 import re
 import subprocess
@@ -15,32 +15,35 @@ from typer.testing import CliRunner
 from cli.app import app
 
 
-def _llama_perplexity():
+def _candidates() -> list[Path]:
+    """KVCHAT_LLAMA_PERPLEXITY, else every llama-perplexity build under /work/llamacpp."""
     exe = os.environ.get("KVCHAT_LLAMA_PERPLEXITY")
     if exe and Path(exe).is_file():
-        return Path(exe)
+        return [Path(exe)]
     root = Path("/work/llamacpp")
-    if root.is_dir():
-        for p in root.rglob("llama-perplexity"):
-            if p.is_file() and os.access(p, os.X_OK):
-                return p
-    return None
+    if not root.is_dir():
+        return []
+    return [p for p in sorted(root.rglob("llama-perplexity")) if p.is_file() and os.access(p, os.X_OK)]
 
 
-LLAMA = _llama_perplexity()
+LLAMAS = _candidates()
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,
-              pytest.mark.skipif(LLAMA is None, reason="no llama-perplexity build found")]
+              pytest.mark.skipif(not LLAMAS, reason="no llama-perplexity build found")]
 
 
 def _llama(args, **kw):
+    """Run llama-perplexity; a build killed by a signal (a native build with AMX tiles the kernel
+    does not grant dies with SIGILL at its first matmul) is dropped and the next one tried."""
     env = dict(os.environ)
     if os.environ.get("KVCHAT_LLAMA_LIB"):
         env["LD_LIBRARY_PATH"] = os.environ["KVCHAT_LLAMA_LIB"]
-    r = subprocess.run([str(LLAMA), *args], capture_output=True, text=True, timeout=900, env=env, **kw)
-    if r.returncode < 0 or r.returncode >= 128:  # killed by a signal: the build, not the file
-        pytest.skip(f"llama-perplexity cannot run here (exit {r.returncode}: {r.stderr.strip()[-200:]})")
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r
+    while LLAMAS:
+        r = subprocess.run([str(LLAMAS[0]), *args], capture_output=True, text=True, timeout=900, env=env, **kw)
+        if 0 <= r.returncode < 128:
+            assert r.returncode == 0, r.stderr[-2000:]
+            return r
+        LLAMAS.pop(0)  # killed by a signal: the build, not the file
+    pytest.skip("no llama-perplexity build runs on this CPU")
 
 
 def _mean_kld(text):
