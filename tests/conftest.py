@@ -1,7 +1,7 @@
 """Shared fixtures: tiny models written by tests/gguf_factory.py (the fast lane), and the two
 real models, fetched once into KVCHAT_CACHE (default ~/.cache/kvchat), for agreement with llama.cpp.
 
-`python -m pytest -q -m "not real_model"` runs without the real models: every test that asks for
+`python -m pytest -q -n 2 -m "not real_model"` (README's fast lane) runs without the real models: every test that asks for
 `smollm2_path` / `gemma3_path` is marked `real_model` here, whatever its module says.
 """
 import json
