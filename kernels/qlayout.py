@@ -119,73 +119,6 @@ def _unbox_qformat(typ, obj, c):
 
 # ---- repack ---------------------------------------------------------------------------------
 
-def _f16_bits(b: np.ndarray) -> np.ndarray:
-    """Two bytes (last axis) -> the u16 f16 bit pattern."""
-    return np.ascontiguousarray(b).view(np.uint16)[..., 0]
-
-
-def _interleave_rows(a: np.ndarray, m: int) -> np.ndarray:
-    """[m, ...rest] -> [G, ...rest, R] (rows padded with zeros to G * R)."""
-    g = -(-m // R)
-    pad = np.zeros((g * R,) + a.shape[1:], a.dtype)
-    pad[:m] = a
-    return np.ascontiguousarray(np.moveaxis(pad.reshape((g, R) + a.shape[1:]), 1, -1))
-
-
-def _pack_values(v: np.ndarray, m: int, fmt: QFormat) -> np.ndarray:
-    """values [m, n_sub, S] (u8 or i8) -> q [G, n_sub, sub-block bytes] (module docstring)."""
-    n_sub, s = v.shape[1], v.shape[2]
-    g = -(-m // R)
-
-    def interleave(a):  # [m, n_sub, steps, 4] -> [G, n_sub, steps, R, 4], rows past m zero
-        pad = np.zeros((g * R,) + a.shape[1:], a.dtype)
-        pad[:m] = a
-        return pad.reshape((g, R) + a.shape[1:]).transpose(0, 2, 3, 1, 4)
-
-    if not fmt.nib:
-        return np.ascontiguousarray(interleave(v.reshape(m, n_sub, s // 4, 4)).reshape(g, n_sub, s * R))
-    half = s // 2
-    lo, hi = v[..., :half], v[..., half:]
-    nib = interleave(((lo & 15) | ((hi & 15) << 4)).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
-    parts = [nib.reshape(g, n_sub, half * R)]
-    if fmt.planes:
-        words = []  # [G, n_sub, steps, planes, 4 words (low 0-15, low 16-31, high 0-15, high 16-31), 64 bits]
-        for p in range(fmt.planes):
-            bl = interleave(((lo >> (4 + p)) & 1).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
-            bh = interleave(((hi >> (4 + p)) & 1).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
-            steps = half // 4
-            bl = bl.reshape(g, n_sub, steps, 2, 64)  # rows 0-15, 16-31: byte 4 r + i of the vector
-            bh = bh.reshape(g, n_sub, steps, 2, 64)
-            words.append(np.concatenate([bl, bh], 3))
-        bits = np.stack(words, 3)  # [G, n_sub, steps, planes, 4, 64]
-        parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(g, n_sub, -1))
-    return np.ascontiguousarray(np.concatenate(parts, -1)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
-
-
-def _bits(x: np.ndarray, n: int) -> np.ndarray:
-    """u32 [...] -> u8 [..., n]: bit i of each word."""
-    return ((x[..., None] >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
-
-
-def _k4_scales(s: np.ndarray):
-    """12 packed bytes of q4_K / q5_K -> (scales, mins) u8 [..., 8], 6 bits each."""
-    lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
-    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
-    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return np.concatenate([lo_sc, hi_sc], -1), np.concatenate([lo_mn, hi_mn], -1)
-
-
-def _q3k_scales(sc: np.ndarray) -> np.ndarray:
-    """12 packed bytes of q3_K -> signed scales i8 [..., 16] (6 bits, minus 32)."""
-    s = sc.astype(np.int32)
-    out = np.empty(sc.shape[:-1] + (16,), np.int8)
-    for j in range(16):
-        low = (s[..., j % 8] >> (4 * (j // 8))) & 15
-        high = (s[..., 8 + j % 4] >> (2 * (j // 4))) & 3
-        out[..., j] = (low | (high << 4)) - 32
-    return out
-
-
 EMPTY_U16 = np.zeros((0, 0, 0), np.uint16)
 EMPTY_I8 = np.zeros((0, 0, 0), np.int8)
 
@@ -198,103 +131,51 @@ class Packed(NamedTuple):
     mn: np.ndarray  # i8 [G, n_sub, R] or empty
 
 
-REPACK_ROWS = 8192  # rows repacked at a time (a multiple of R): bounds the temporaries to ~10 MB
+REPACK_ROWS = 8192  # rows repacked (and their file pages released) at a time, a multiple of R
+
+
+def sub_block_bytes(fmt: QFormat) -> int:
+    """Bytes of one 32-row sub-block of q: a byte a value, or nibbles plus the bit planes."""
+    if not fmt.nib:
+        return fmt.sub * R
+    return fmt.sub // 2 * R + fmt.planes * 4 * fmt.sub
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A C-ordered read-only view: model-file rows are read-only, fused copies are not, and the
+    compiled pass is typed (and cached) for one of the two only."""
+    a = np.ascontiguousarray(a)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
 
 def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Packed]:
     """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays).
 
-    Rows are repacked REPACK_ROWS at a time into the preallocated result, so a 170 MB output
-    matrix never has several full-size temporaries; ``done(rows)`` is called after each slice
-    of raw has been read (the caller releases those file pages, kernels/matmul.py)."""
+    The arrays are allocated once and filled REPACK_ROWS rows at a time by one compiled pass
+    (kernels/qlayout_pack.py: each byte written once, no temporaries); ``done(rows)`` is called
+    after each slice of raw has been read (the caller releases those file pages, kernels/matmul.py)."""
+    from kernels.qlayout_pack import pack_rows
+
     t = GGMLType(t)
     fmt = FORMATS.get(t)
     if fmt is None:
         raise ValueError(f"matmul: ggml type {t.name} is not supported for weights")
     m = raw.shape[0]
-    if m <= REPACK_ROWS:
-        out = _repack_rows(raw, t, k, fmt)
-        if done is not None:
-            done(raw)
-        return fmt, out
-    parts = None
-    for r0 in range(0, m, REPACK_ROWS):
-        r1 = min(m, r0 + REPACK_ROWS)
-        p = _repack_rows(raw[r0:r1], t, k, fmt)
-        if parts is None:  # [G, ...] arrays of the whole matrix, filled slice by slice
-            g = -(-m // R)
-            parts = [a if a.size == 0 else np.empty((g,) + a.shape[1:], a.dtype) for a in p]
-        for whole, a in zip(parts, p):
-            if a.size:
-                whole[r0 // R:r0 // R + a.shape[0]] = a
-        if done is not None:
-            done(raw[r0:r1])
-    return fmt, Packed(*parts)
-
-
-def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
-    """repack_int on a slice of rows (its start a multiple of R)."""
-    m = raw.shape[0]
-    if fmt.n_sub == 1:  # legacy 32-value blocks
-        nb = k // 32
-        blk = raw.reshape(m, nb, raw.shape[1] // nb)
-        bsz = blk.shape[2]
-        d = _f16_bits(blk[..., 0:2])
-        mm = _f16_bits(blk[..., 2:4]) if fmt.lmin else None
-        if t in (GGMLType.Q4_0, GGMLType.Q4_1):
-            qs = blk[..., bsz - 16:]
-            v = np.concatenate([qs & 15, qs >> 4], -1)
-        elif t == GGMLType.Q8_0:
-            v = blk[..., 2:].view(np.int8)
-        elif t == GGMLType.IQ4_NL:
-            qs = blk[..., 2:]
-            v = IQ4_NL_VALUES[np.concatenate([qs & 15, qs >> 4], -1)]
-        else:  # q5_0, q5_1: nibble plus a fifth bit from the 32-bit qh word
-            off = 2 if t == GGMLType.Q5_0 else 4
-            qh = _bits(np.ascontiguousarray(blk[..., off:off + 4]).view("<u4")[..., 0], 32)
-            qs = blk[..., off + 4:]
-            v = (np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)).astype(np.uint8)
-        q = _pack_values(np.ascontiguousarray(v), m, fmt)
-        return Packed(q, _interleave_rows(d, m), EMPTY_U16 if mm is None else _interleave_rows(mm, m),
-                      EMPTY_I8, EMPTY_I8)
-
-    nsb = k // 256
-    blk = raw.reshape(m, nsb, raw.shape[1] // nsb)
-    sc = mn = None
-    if t in (GGMLType.Q4_K, GGMLType.Q5_K):
-        d, dmin = _f16_bits(blk[..., 0:2]), _f16_bits(blk[..., 2:4])
-        sc, mn = _k4_scales(blk[..., 4:16])  # [m, nsb, 8]
-        qs = blk[..., -128:].reshape(m, nsb, 4, 32)  # 4 chunks of 64 values: low nibbles, high nibbles
-        v = np.stack([qs & 15, qs >> 4], 3)  # [m, nsb, 4, 2, 32]: sub-blocks 2c, 2c + 1
-        if t == GGMLType.Q5_K:
-            qh = blk[..., 16:48]  # [m, nsb, 32]: bit 2c / 2c + 1 -> chunk c low / high
-            hb = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
-            v = v + (hb.reshape(m, nsb, 4, 2, 32) << 4)
-        v = v.reshape(m, nsb * 8, 32).astype(np.uint8)
-    elif t == GGMLType.Q6_K:
-        ql, qh = blk[..., 0:128].reshape(m, nsb, 2, 64), blk[..., 128:192].reshape(m, nsb, 2, 32)
-        sc = blk[..., 192:208].view(np.int8)
-        d = _f16_bits(blk[..., 208:210])
-        dmin = None
-        lo = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], 3)
-        hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 3)
-        v = (lo | (hi << 4)).astype(np.uint8).reshape(m, nsb * 16, 16)  # q - 32 stored as q
-    elif t == GGMLType.Q3_K:
-        hm, qs = blk[..., 0:32], blk[..., 32:96].reshape(m, nsb, 2, 32)
-        sc = _q3k_scales(blk[..., 96:108])
-        d = _f16_bits(blk[..., 108:110])
-        dmin = None
-        low = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3)  # [m, nsb, 2, 4, 32]
-        hbit = ((hm[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
-        v = (low + 4 * hbit.reshape(m, nsb, 2, 4, 32)).astype(np.uint8).reshape(m, nsb * 16, 16)  # q + 4
-    else:  # q2_K
-        scb, qs = blk[..., 0:16], blk[..., 16:80].reshape(m, nsb, 2, 32)
-        d, dmin = _f16_bits(blk[..., 80:82]), _f16_bits(blk[..., 82:84])
-        sc, mn = scb & 15, scb >> 4
-        v = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3).astype(np.uint8).reshape(m, nsb * 16, 16)
-    q = _pack_values(np.ascontiguousarray(v), m, fmt)
+    g = -(-m // R)
     n_sub = k // fmt.sub
-    neg_dmin = EMPTY_U16 if dmin is None else _interleave_rows(dmin ^ np.uint16(0x8000), m)  # -dmin, exact
-    return Packed(q, _interleave_rows(d, m), neg_dmin,
-                  _interleave_rows(sc.reshape(m, n_sub).astype(np.int8), m),
-                  EMPTY_I8 if mn is None else _interleave_rows(mn.reshape(m, n_sub).astype(np.int8), m))
+    n_super = k // fmt.super_values
+    q = np.empty((g, n_sub, sub_block_bytes(fmt)), np.uint8)
+    d = np.empty((g, n_super, R), np.uint16)
+    has_m = fmt.lmin or fmt.kmin
+    mm = np.empty((g, n_super, R), np.uint16) if has_m else EMPTY_U16
+    sc = np.empty((g, n_sub, R), np.int8) if fmt.n_sub > 1 else EMPTY_I8
+    mn = np.empty((g, n_sub, R), np.int8) if fmt.kmin else EMPTY_I8
+    for r0 in range(0, max(m, 1), REPACK_ROWS):
+        part = raw[r0:r0 + REPACK_ROWS]
+        pack_rows(_read_only(part), int(t), k, r0 // R, q, d, mm, sc, mn)
+        if done is not None:
+            done(part)
+    return fmt, Packed(q.view(np.int8) if fmt.signed else q, d, mm, sc, mn)
