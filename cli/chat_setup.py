@@ -66,6 +66,8 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
         from runtime.generate import warm_up
         bos = getattr(model.vocab, "bos", None)
         warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64 if first_run else 2)
+    from runtime.os_memory import release_library_pages
+    release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
     if settings.chat_template_file is not None:
         template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
     else:

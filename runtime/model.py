@@ -21,7 +21,7 @@ from runtime.errors import ModelFileError
 from runtime.gguf_file import GGUFFile
 from runtime.gguf_split import open_gguf
 from runtime.hparams import HParams
-from runtime.os_memory import map_large_allocations, trim_heap
+from runtime.os_memory import map_large_allocations, release_library_pages, trim_heap
 
 
 # llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
@@ -75,6 +75,7 @@ class Model:
             hp = HParams.from_gguf(gf)
             vocab = Vocab.from_gguf(gf)
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
+            release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)
             weights = load_weights(gf, hp, arch)
             release_file_pages(gf.raw)  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
             trim_heap()

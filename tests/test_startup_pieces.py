@@ -67,6 +67,28 @@ def test_a_cache_miss_still_compiles_with_every_registry(tmp_path):
     assert runs[0][1] == "Counter()" and runs[1][1] != "Counter()"  # compiled, then loaded
 
 
+RELEASE = """
+import numpy as np
+from kernels.matmul import QMatrix
+from runtime.os_memory import release_library_pages
+from tests.test_matmul import random_raw
+qm = QMatrix(random_raw(2, 32, 64), 2, 64)
+x = np.arange(64, dtype=np.float32)[None]
+before = qm.matmul(x).tobytes().hex()
+print(release_library_pages() > 0, release_library_pages() < (1 << 20))
+print(qm.matmul(x).tobytes().hex() == before, QMatrix(random_raw(3, 32, 64), 3, 64).m)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise")
+def test_llvms_clean_pages_leave_the_resident_set_and_every_kernel_still_runs():
+    from tests.conftest import ROOT
+    QMatrix(random_raw(GGMLType.Q4_1, 32, 64), GGMLType.Q4_1, 64)  # compiled (and cached) if needed
+    out = subprocess.run([sys.executable, "-c", RELEASE], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["True", "True", "True", "32"]  # released once, then nothing left
+
+
 @pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16])
 def test_dequantized_rows_are_the_same_alone_and_in_a_batch(t, monkeypatch):
     k = 256
