@@ -34,6 +34,7 @@ FLOAT_TYPES = (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16))
 
 TOKEN_CHUNK = 32  # tokens per work item: a decoded block is reused by up to this many tokens
 RUNS_PER_THREAD = 4  # prange iterations per (possible) thread, each a run of consecutive work items
+_RUNS = RUNS_PER_THREAD * numba.config.NUMBA_NUM_THREADS
 
 
 def _mmap_root(a: np.ndarray) -> np.ndarray | None:
@@ -110,6 +111,9 @@ class QMatrix:
         if not keep_raw:  # e.g. a fused copy: only the repacked rows are held
             self.raw = None
         self._macs_per_token = self.m * self.k
+        # the kernel's leading arguments, built once (a token calls ~100 matmuls)
+        self._args = tuple(self._packed) if self.fmt is None else (ISA, self.fmt, *self._packed)
+        self._entry = {}  # kernel -> its compiled entry point for this matrix (_call)
 
     def __repr__(self) -> str:
         return f"QMatrix({GGMLType(self.t).name}, m={self.m}, k={self.k})"
@@ -117,9 +121,10 @@ class QMatrix:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x f32 [n, k] -> f32 [n, m] = x @ W.T (a 1-D x [k] gives [m]). Row t of the result
         depends on row t of x only, bit for bit (module docstring)."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim == 1:
             return self.matmul(x[None, :])[0]
+        if not (x.dtype == np.float32 and x.flags.c_contiguous):
+            x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.k:
             raise ValueError(f"QMatrix.matmul: x has {x.shape[-1]} columns, matrix has k={self.k}")
         n = x.shape[0]
@@ -129,14 +134,30 @@ class QMatrix:
             x = xp
         y = np.empty((n, self.m), np.float32)  # [n, m]
         if n:
-            runs = RUNS_PER_THREAD * numba.config.NUMBA_NUM_THREADS
             if self.fmt is None:
-                matmul_blocks(*self._packed, x, y, TOKEN_CHUNK, runs)
+                self._call(matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS))
             elif n * self._macs_per_token < parallel.MATMUL_PAR_MIN_MACS:
-                matmul_q_serial(ISA, self.fmt, *self._packed, x, y, TOKEN_CHUNK)
+                self._call(matmul_q_serial, self._args + (x, y, TOKEN_CHUNK))
             else:
-                matmul_q(ISA, self.fmt, *self._packed, x, y, TOKEN_CHUNK, runs)
+                self._call(matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS))
         return y
+
+    def _call(self, kernel, args):
+        """kernel(*args) through the compiled entry point it has for this matrix, skipping
+        numba's argument dispatch.
+
+        A one-token decode makes ~100 small matmul calls, and the dispatcher's typing of ten
+        arguments (two Python-typed: the ISA and the QFormat) took ~5 µs of each, about a small
+        matmul's own work. For one matrix and kernel the argument types are fixed (its packed
+        arrays, ISA and format; x a C-contiguous f32 [n, k] and y a fresh f32 [n, m], which
+        matmul guarantees; ints), so the first call goes through the dispatcher (compiling or
+        loading from numba's cache) and keeps the overload it chose."""
+        ep = self._entry.get(kernel)
+        if ep is None:
+            kernel(*args)
+            self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
+            return
+        ep(*args)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""
