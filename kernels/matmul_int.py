@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kernels.qlayout import ACT_Q8_K, R, QFormatType
 from kernels.quant_act import quantize_row_q8
 from kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
-from kernels.simd_int import bhi, blo, bload, bplane, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
+from kernels.simd_int import bhi, blo, bload, bplane, bstore, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
 
 
 
@@ -201,8 +201,9 @@ def _store(y, ym, t, g, a0, a1):
 
 
 @njit(cache=True, inline="always")
-def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
-    """y[t, 32 g : 32 g + 32] for one token."""
+def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
+    """y[t, 32 g : 32 g + 32] for one token (the group's values at group gq of q: g, or 0 for
+    a group expanded on its own, _expand_group)."""
     S = fmt_get(fmt, "sub")
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
@@ -214,14 +215,14 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
         acc = (z, z, z, z)
         for jj in range(NS):
             j = B * NS + jj
-            i0, i1 = _sub_dot(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            i0, i1 = _sub_dot(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
             acc = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc)
         a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1)
     _store(y, ym, t, g, a0, a1)
 
 
 @njit(cache=True, inline="always")
-def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
     """_row for tokens t .. t+3, sharing each weight load; every token's operations and their
     order are _row's, so the four rows are bit-identical to four _row calls."""
     S = fmt_get(fmt, "sub")
@@ -236,7 +237,7 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
         c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
         for jj in range(NS):
             j = B * NS + jj
-            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
             c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
             c1 = _fold_sub(isa, fmt, sc, mn, xs, t + 1, j, g, n_sub_all, p[2], p[3], c1)
             c2 = _fold_sub(isa, fmt, sc, mn, xs, t + 2, j, g, n_sub_all, p[4], p[5], c2)
@@ -252,6 +253,73 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
     _store(y, ym, t + 3, g, a[6], a[7])
 
 
+EXPAND_MIN_TOKENS = 16  # a chunk of at least this many tokens runs on its group's values expanded to bytes
+
+
+@intrinsic
+def _bytes_fmt(typingctx, fmt):
+    """The QFormat of fmt's values held one unsigned byte each (nib and planes off): what
+    _expand_group writes. A compile-time value, like fmt."""
+    if not isinstance(fmt, QFormatType):
+        return None
+    t = QFormatType(fmt.fmt._replace(nib=False, planes=0))
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+
+    return t(fmt), codegen
+
+
+@njit(cache=True, inline="always")
+def _expand_group(fmt, q, g, qx):
+    """Row group g's nibble + bit-plane sub-blocks -> qx u8 [n_sub * S * R], one byte per value
+    in the byte layout of kernels/qlayout.py ([S / 4 steps, R, 4] per sub-block): the same
+    values, so the same integers and bits, without redoing the bit-plane ORs (one masked move
+    per vector and plane) for every four tokens of a long chunk."""
+    S = fmt_get(fmt, "sub")
+    H = S // 8
+    n_sub = q.shape[1]
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes"))
+    for j in range(n_sub):
+        base = (g * n_sub + j) * sub_bytes
+        out = j * S * R
+        for s in range(H):
+            l0, l1, h0, h1 = _nib_vectors(fmt, q, base, s)
+            bstore(qx, out + s * 128, l0)
+            bstore(qx, out + s * 128 + 64, l1)
+            bstore(qx, out + (H + s) * 128, h0)
+            bstore(qx, out + (H + s) * 128 + 64, h1)
+
+
+def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+    """Tokens t .. t1 - 1 of row group g on the group's values expanded to bytes when the format
+    has bit planes and the chunk is long (EXPAND_MIN_TOKENS); returns whether it ran them."""
+    raise NotImplementedError
+
+
+@overload(_run_expanded, inline="always")
+def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+    if not isinstance(fmt, QFormatType):
+        return None
+    if fmt.fmt.planes == 0:  # nothing to save: no specialization compiled
+        return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx: False
+
+    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+        if t1 - t < EXPAND_MIN_TOKENS:
+            return False
+        bf = _bytes_fmt(fmt)
+        _expand_group(fmt, q, g, qx)
+        while t + 4 <= t1:
+            _row4(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym)
+            t += 4
+        while t < t1:
+            _row(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym)
+            t += 1
+        return True
+
+    return impl
+
+
 @njit(cache=True)
 def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1):
     """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): four tokens at a
@@ -260,15 +328,19 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     n = y.shape[0]
     n_tc = (n + token_chunk - 1) // token_chunk
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
+    long_chunks = fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
+    qx = np.empty(q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0, np.uint8)  # one group's bytes
     for it in range(i0, i1):
         g = it // n_tc
         t = (it - g * n_tc) * token_chunk
         t1 = min(n, t + token_chunk)
+        if _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+            continue
         while t + 4 <= t1:
-            _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+            _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
             t += 4
         while t < t1:
-            _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+            _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
             t += 1
 
 

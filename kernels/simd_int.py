@@ -120,6 +120,19 @@ def bload(typingctx, a, i):
 
 
 @intrinsic
+def bstore(typingctx, a, i, v):
+    """Bytes i .. i+63 of a u8 array = v."""
+    if not (isinstance(a, types.Array) and a.dtype == types.uint8 and isinstance(i, types.Integer) and v == b64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _VB), align=1)
+        return context.get_dummy_value()
+
+    return types.none(a, i, v), codegen
+
+
+@intrinsic
 def blo(typingctx, v):
     """Low nibble of each byte (0..15)."""
     if v != b64:
@@ -335,5 +348,5 @@ def s8_bias(typingctx, isa):
     return types.int32(isa), codegen
 
 
-__all__ = ["Isa", "IsaType", "ISA_NAMES", "F32Vec", "bload", "blo", "bhi", "izero", "ibcast", "iadd",
+__all__ = ["Isa", "IsaType", "ISA_NAMES", "F32Vec", "bload", "bstore", "bplane", "blo", "bhi", "izero", "ibcast", "iadd",
            "isub", "imul", "iload8", "itof", "idot", "idot_s", "s8_bias"]
