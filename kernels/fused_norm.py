@@ -11,7 +11,7 @@ forward passes run them as one kernel per seam:
                        post-attention / post-FFN norms)
 
 The arithmetic is the unfused one, step for step: the add is one IEEE f32 add per element and
-the norms are kernels/norm.py's rms_norm_row (its fixed eight-lane float64 sum), so results are
+the norms are kernels/norm.py's rms_norm_row (ggml's in-order float64 sum), so results are
 bit-identical to `x += a; rms_norm(x, w)` and every row depends on its own row only (batch
 invariance; tests/test_fused_norm.py asserts both with array_equal). Serial twins below
 parallel.RMS_NORM_PAR_MIN_ROWS rows, as kernels/norm.py.

@@ -1,7 +1,8 @@
 """RMSNorm, as ggml_rms_norm followed by ggml_mul with the layer's weight.
 
-y = x / sqrt(mean(x^2) + eps) * w. The sum of squares is accumulated in float64 as ggml does
-(ggml_float), so long rows do not drift. Gemma's GGUF norm weights already hold (1 + w): the
+y = x / sqrt(mean(x^2) + eps) * w in ggml's operation order (ops.cpp rms_norm_f32): the f32
+squares summed in float64 in element order (ggml_float), the mean and the scale in f32, so a
+row's bits equal llama.cpp's. Gemma's GGUF norm weights already hold (1 + w): the
 converter adds the 1, so every architecture uses this one plain kernel.
 QK-norm (qwen3, gemma3) is the same kernel applied to [n_tokens * n_head, head_dim] rows.
 
@@ -9,9 +10,9 @@ A parallel launch costs far more than normalizing a few rows (tens to hundreds o
 machine), so small inputs — every generated token — run the serial twin of the kernel.
 Batch invariance (kernels/attention.py): a row's result must not depend on which twin runs, on
 the other rows, or on how numba happened to compile or cache a helper. So there is no fast-math:
-the sum of squares runs in eight explicit lanes in a written order (a fast-math reduction lets
-LLVM choose the order per loop nest), the scaling is plain IEEE arithmetic. It costs about
-1 µs per 576-value row, next to milliseconds of matmul per token.
+the sum of squares is one running sum in element order (a fast-math reduction lets LLVM choose
+the order per loop nest), the scaling is plain IEEE arithmetic. It costs about 1.5 µs per
+576-value row, next to milliseconds of matmul per token.
 """
 import numpy as np
 from numba import njit, prange
@@ -22,40 +23,22 @@ from kernels import parallel
 
 @njit(cache=True)
 def sum_sq_f64(x):
-    """Sum of x[i]^2 over a row x [d] f32, in float64: eight running sums (element i goes to sum
-    i % 8, in order), then (s0+s1)+(s2+s3) + ((s4+s5)+(s6+s7)). The order is spelled out, not left
-    to a fast-math vectorizer, so every caller gets the same bits."""
-    d = x.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    n8 = d - d % 8
-    for i in range(0, n8, 8):
-        v0 = np.float64(x[i])
-        v1 = np.float64(x[i + 1])
-        v2 = np.float64(x[i + 2])
-        v3 = np.float64(x[i + 3])
-        v4 = np.float64(x[i + 4])
-        v5 = np.float64(x[i + 5])
-        v6 = np.float64(x[i + 6])
-        v7 = np.float64(x[i + 7])
-        s0 += v0 * v0
-        s1 += v1 * v1
-        s2 += v2 * v2
-        s3 += v3 * v3
-        s4 += v4 * v4
-        s5 += v5 * v5
-        s6 += v6 * v6
-        s7 += v7 * v7
-    for i in range(n8, d):
-        v = np.float64(x[i])
-        s0 += v * v
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    """Sum of x[i]^2 over a row x [d] f32 as ggml's rms_norm sums it: each square rounded to f32,
+    widened to float64 and added in element order (one running sum)."""
+    s = 0.0
+    for i in range(x.shape[0]):
+        s += np.float64(x[i] * x[i])
+    return s
 
 
 @njit(cache=True, inline="always")
 def rms_norm_row(x, w, has_w, eps, out):
-    """One row: x, out [d] f32 (out may alias x); w [d] f32 (ignored unless has_w)."""
+    """One row: x, out [d] f32 (out may alias x); w [d] f32 (ignored unless has_w).
+    ggml's arithmetic: mean = f32(sum / d), scale = 1 / sqrtf(mean + eps) in f32 (eps as its
+    f32 op parameter), y = (x * scale) * w."""
     d = x.shape[0]
-    scale = np.float32(1.0 / np.sqrt(sum_sq_f64(x) / d + eps))
+    mean = np.float32(sum_sq_f64(x) / d)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
     if has_w:
         for i in range(d):
             out[i] = x[i] * scale * w[i]

@@ -70,3 +70,16 @@ def lane_matmul_reference(raw: np.ndarray, t: int, k: int, x: np.ndarray) -> np.
         y = (y + summs).astype(np.float32)
     return y
 
+
+def rms_norm_reference(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """ggml's rms_norm (+ mul by w) on rows x f32 [n, d] (ops.cpp rms_norm_f32): sum of the f32
+    squares in float64 in element order, mean = f32(sum / d), scale = 1 / sqrtf(mean + eps) in
+    f32, y = (x * scale) * w."""
+    x = np.asarray(x, np.float32)
+    sq = (x * x).astype(np.float32).astype(np.float64)
+    s = np.cumsum(sq, axis=-1)[..., -1]  # cumsum adds in order (np.sum is pairwise)
+    mean = (s / x.shape[-1]).astype(np.float32)
+    scale = (np.float32(1.0) / np.sqrt((mean + np.float32(eps)).astype(np.float32))).astype(np.float32)
+    y = (x * scale[..., None]).astype(np.float32)
+    return y if w is None else (y * np.asarray(w, np.float32)).astype(np.float32)
+

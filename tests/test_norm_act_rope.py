@@ -6,6 +6,7 @@ import pytest
 from kernels.act import geglu, glu_fused, softmax, swiglu
 from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv, rope_inplace
+from tests.ggml_order import rms_norm_reference
 
 
 def _rng(seed=0):
@@ -22,6 +23,15 @@ def test_rms_norm_matches_numpy(with_weight):
     if with_weight:
         ref = ref * w
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("width", [576, 64, 13])
+def test_rms_norm_gives_ggmls_bits(width):
+    """ggml's float order (tests/ggml_order.py), bit for bit, with and without the weight."""
+    x = (_rng(5).standard_normal((40, width)) * _rng(6).uniform(0.01, 100, (40, 1))).astype(np.float32)
+    w = _rng(7).standard_normal(width).astype(np.float32)
+    np.testing.assert_array_equal(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    np.testing.assert_array_equal(rms_norm(x, None, 1e-6), rms_norm_reference(x, None, 1e-6))
 
 
 def test_rms_norm_per_head_and_in_place():
