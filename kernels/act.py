@@ -1,6 +1,7 @@
 """Feed-forward activations and the row softmax.
 
 - SwiGLU: silu(gate) * up, silu(x) = x / (1 + e^-x)        (llama, qwen2, qwen3: LLM_FFN_SILU, PAR)
+  with ggml's vectorized exp (kernels/ggml_math.py), so the values are llama.cpp's bits
 - GeGLU:  gelu(gate) * up with ggml's tanh approximation  (gemma3: LLM_FFN_GELU, PAR)
   gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))); ggml saturates to 0 / x beyond
   |x| >= 10 and we do the same. (ggml's CPU build reads gelu from an f16 table; the difference
@@ -19,6 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels import parallel
+from kernels.ggml_math import silu_ggml
 
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_COEF_A = np.float32(0.044715)
@@ -37,8 +39,9 @@ def gelu_f32(x):
 
 @njit(cache=True, inline="always")
 def silu_f32(x):
-    """x * sigmoid(x) of one f32 value."""
-    return x / (np.float32(1.0) + np.float32(math.exp(-x)))
+    """x * sigmoid(x) of one f32 value, bit for bit as ggml's x86 build (ggml_v_silu with its
+    own exp: kernels/ggml_math.py)."""
+    return silu_ggml(x)
 
 
 @njit(cache=True, inline="always")

@@ -83,3 +83,31 @@ def rms_norm_reference(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.nd
     y = (x * scale[..., None]).astype(np.float32)
     return y if w is None else (y * np.asarray(w, np.float32)).astype(np.float32)
 
+
+def _f32(v):
+    return np.float32(float.fromhex(v))
+
+
+def expf_reference(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf, AVX-512 form (vec.h), on float32 values: n = round(x log2 e) by the 1.5 * 2^23
+    trick, b = x - n ln2 (two fused steps), a degree-5 polynomial in fused steps, then j * 2^n."""
+    x = np.asarray(x, np.float32)
+    r = _f32("0x1.8p23")
+    z = fma32(x, _f32("0x1.715476p+0"), r)
+    n = (z - r).astype(np.float32)
+    b = fma32(-n, _f32("0x1.7f7d1cp-20"), fma32(-n, _f32("0x1.62e4p-1"), x))
+    u = (b * b).astype(np.float32)
+    p1 = fma32(_f32("0x1.0e4020p-7"), b, _f32("0x1.573e2ep-5"))
+    p2 = fma32(_f32("0x1.555e66p-3"), b, _f32("0x1.fffdb6p-2"))
+    j = fma32(fma32(p1, u, p2), u, fma32(_f32("0x1.ffffecp-1"), b, np.float32(1.0)))
+    with np.errstate(over="ignore"):  # j * 2^n past float32's range is inf, as scalef gives
+        res = (j.astype(np.float64) * np.exp2(np.clip(n, -300, 300).astype(np.float64))).astype(np.float32)
+    alt = np.where(n <= 0, np.float32(0.0), np.float32(np.inf)).astype(np.float32)
+    return np.where(np.abs(n) > 192, alt, res).astype(np.float32)
+
+
+def silu_reference(x: np.ndarray) -> np.ndarray:
+    """ggml_v_silu: x / (1 + expf(0 - x))."""
+    x = np.asarray(x, np.float32)
+    return (x / (np.float32(1.0) + expf_reference((np.float32(0.0) - x).astype(np.float32)))).astype(np.float32)
+

@@ -6,7 +6,7 @@ import pytest
 from kernels.act import geglu, glu_fused, softmax, swiglu
 from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv, rope_inplace
-from tests.ggml_order import rms_norm_reference
+from tests.ggml_order import rms_norm_reference, silu_reference
 
 
 def _rng(seed=0):
@@ -56,6 +56,17 @@ def test_swiglu_and_geglu_match_numpy():
     fused = np.concatenate([g, u], axis=1)
     np.testing.assert_allclose(glu_fused(fused, 1536, True), geglu(g, u), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(glu_fused(fused, 1536, False), swiglu(g, u), rtol=1e-6, atol=1e-7)
+
+
+def test_swiglu_gives_ggmls_bits():
+    """silu with ggml's own exp (tests/ggml_order.py), bit for bit, over the range where the
+    exponential saturates too (|x| > 88)."""
+    g = np.concatenate([np.linspace(-120, 120, 4001), _rng(9).standard_normal(3000) * 6]).astype(np.float32)
+    g = np.concatenate([g, np.float32([0.0, -0.0, 1e-30, -1e-30])])
+    u = _rng(10).standard_normal(g.size).astype(np.float32)
+    want = (silu_reference(g) * u).astype(np.float32)
+    np.testing.assert_array_equal(swiglu(g[None], u[None])[0], want)
+    np.testing.assert_array_equal(glu_fused(np.concatenate([g, u])[None], g.size, False)[0], want)
 
 
 def test_gelu_saturates_like_ggml():
