@@ -7,15 +7,18 @@ keys by a position delta (rotation by a then by b == rotation by a+b). As ggml_r
 optional per-pair frequency divisors (`freq_factors`, f32 [n_rot/2]: Llama-3 rope_freqs,
 LongRoPE factors) and `attn_factor` multiplying cos and sin (LongRoPE's scaling).
 
-Compiled without fast-math: the rotation a*c - b*s could be fused into an FMA one way in one loop
-nest and another way in the other, and a token's result must be the same whether prepare_qkv runs
-its serial or its parallel twin (batch invariance, kernels/attention.py). The cost is nil: the
-work is a few hundred values per token next to cos/sin calls.
+The rotation is ggml's as its x86 build compiles it (GCC contracts rotate_pairs' x0*cos - x1*sin
+into one fused step): x0' = fma(x0, cos, -(x1 sin)), x1' = fma(x0, sin, x1 cos), with cosf/sinf
+of the f32 angle, so the values are llama.cpp's bits (tests/ggml_order.py). Compiled without
+fast-math and with the fusion spelled out (kernels/ggml_math.fma32), so a token's result is the
+same whether prepare_qkv runs its serial or its parallel twin (batch invariance,
+kernels/attention.py). The cost is nil: a few hundred values per token next to cos/sin calls.
 """
 import numpy as np
 from numba import njit, prange
 
 from kernels import parallel
+from kernels.ggml_math import fma32
 from kernels.norm import rms_norm_row
 
 
@@ -43,13 +46,13 @@ def _rotate(xh, cs, half, neox):
         if neox:
             a = xh[i]
             b = xh[i + half]
-            xh[i] = a * c - b * s
-            xh[i + half] = a * s + b * c
+            xh[i] = fma32(a, c, -(b * s))
+            xh[i + half] = fma32(a, s, b * c)
         else:
             a = xh[2 * i]
             b = xh[2 * i + 1]
-            xh[2 * i] = a * c - b * s
-            xh[2 * i + 1] = a * s + b * c
+            xh[2 * i] = fma32(a, c, -(b * s))
+            xh[2 * i + 1] = fma32(a, s, b * c)
 
 
 @njit(cache=True, parallel=True)
@@ -107,9 +110,17 @@ def _prep_qkv_ser(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, t
 _ONE = np.ones(1, dtype=np.float32)
 
 
+@njit(cache=True)
+def _powf(a, b):
+    """powf of two float32 values (libm's, as ggml calls it)."""
+    return a ** b
+
+
 def _theta_scale(freq_base, n_rot) -> np.float32:
-    """base^(-2/n_rot) in float32, as ggml computes it (1 when nothing rotates)."""
-    return np.float32(np.float64(freq_base) ** (-2.0 / n_rot)) if n_rot else np.float32(1.0)
+    """powf(base, -2.0f / n_rot) in float32, as ggml computes it (1 when nothing rotates)."""
+    if not n_rot:
+        return np.float32(1.0)
+    return np.float32(_powf(np.float32(freq_base), np.float32(-2.0) / np.float32(n_rot)))
 
 
 def _factors(freq_factors, n_rot) -> np.ndarray:

@@ -111,3 +111,34 @@ def silu_reference(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, np.float32)
     return (x / (np.float32(1.0) + expf_reference((np.float32(0.0) - x).astype(np.float32)))).astype(np.float32)
 
+
+def _libm():
+    import ctypes
+    lib = ctypes.CDLL("libm.so.6")
+    for name, n in (("cosf", 1), ("sinf", 1), ("powf", 2)):
+        getattr(lib, name).restype = ctypes.c_float
+        getattr(lib, name).argtypes = [ctypes.c_float] * n
+    return lib
+
+
+def rope_reference(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, neox: bool) -> np.ndarray:
+    """ggml's rope (ops.cpp rope cache + rotate_pairs as GCC contracts it) on x f32 [n, heads, d]:
+    theta_scale = powf(base, -2.0f / n_rot); theta_0 = p, theta_{i+1} = theta_i * theta_scale in
+    f32; (c, s) = (cosf, sinf)(theta_i) of libm; x0' = fma(x0, c, -(x1 s)), x1' = fma(x0, s, x1 c)."""
+    lib = _libm()
+    half = n_rot // 2
+    ts = np.float32(lib.powf(np.float32(freq_base), np.float32(-2.0) / np.float32(n_rot)))
+    cs = np.zeros((len(pos), half, 2), np.float32)
+    for t, p in enumerate(pos):
+        th = np.float32(p)
+        for i in range(half):
+            cs[t, i] = lib.cosf(th), lib.sinf(th)
+            th = np.float32(th * ts)
+    x = np.array(x, np.float32)
+    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+    i0 = np.arange(half) if neox else 2 * np.arange(half)
+    i1 = i0 + half if neox else i0 + 1
+    x0, x1 = x[..., i0].copy(), x[..., i1].copy()
+    x[..., i0] = fma32(x0, c, -(x1 * s).astype(np.float32))
+    x[..., i1] = fma32(x0, s, (x1 * c).astype(np.float32))
+    return x

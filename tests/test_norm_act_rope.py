@@ -6,7 +6,7 @@ import pytest
 from kernels.act import geglu, glu_fused, softmax, swiglu
 from kernels.norm import rms_norm
 from kernels.rope import prepare_qkv, rope_inplace
-from tests.ggml_order import rms_norm_reference, silu_reference
+from tests.ggml_order import rms_norm_reference, rope_reference, silu_reference
 
 
 def _rng(seed=0):
@@ -113,6 +113,22 @@ def test_rope_matches_numpy(neox, n_rot):
     # ggml's float32 theta recurrence drifts ~1e-4 rad at p=511 from the float64 formula
     np.testing.assert_allclose(x, ref, rtol=0, atol=2e-3)
     assert np.abs(x[:3] - ref[:3]).max() < 1e-5
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot,base", [(64, 100000.0), (32, 10000.0)])
+def test_rope_gives_ggmls_bits(neox, n_rot, base):
+    """ggml's float order (tests/ggml_order.py), bit for bit, through rope_inplace and prepare_qkv."""
+    x = (_rng(11).standard_normal((7, 3, 64)) * 4).astype(np.float32)
+    pos = np.array([0, 1, 2, 17, 300, 511, 4095], dtype=np.int32)
+    want = rope_reference(x, pos, n_rot, base, neox)
+    got = x.copy()
+    rope_inplace(got, pos, n_rot, base, 1.0, neox)
+    np.testing.assert_array_equal(got, want)
+    flat = x.reshape(7, -1)
+    q, k, _ = prepare_qkv(flat, flat, flat[:, :8], 3, 3, 64, pos, n_rot, base, 1.0, neox)
+    np.testing.assert_array_equal(q, want)
+    np.testing.assert_array_equal(k, want)
 
 
 def test_rope_composes_and_scales():
