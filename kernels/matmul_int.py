@@ -6,20 +6,17 @@ tokens. Each row of x is first quantized to the weight's activation format
 per sub-block j of S values (signed weight values w = stored - offset):
 
     i_j  = sum_v w[r, v] * xq[t, v]                        (exact: i32 integer dot products)
-    legacy formats (one 32-block b per scale), ggml's x86 vec_dot / tinyBLAS order: eight
-    lanes per output, lane l the integer dot of values 4l .. 4l+3 of each block,
-        lane_l = fma(d[r, b] * xd[t, b], float(i_bl), lane_l)
-        summs  = fma(m[r, b], xm[t, b], summs)             (q4_1 / q5_1: q8_1's s term)
-        y = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) + summs
+    legacy formats (one sub-block per 32-block b):
+        acc = fma(d[r, b] * xd[t, b], float(i_b), acc)
+        acc = fma(m[r, b], xm[t, b], acc)                 (q4_1 / q5_1: q8_1's s term)
     K-quants (super-block B of 256 values):
         I = sum_j sc[r, j] * i_j,  M = sum_j mn[r, j] * xsum_j           (exact integers)
         acc = fma(d[r, B] * xd[t, B], float(I), acc)
         acc = fma(-dmin[r, B] * xd[t, B], float(M), acc)  (q4_K / q5_K / q2_K)
 
-blocks in ascending order, from +0. This is ggml's arithmetic (integer sums inside a block or
-lane, one float scale step per block) with one fixed float order — for the legacy formats
-llama.cpp's own, bit for bit (tests/ggml_order.py; ggml's repacked K-quant kernels differ) —
-so y[t] depends on row t of x only — bit for bit whatever n, the other rows, the token chunk, the thread count and the
+blocks in ascending order, from +0. This is ggml's arithmetic (integer sums inside a block,
+one float scale step per block) with one fixed float order, so y[t] depends on row t of x
+only — bit for bit whatever n, the other rows, the token chunk, the thread count and the
 instruction path (kernels/simd_int.py: the integers are the same on every path, and the float
 steps are the same explicit kernels/simd.py operations). tests/test_matmul_int.py asserts it
 with array_equal.
@@ -37,7 +34,7 @@ from numba.extending import intrinsic, overload
 from kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kernels.qlayout import ACT_Q8_K, R, QFormatType
 from kernels.quant_act import quantize_row_q8
-from kernels.simd import vadd, vbcast, vfma, vload, vmul, vstore, vzero
+from kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
 from kernels.simd_int import bhi, blo, bload, bplane, bstore, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
 
 
@@ -294,29 +291,24 @@ def _expand_group(fmt, q, g, qx):
             bstore(qx, out + (H + s) * 128 + 64, h1)
 
 
-def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, t, t1, g, y, ym, qx):
+def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
     """Tokens t .. t1 - 1 of row group g on the group's values expanded to bytes when the format
     has bit planes and the chunk is long (EXPAND_MIN_TOKENS); returns whether it ran them."""
     raise NotImplementedError
 
 
 @overload(_run_expanded, inline="always")
-def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, t, t1, g, y, ym, qx):
+def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
     if not isinstance(fmt, QFormatType):
         return None
     if fmt.fmt.planes == 0:  # nothing to save: no specialization compiled
-        return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, t, t1, g, y, ym, qx: False
+        return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx: False
 
-    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, t, t1, g, y, ym, qx):
+    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
         if t1 - t < EXPAND_MIN_TOKENS:
             return False
         bf = _bytes_fmt(fmt)
         _expand_group(fmt, q, g, qx)
-        if fmt_get(fmt, "n_sub") == 1:  # q5_0 / q5_1: ggml's lane order on the expanded bytes
-            while t < t1:
-                _row_lanes(isa, bf, qx, d, m, x32, xd, xs4, xm, t, g, 0, y, ym)
-                t += 1
-            return True
         while t + 4 <= t1:
             _row4(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym)
             t += 4
@@ -328,84 +320,11 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, t, t1, g
     return impl
 
 
-@njit(cache=True, inline="always")
-def _lane_fix(isa, fmt, i0, i1, xs4, t, lane):
-    """Raw lane dots (rows 0-15, rows 16-31) minus the format's offset (and signed bias) times
-    the sum of the lane's four activations: the exact integer of ggml's lane."""
-    off = fmt_get(fmt, "offset")
-    if fmt_get(fmt, "signed"):
-        off = off + s8_bias(isa)
-    if off != 0:
-        c = ibcast(off * xs4[t, lane])
-        return isub(i0, c), isub(i1, c)
-    return i0, i1
-
-
-@njit(cache=True, inline="always")
-def _lane_pair(isa, fmt, q, base, x32, xs4, t, xo, u):
-    """The integers of lanes u and u + 4 (values 4u .. 4u+3 and 16+4u ..) of one 32-block, for
-    rows 0-15 and 16-31: (u rows 0-15, u rows 16-31, u+4 rows 0-15, u+4 rows 16-31)."""
-    z = izero()
-    xl, xh = x32[t, xo + u], x32[t, xo + 4 + u]
-    if fmt_get(fmt, "nib"):
-        l0, l1, h0, h1 = _nib_vectors(fmt, q, base, u)
-        p0, p1 = idot(isa, z, l0, xl), idot(isa, z, l1, xl)
-        p2, p3 = idot(isa, z, h0, xh), idot(isa, z, h1, xh)
-    elif fmt_get(fmt, "signed"):
-        p0, p1 = idot_s(isa, z, bload(q, base + u * 128), xl), idot_s(isa, z, bload(q, base + u * 128 + 64), xl)
-        p2 = idot_s(isa, z, bload(q, base + (4 + u) * 128), xh)
-        p3 = idot_s(isa, z, bload(q, base + (4 + u) * 128 + 64), xh)
-    else:
-        p0, p1 = idot(isa, z, bload(q, base + u * 128), xl), idot(isa, z, bload(q, base + u * 128 + 64), xl)
-        p2 = idot(isa, z, bload(q, base + (4 + u) * 128), xh)
-        p3 = idot(isa, z, bload(q, base + (4 + u) * 128 + 64), xh)
-    p0, p1 = _lane_fix(isa, fmt, p0, p1, xs4, t, xo + u)
-    p2, p3 = _lane_fix(isa, fmt, p2, p3, xs4, t, xo + 4 + u)
-    return p0, p1, p2, p3
-
-
-@njit(cache=True, inline="always")
-def _row_lanes(isa, fmt, q, d, m, x32, xd, xs4, xm, t, g, gq, y, ym):
-    """y[t, 32 g : 32 g + 32] (values at group gq of q, as _row) for a legacy format (one scale
-    per 32-block) in the float order of ggml's x86 vec_dot / tinyBLAS: per output, eight lanes of 4 consecutive values each,
-    lane_j = fma(d_w * d_x, float(i_j), lane_j) block after block; q8_1's m * s summed apart;
-    y = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) + summs."""
-    nb = xd.shape[1]
-    sub_bytes = 32 * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else 32 * R
-    f = vzero()
-    a0, a1, a2, a3, a4, a5, a6, a7 = f, f, f, f, f, f, f, f  # lanes 0-7, rows 0-15
-    b0, b1, b2, b3, b4, b5, b6, b7 = f, f, f, f, f, f, f, f  # lanes 0-7, rows 16-31
-    s0, s1 = f, f
-    for B in range(nb):
-        base = (gq * nb + B) * sub_bytes
-        so = (g * nb + B) * R
-        xo = B * 8
-        dx = vbcast(xd[t, B])
-        d0, d1 = vmul(vload(d, so), dx), vmul(vload(d, so + 16), dx)
-        i0, i1, i4, i5 = _lane_pair(isa, fmt, q, base, x32, xs4, t, xo, 0)
-        a0, b0, a4, b4 = vfma(d0, itof(i0), a0), vfma(d1, itof(i1), b0), vfma(d0, itof(i4), a4), vfma(d1, itof(i5), b4)
-        i0, i1, i4, i5 = _lane_pair(isa, fmt, q, base, x32, xs4, t, xo, 1)
-        a1, b1, a5, b5 = vfma(d0, itof(i0), a1), vfma(d1, itof(i1), b1), vfma(d0, itof(i4), a5), vfma(d1, itof(i5), b5)
-        i0, i1, i4, i5 = _lane_pair(isa, fmt, q, base, x32, xs4, t, xo, 2)
-        a2, b2, a6, b6 = vfma(d0, itof(i0), a2), vfma(d1, itof(i1), b2), vfma(d0, itof(i4), a6), vfma(d1, itof(i5), b6)
-        i0, i1, i4, i5 = _lane_pair(isa, fmt, q, base, x32, xs4, t, xo, 3)
-        a3, b3, a7, b7 = vfma(d0, itof(i0), a3), vfma(d1, itof(i1), b3), vfma(d0, itof(i4), a7), vfma(d1, itof(i5), b7)
-        if fmt_get(fmt, "lmin"):
-            sx = vbcast(xm[t, B])
-            s0, s1 = vfma(vload(m, so), sx, s0), vfma(vload(m, so + 16), sx, s1)
-    r0 = vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7)))
-    r1 = vadd(vadd(vadd(b0, b4), vadd(b2, b6)), vadd(vadd(b1, b5), vadd(b3, b7)))
-    if fmt_get(fmt, "lmin"):
-        r0, r1 = vadd(r0, s0), vadd(r1, s1)
-    _store(y, ym, t, g, r0, r1)
-
-
 @njit(cache=True)
-def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, y, token_chunk, i0, i1):
-    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): legacy formats one
-    token at a time through _row_lanes; K-quants four tokens at a time through _row4, the
-    chunk's last 0-3 through _row. A serial function, so that the parallel kernel's body stays
-    small (numba's parfor passes are slow on big bodies)."""
+def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1):
+    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): four tokens at a
+    time through _row4, the chunk's last 0-3 through _row. A serial function, so that the
+    parallel kernel's body stays small (numba's parfor passes are slow on big bodies)."""
     n = y.shape[0]
     n_tc = (n + token_chunk - 1) // token_chunk
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
@@ -415,34 +334,14 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, y, token_chunk, 
         g = it // n_tc
         t = (it - g * n_tc) * token_chunk
         t1 = min(n, t + token_chunk)
-        if _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, t, t1, g, y, ym, qx):
+        if _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
             continue
-        if fmt_get(fmt, "n_sub") == 1:
-            while t < t1:
-                _row_lanes(isa, fmt, q, d, m, x32, xd, xs4, xm, t, g, g, y, ym)
-                t += 1
-        else:
-            while t + 4 <= t1:
-                _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
-                t += 4
-            while t < t1:
-                _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
-                t += 1
-
-
-@njit(cache=True, inline="always")
-def _lane_sums(xq, legacy):
-    """xq i8 [n, k] -> i32 [n, k / 4]: the sum of every 4 consecutive activations (a lane's
-    offset term; legacy formats only, else an empty array)."""
-    n, k = xq.shape
-    if not legacy:
-        return np.empty((n, 0), np.int32)
-    xs4 = np.empty((n, k // 4), np.int32)
-    for t in range(n):
-        for j in range(k // 4):
-            xs4[t, j] = (np.int32(xq[t, 4 * j]) + np.int32(xq[t, 4 * j + 1])
-                         + np.int32(xq[t, 4 * j + 2]) + np.int32(xq[t, 4 * j + 3]))
-    return xs4
+        while t + 4 <= t1:
+            _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
+            t += 4
+        while t < t1:
+            _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
+            t += 1
 
 
 @njit(cache=True, inline="always")
@@ -470,14 +369,13 @@ def matmul_q(isa, fmt, q, d, m, sc, mn, x, y, token_chunk, n_runs):
     token chunk) items are cut into n_runs runs, one prange iteration each; how they are cut
     never changes a result."""
     xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), True)
-    xs4 = _lane_sums(xq, fmt_get(fmt, "n_sub") == 1)
     x32 = xq.view(np.int32)  # [n, k / 4]: four activation bytes per broadcast
     n = x.shape[0]
     n_tc = (n + token_chunk - 1) // token_chunk
     n_items = q.shape[0] * n_tc
     n_par = max(1, min(n_items, n_runs))
     for p in prange(n_par):
-        _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, xs4, y, token_chunk,
+        _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk,
                    p * n_items // n_par, (p + 1) * n_items // n_par)
 
 
@@ -485,9 +383,8 @@ def matmul_q(isa, fmt, q, d, m, sc, mn, x, y, token_chunk, n_runs):
 def matmul_q_serial(isa, fmt, q, d, m, sc, mn, x, y, token_chunk):
     """matmul_q on the calling thread only (small products: no parallel launch); same results."""
     xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), False)
-    xs4 = _lane_sums(xq, fmt_get(fmt, "n_sub") == 1)
     n = x.shape[0]
-    _run_items(isa, fmt, q, d, m, sc, mn, xq.view(np.int32), xd, xs, xm, xs4, y, token_chunk,
+    _run_items(isa, fmt, q, d, m, sc, mn, xq.view(np.int32), xd, xs, xm, y, token_chunk,
                0, q.shape[0] * ((n + token_chunk - 1) // token_chunk))
 
 

@@ -1,18 +1,13 @@
 """numpy emulations of ggml-cpu's float operation order (x86 build), for bit-exactness tests.
 
-Written from reading ggml-cpu's x86 sources (arch/x86/quants.c vec_dot, llamafile/sgemm.cpp
-tinyBLAS_Q0_AVX): independent of kernels/, element by element in numpy. ``fma32`` is an exact
+Written from reading ggml-cpu's x86 sources (ops.cpp, vec.h, simd-mappings.h): independent of
+kernels/, element by element in numpy. ``fma32`` is an exact
 single-rounding fused multiply-add on float32 values (float64 product and sum made
 round-to-odd before the final rounding to float32, so no double rounding).
 """
 from __future__ import annotations
 
 import numpy as np
-from gguf.quants import dequantize as gguf_dequantize
-
-from kernels.ggml_types import GGMLType
-from kernels.qlayout import ACT_Q8_1, FORMATS
-from tests.qref import quantize_act
 
 
 def fma32(a, b, c) -> np.ndarray:
@@ -25,50 +20,6 @@ def fma32(a, b, c) -> np.ndarray:
     odd = (s.view(np.uint64) & 1) == 1
     s = np.where((err != 0) & ~odd, np.nextafter(s, s + err), s)  # round to odd (53 >= 2 * 24 + 2)
     return s.astype(np.float32)
-
-
-def legacy_values(raw: np.ndarray, t: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks of a 32-value type -> (integer values i64 [m, nb, 32] as ggml's vec_dot multiplies
-    them (q4_0: q - 8, q5_0: q - 16, q4_1 / q5_1: q, q8_0: q, iq4_nl: the table value),
-    d f32 [m, nb], m f32 [m, nb] or None), recovered from gguf-py's dequantized values."""
-    t = GGMLType(t)
-    fmt = FORMATS[t]
-    m_rows, nb = raw.shape[0], k // 32
-    blk = raw.reshape(m_rows, nb, -1)
-    d = np.ascontiguousarray(blk[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    mins = np.ascontiguousarray(blk[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if fmt.lmin else None
-    w = np.asarray(gguf_dequantize(raw, t), np.float64).reshape(m_rows, nb, 32)
-    if mins is not None:
-        w = w - mins[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.where(d[..., None] == 0, 0, np.rint(w / d[..., None]))
-    return v.astype(np.int64), d, mins
-
-
-def lane_matmul_reference(raw: np.ndarray, t: int, k: int, x: np.ndarray) -> np.ndarray:
-    """y f32 [n, m] for a 32-value block type as ggml's x86 vec_dot / tinyBLAS computes it: eight
-    float lanes per output, lane j holding the integer dot of values 4j .. 4j+3 of each block,
-    lane_j = fma(d_w * d_x, lane_int, lane_j) block after block from 0; for q8_1 activations
-    summs = fma(m_w, s_x, summs) apart; y = hsum_float_8(lanes) + summs, hsum_float_8 being
-    ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
-    fmt = FORMATS[GGMLType(t)]
-    v, d, mins = legacy_values(raw, t, k)
-    q, xd, _, xs = quantize_act(x, fmt.act)
-    n, nb = x.shape[0], k // 32
-    lanes = np.einsum("rbjv,tbjv->trbj", v.reshape(-1, nb, 8, 4), q.astype(np.int64).reshape(n, nb, 8, 4))
-    acc = np.zeros(lanes.shape[:2] + (8,), np.float32)
-    summs = np.zeros(lanes.shape[:2], np.float32)
-    for b in range(nb):
-        dd = (d[None, :, b] * xd[:, None, b]).astype(np.float32)  # f16 x f16: exact in f32
-        acc = fma32(dd[..., None], lanes[:, :, b].astype(np.float32), acc)
-        if fmt.act == ACT_Q8_1:
-            summs = fma32(mins[None, :, b], xs[:, None, b], summs)
-    r4 = (acc[..., 4:] + acc[..., :4]).astype(np.float32)
-    r2 = (r4[..., :2] + r4[..., 2:]).astype(np.float32)
-    y = (r2[..., 0] + r2[..., 1]).astype(np.float32)
-    if fmt.act == ACT_Q8_1:
-        y = (y + summs).astype(np.float32)
-    return y
 
 
 def rms_norm_reference(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:

@@ -21,7 +21,6 @@ from kernels.matmul_int import matmul_q, matmul_q_serial
 from kernels.matmul_int import quantize_activations as quantize_rows
 from kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 from kernels.simd_int import Isa
-from tests.ggml_order import lane_matmul_reference
 from tests.qref import int_matmul_reference, quantize_act
 from tests.test_matmul import random_raw
 
@@ -82,21 +81,6 @@ def test_integer_matmul_matches_float64_product_of_dequantized_values(t, isa):
     bound = (k + 4) * EPS32 * base
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
     assert np.all(err <= bound), f"{t.name}/{isa}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
-
-
-LEGACY = [t for t in QTYPES if FORMATS[t].n_sub == 1]
-
-
-@pytest.mark.parametrize("t", LEGACY, ids=lambda t: t.name)
-def test_legacy_formats_give_ggmls_vec_dot_bits(t):
-    """32-value block types in ggml's x86 float order (eight lanes, tests/ggml_order.py), bit
-    for bit: the order llama.cpp's q4_1 / q8_0 matmuls run on this machine."""
-    k, m = 320, 75
-    raw = random_raw(t, m, k, seed=11)
-    qm = QMatrix(raw, t, k)
-    rng = np.random.default_rng(12)
-    x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
-    np.testing.assert_array_equal(_run(qm, x, ISAS[0]), lane_matmul_reference(raw, t, k, x))
 
 
 @pytest.mark.parametrize("t", SHAPE_TYPES, ids=lambda t: t.name)
