@@ -40,7 +40,7 @@ import numpy as np
 from numba import types
 from numba.extending import NativeValue, models, register_model, typeof_impl, unbox
 
-from kernels.ggml_types import GGMLType
+from kernels.ggml_types import GGMLType, type_info
 
 R = 32  # rows interleaved per group: 2 x 16 i32 lanes
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
@@ -173,9 +173,10 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
     mm = np.empty((g, n_super, R), np.uint16) if has_m else EMPTY_U16
     sc = np.empty((g, n_sub, R), np.int8) if fmt.n_sub > 1 else EMPTY_I8
     mn = np.empty((g, n_sub, R), np.int8) if fmt.kmin else EMPTY_I8
+    layout = (fmt.sub, fmt.n_sub, fmt.planes, fmt.nib, type_info(t).type_size)
     for r0 in range(0, max(m, 1), REPACK_ROWS):
         part = raw[r0:r0 + REPACK_ROWS]
-        pack_rows(_read_only(part), int(t), k, r0 // R, q, d, mm, sc, mn)
+        pack_rows(_read_only(part), int(t), layout, r0 // R, q, d, mm, sc, mn)
         if done is not None:
             done(part)
     return fmt, Packed(q.view(np.int8) if fmt.signed else q, d, mm, sc, mn)

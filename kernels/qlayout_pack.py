@@ -8,9 +8,11 @@ interleaved home (module docstring of kernels/qlayout.py), so the pass is bound 
 file and writing the result. The bytes are the numpy version's, bit for bit
 (tests/test_qlayout_pack.py compares every format against it).
 
-``pack_rows(raw, t, k, g0, q, d, mm, sc, mn)``: raw u8 [rows, row_bytes] (read-only, C order; the
-slice's first row a multiple of R) of ggml type t -> row groups g0 .. g0 + ceil(rows / R) - 1 of
-the output arrays (q as u8 bytes; mm / sc / mn empty when the format has none). Rows past the
+``pack_rows(raw, t, layout, g0, q, d, mm, sc, mn)``: raw u8 [rows, row_bytes] (read-only, C order;
+the slice's first row a multiple of R) of ggml type t -> row groups g0 .. g0 + ceil(rows / R) - 1
+of the output arrays (q as u8 bytes; mm / sc / mn empty when the format has none). ``layout`` is
+(values per sub-block, sub-blocks per block, bit planes, nibbles, block bytes), read by the caller
+from qlayout.FORMATS and ggml_types.type_info so the two tables stay the only ones. Rows past the
 slice's end are written as zeros. One specialization serves every format (t is a run-time int).
 """
 from __future__ import annotations
@@ -32,32 +34,6 @@ _IQ4_NL_BYTES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 @njit(cache=True, inline="always")
 def _u16(b, i):
     return np.uint16(b[i]) | (np.uint16(b[i + 1]) << np.uint16(8))
-
-
-@njit(cache=True)
-def layout_of(t):
-    """(S values per sub-block, sub-blocks per (super-)block, bit planes, nibbles, block bytes)."""
-    if t == _Q4_0:
-        return 32, 1, 0, True, 18
-    if t == _Q4_1:
-        return 32, 1, 0, True, 20
-    if t == _Q5_0:
-        return 32, 1, 1, True, 22
-    if t == _Q5_1:
-        return 32, 1, 1, True, 24
-    if t == _Q8_0:
-        return 32, 1, 0, False, 34
-    if t == _IQ4_NL:
-        return 32, 1, 0, False, 18
-    if t == _Q2_K:
-        return 16, 16, 0, True, 84
-    if t == _Q3_K:
-        return 16, 16, 0, True, 110
-    if t == _Q4_K:
-        return 32, 8, 0, True, 144
-    if t == _Q5_K:
-        return 32, 8, 1, True, 176
-    return 16, 16, 2, True, 210  # q6_K
 
 
 @njit(cache=True)
@@ -187,10 +163,10 @@ def _put_bytes(dst, vals, base, s_vals, r):
 
 
 @njit(cache=True, parallel=True)
-def pack_rows(raw, t, k, g0, q, d, mm, sc, mn):
+def pack_rows(raw, t, layout, g0, q, d, mm, sc, mn):
     """Module docstring. raw u8 [rows, row_bytes]; q u8 [G, n_sub, sub-block bytes]; d, mm u16
     [G, n_super, R]; sc, mn i8 [G, n_sub, R] (mm, sc, mn may be empty)."""
-    s_vals, subs, planes, nib, bsize = layout_of(t)
+    s_vals, subs, planes, nib, bsize = layout
     rows = raw.shape[0]
     n_blocks = raw.shape[1] // bsize
     half = s_vals // 2
