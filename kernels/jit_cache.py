@@ -19,8 +19,18 @@ needs, not loading: 0.23 s and 43 MiB resident measured on this machine, a sixth
 `kvchat run`'s start. A cached kernel only needs its machine code linked and the NRT's C helpers
 registered (rtsys.initialize). A cache miss still compiles as before: numba's compiler refreshes
 the target itself (CompilerBase.__init__) before typing anything.
+
+`lazy_link_modules()` (installed with it): a cached kernel is stored as its machine code plus its
+optimized LLVM IR as bitcode, kept so that a function compiled later can inline it. numba parses
+that bitcode on every load — about half of a cache load (5-15 ms per kernel here, 22 kernels
+before the first token) — only to list the symbols the object defines. Those are read from the
+object file's own ELF symbol table instead (the same set, checked for every kernel of a warm
+run), and the bitcode is parsed when something asks for it (a new compile linking the kernel in).
+A non-ELF object (macOS, Windows) loads the way numba loads it.
 """
 from __future__ import annotations
+
+import struct
 
 
 def kernels_compiled() -> bool:
@@ -56,4 +66,72 @@ def lean_cache_loads() -> bool:
     load_overload._kvchat_lean = True
     load_overload.__doc__ = cache.load_overload.__doc__
     cache.load_overload = load_overload
+    lazy_link_modules()
+    return True
+
+
+def elf_defined_symbols(obj: bytes) -> set[str] | None:
+    """Names of the functions and data objects an ELF64 little-endian object file defines (its
+    symbol table's FUNC / OBJECT entries with a section); None for any other kind of object."""
+    if len(obj) < 64 or obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
+        return None
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    if shentsize < 64 or shoff + shnum * shentsize > len(obj):
+        return None
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
+    names: set[str] = set()
+    for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
+        if sh_type != 2 or entsize < 24 or link >= shnum:  # SHT_SYMTAB
+            continue
+        strtab = sections[link][4]
+        for at in range(offset, offset + size - entsize + 1, entsize):
+            st_name, st_info, _, st_shndx = struct.unpack_from("<IBBH", obj, at)
+            if st_shndx != 0 and st_info & 0xF in (1, 2):  # defined; STT_OBJECT, STT_FUNC
+                start = strtab + st_name
+                names.add(obj[start:obj.index(b"\0", start)].decode("utf-8", "surrogateescape"))
+    return names
+
+
+def lazy_link_modules() -> bool:
+    """Cached kernels load without parsing their linking bitcode (module docstring). True when
+    installed; False (numba left as it is) when this numba's code library differs."""
+    import llvmlite.binding as ll
+    from numba.core import codegen
+
+    lib = codegen.CPUCodeLibrary
+    if getattr(lib._unserialize, "_kvchat_lazy", False):
+        return True
+    if not all(hasattr(lib, a) for a in ("_unserialize", "enable_object_caching", "_set_compiled_object",
+                                          "_finalize_final_module", "_get_module_for_linking")):
+        return False
+    numba_unserialize = lib._unserialize.__func__
+
+    def shared_module(self):
+        state = self.__dict__
+        bitcode = state.pop("_kvchat_bitcode", None)
+        if bitcode is not None:  # first use: a compile is linking this kernel into a new one
+            state["_kvchat_shared"] = ll.parse_bitcode(bitcode)
+        return state.get("_kvchat_shared", state.get("_shared_module"))
+
+    def set_shared_module(self, module):
+        self.__dict__.pop("_kvchat_bitcode", None)
+        self.__dict__["_kvchat_shared"] = module
+
+    def unserialize(cls, codegen_, state):
+        name, kind, data = state
+        symbols = elf_defined_symbols(data[0]) if kind == "object" else None
+        if symbols is None:
+            return numba_unserialize(cls, codegen_, state)
+        self = codegen_.create_library(name)
+        self.enable_object_caching()
+        self._set_compiled_object(data[0])
+        self.__dict__["_kvchat_bitcode"] = data[1]
+        self._finalize_final_module()  # links the machine code into the execution engine
+        self._codegen._engine._defined_symbols |= symbols  # what numba reads from the bitcode
+        return self
+
+    unserialize._kvchat_lazy = True
+    lib._shared_module = property(shared_module, set_shared_module)
+    lib._unserialize = classmethod(unserialize)
     return True

@@ -67,6 +67,62 @@ def test_a_cache_miss_still_compiles_with_every_registry(tmp_path):
     assert runs[0][1] == "Counter()" and runs[1][1] != "Counter()"  # compiled, then loaded
 
 
+
+def test_a_kernel_loaded_from_the_cache_links_into_a_new_compile(tmp_path):
+    """The lazy load keeps the kernel's bitcode unparsed until a new compile inlines the kernel:
+    `outer` (not cached) compiles against `inner` loaded from the cache, then both give 7.0."""
+    from tests.conftest import ROOT
+    (tmp_path / "lazy_probe.py").write_text(
+        "import kernels\nfrom numba import njit\n"
+        "@njit(cache=True)\ndef inner(x):\n    return x * 3.0\n"
+        "@njit(cache=True)\ndef outer(x):\n    return inner(x) + 1.0\n")
+    code = ("import lazy_probe as p\nr = p.inner(2.0)\n"
+            "lib = p.inner.overloads[p.inner.signatures[0]].library\n"
+            "print(r, '_kvchat_bitcode' in vars(lib), sum(p.inner.stats.cache_hits.values()), "
+            "p.outer(2.0), '_kvchat_bitcode' in vars(lib))")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", "import lazy_probe; lazy_probe.inner(2.0)"], env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["6.0", "True", "1", "7.0", "False"]  # loaded lazily, parsed to link
+
+
+ELF_SYMBOLS = """
+import llvmlite.binding as ll
+from numba.core import codegen
+from kernels.jit_cache import elf_defined_symbols
+lazy = codegen.CPUCodeLibrary._unserialize.__func__
+seen = []
+def spy(cls, cg, state):
+    obj, bitcode = state[2]
+    module = ll.parse_bitcode(bitcode)
+    numba_reads = {g.name for gs in (module.functions, module.global_variables) for g in gs
+                   if not g.is_declaration}
+    seen.append((elf_defined_symbols(obj) == numba_reads, len(numba_reads) > 0))
+    return lazy(cls, cg, state)
+codegen.CPUCodeLibrary._unserialize = classmethod(spy)
+import numpy as np
+from kernels.matmul import QMatrix
+from tests.test_matmul import random_raw
+QMatrix(random_raw(2, 32, 64), 2, 64).matmul(np.ones((1, 64), np.float32))
+print(len(seen) > 0 and all(a and b for a, b in seen))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF objects")
+def test_the_symbols_read_from_a_cached_object_are_the_ones_numba_reads_from_its_bitcode():
+    from tests.conftest import ROOT
+    QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
+    out = subprocess.run([sys.executable, "-c", ELF_SYMBOLS], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "True"
+
+
+def test_a_file_that_is_not_an_elf_object_gets_no_symbol_set():
+    from kernels.jit_cache import elf_defined_symbols
+    assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # Mach-O: numba's own load
+    assert elf_defined_symbols(b"\x7fELF") is None  # truncated
+
+
 RELEASE = """
 import numpy as np
 from kernels.matmul import QMatrix

@@ -1,0 +1,221 @@
+"""Start-up of `kvchat run`: wall time to the first answer byte, side by side, and where it goes.
+
+Side by side (each round runs every command once, in turn; medians over rounds):
+
+    python benchmarks/startup.py --tree /work/main --tree . \\
+        --llama-completion BIN -r 5 -- run -m smollm2 -p hi -n 16
+
+  Each --tree runs `python -c "from cli.app import main; main()" ARGS...` with PYTHONPATH=TREE
+  and stdout on a pipe; "first byte" is when the first answer byte arrives on the pipe, "exit"
+  when the process ends. llama-completion runs with `-m FILE -p PROMPT -n N -no-cnv -t 2` (the
+  model file and -p/-n taken from ARGS); it echoes the prompt before decoding it, so its "first
+  byte" is the first byte after that echo — its first generated token. .pyc files are written
+  (PYTHONDONTWRITEBYTECODE is removed from the children's environment, as on a user's machine).
+
+Phases (`--phases`): the same command run in-process by a child, with perf_counter marks around
+the calls a warm start makes (imports, GGUF parse, vocabulary, weights, context, warm-up, the
+prompt up to the first answer byte), medians over rounds. Times are measured from the child's
+spawn (the parent passes its wall clock), so the interpreter's own start is the first row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (module, attribute) wrapped in --phases mode; classes as "Class.method". Rows print in this order.
+PHASES = [
+    ("cli.models", "resolve_model", "resolve -m", None),
+    ("kernels.jit_cache", "kernels_compiled", "numba cache probe", None),
+    ("runtime.gguf_split", "open_gguf", "GGUF parse (open_gguf)", "runtime.model"),
+    ("runtime.text.vocab", "Vocab.from_gguf", "vocabulary (Vocab.from_gguf)", None),
+    ("runtime.model", "load_weights", "weights (load_weights)", None),
+    ("runtime.os_memory", "release_library_pages", "release_library_pages", "runtime.model"),
+    ("runtime.context", "Context.__init__", "Context()", None),
+    ("runtime.generate", "warm_up", "warm-up", None),
+    ("runtime.text.chat_template", "ChatTemplate.from_gguf", "chat template", None),
+    ("cli.session", "model_identity", "model identity", None),
+    ("cli.run_prompt_cache", "warm", "prompt cache", None),
+    ("runtime.conversation", "Conversation.render", "render the prompt", None),
+    ("runtime.conversation", "Conversation.prefill", "prompt decode (prefill)", None),
+]
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _clean_env(tree: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if tree is not None:
+        env["PYTHONPATH"] = os.path.abspath(tree)
+    return env
+
+
+def time_first_byte(cmd: list[str], env: dict, skip: bytes = b"") -> tuple[float, float, int]:
+    """(seconds to the first stdout byte past the echoed `skip`, seconds to exit, return code)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    got = b""
+    first = None
+    while True:
+        chunk = os.read(p.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        got += chunk
+        if first is None and len(got) > (len(skip) if got.startswith(skip) else 0):
+            first = time.perf_counter() - t0
+    rc = p.wait()
+    return (first if first is not None else float("nan")), time.perf_counter() - t0, rc
+
+
+def _arg(args: list[str], *names: str, default=None):
+    for i, a in enumerate(args[:-1]):
+        if a in names:
+            return args[i + 1]
+    return default
+
+
+def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
+    sys.path.insert(0, os.path.dirname(HERE))
+    from cli.models import resolve_model
+    from rich.console import Console
+    path = resolve_model(_arg(args, "-m", "--model", default="smollm2"), Console(stderr=True))
+    prompt = _arg(args, "-p", "--prompt", default="hi")
+    n = _arg(args, "-n", "--n-predict", default="16")
+    return [binary, "-m", str(path), "-p", prompt, "-n", n, "-no-cnv", "-t", "2"], prompt.encode()
+
+
+def side_by_side(opts, args: list[str]) -> None:
+    runs = []  # (label, cmd, env, skip)
+    for tree in opts.tree:
+        runs.append((f"kvchat {tree}", [sys.executable, "-c", "from cli.app import main; main()", *args],
+                     _clean_env(tree), b""))
+    if opts.llama_completion:
+        cmd, echo = llama_cmd(opts.llama_completion, args)
+        runs.append(("llama-completion", cmd, _clean_env(None), echo))
+    res = {label: ([], []) for label, *_ in runs}
+    for r in range(opts.rounds):
+        for label, cmd, env, skip in runs:
+            first, total, rc = time_first_byte(cmd, env, skip)
+            if rc != 0:
+                sys.exit(f"{label}: exit code {rc}")
+            res[label][0].append(first)
+            res[label][1].append(total)
+            print(f"round {r + 1}: {label}: first byte {first:.3f} s, exit {total:.3f} s", file=sys.stderr)
+    print(f"{'':44s} {'first byte':>11s} {'exit':>8s}   (medians of {opts.rounds}, s)")
+    for label, (firsts, totals) in res.items():
+        print(f"{label:44s} {_median(firsts):11.3f} {_median(totals):8.3f}   "
+              f"first bytes {' '.join(f'{x:.2f}' for x in firsts)}")
+
+
+# ---- --phases ---------------------------------------------------------------------------------
+
+def _wrap(marks: dict, module: str, attr: str, label: str, also) -> None:
+    import importlib
+    mod = importlib.import_module(module)
+    owner, name = (mod, attr) if "." not in attr else (getattr(mod, attr.split(".")[0]), attr.split(".")[1])
+    raw = owner.__dict__[name]
+    is_cm = isinstance(raw, classmethod)
+    fn = raw.__func__ if is_cm else raw
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            marks[label] = marks.get(label, 0.0) + time.perf_counter() - t
+
+    wrapped = classmethod(timed) if is_cm else timed
+    setattr(owner, name, wrapped)
+    if also:
+        setattr(importlib.import_module(also), name, wrapped)
+
+
+def child_phases(args: list[str]) -> None:
+    """Run the CLI in-process with marks; write {label: seconds} as JSON to $STARTUP_OUT."""
+    spawn = float(os.environ["STARTUP_SPAWN"])
+    t_start = time.time() - spawn  # the interpreter's start, up to this line
+    t0 = time.perf_counter()
+    marks: dict = {}
+    import cli.app  # noqa: F401
+    marks["import cli.app"] = time.perf_counter() - t0
+    from cli.render import Renderer
+    first = {}
+    piece = Renderer.piece
+
+    def timed_piece(self, text):
+        if text and "first" not in first:
+            first["first"] = time.perf_counter()
+        return piece(self, text)
+
+    Renderer.piece = timed_piece
+    for module, attr, label, also in PHASES:
+        _wrap(marks, module, attr, label, also)
+    try:
+        cli.app.main(args)
+    except SystemExit as e:
+        if e.code:
+            raise
+    end = time.perf_counter()
+    out = {"interpreter start": t_start, **marks,
+           "first answer byte": t_start + first.get("first", float("nan")) - t0,
+           "exit": t_start + end - t0}
+    with open(os.environ["STARTUP_OUT"], "w") as f:
+        json.dump(out, f)
+
+
+def phases(opts, args: list[str]) -> None:
+    rows: dict = {}
+    for r in range(opts.rounds):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        env = _clean_env(opts.tree[0] if opts.tree else os.path.dirname(HERE))
+        env.update(STARTUP_OUT=out, STARTUP_SPAWN=repr(time.time()))
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--child-phases", "--", *args],
+                       env=env, stdout=subprocess.DEVNULL, check=True)
+        with open(out) as f:
+            for k, v in json.load(f).items():
+                rows.setdefault(k, []).append(v)
+        os.unlink(out)
+    named = [k for k in rows if k not in ("first answer byte", "exit", "interpreter start")]
+    accounted = [sum(rows[k][i] for k in named + ["interpreter start"]) for i in range(opts.rounds)]
+    other = [rows["first answer byte"][i] - accounted[i] for i in range(opts.rounds)]
+    print(f"{'phase':44s} {'median s':>9s}   (of {opts.rounds} rounds)")
+    for k in ["interpreter start", *named]:
+        print(f"{k:44s} {_median(rows[k]):9.3f}")
+    print(f"{'other (resolve, prompt, up to the first byte)':44s} {_median(other):9.3f}")
+    print(f"{'= first answer byte':44s} {_median(rows['first answer byte']):9.3f}")
+    print(f"{'exit':44s} {_median(rows['exit']):9.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", action="append", default=[], help="a kvchat source tree (repeat to compare)")
+    ap.add_argument("--llama-completion", help="llama-completion binary to run side by side")
+    ap.add_argument("-r", "--rounds", type=int, default=5)
+    ap.add_argument("--phases", action="store_true", help="phase table of one tree (the first --tree or this one)")
+    ap.add_argument("--child-phases", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("args", nargs="*", help="kvchat arguments, after --")
+    opts = ap.parse_args()
+    args = opts.args or ["run", "-m", "smollm2", "-p", "hi", "-n", "16"]
+    if opts.child_phases:
+        child_phases(args)
+    elif opts.phases:
+        phases(opts, args)
+    else:
+        if not opts.tree:
+            opts.tree = [os.path.dirname(HERE)]
+        side_by_side(opts, args)
+
+
+if __name__ == "__main__":
+    main()
