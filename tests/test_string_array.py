@@ -1,6 +1,7 @@
 """StringArray / StringIndex (runtime/string_array.py) behave as the list and dict they replace."""
 import random
 
+import numpy as np
 import pytest
 
 from runtime.string_array import StringArray, StringIndex
@@ -23,6 +24,23 @@ def test_string_array_items_equal_the_strings_it_was_built_from_including_surrog
     assert arr.has_empty() == ("" in words)
 
 
+
+@pytest.mark.parametrize("nul_inside", [False, True])
+def test_iterating_decodes_every_text_as_indexing_it_does_including_invalid_utf8(nul_inside):
+    """Iteration decodes runs of NUL-separated texts at once; byte strings that are not UTF-8
+    (cut sequences, lone continuation bytes, surrogates) come out as the per-text decode."""
+    rng = random.Random(7)
+    pieces = [bytes(rng.choice(b"ab\x80\xbf\xc3\xa9\xe2\x82\xac\xed\xa0\xf0\x9f\xff ")
+                    for _ in range(rng.randint(0, 6))) for _ in range(40000)]
+    if nul_inside:
+        pieces[20001] = b"a\0b"
+    blob = b"\0".join(pieces)
+    ends = np.cumsum([len(p) + 1 for p in pieces]) - 1
+    arr = StringArray(blob, ends - [len(p) for p in pieces], ends)
+    want = [p.decode("utf-8", "surrogateescape") for p in pieces]
+    assert list(arr) == want and [arr[i] for i in range(len(arr))] == want
+    assert list(StringArray.from_strings(want)) == want
+
 def test_string_index_gives_the_last_position_of_each_text_as_a_dict_built_from_the_list_does():
     words = _words(2, 3000)  # many repeats
     want = dict(zip(words, range(len(words))))
@@ -35,6 +53,16 @@ def test_string_index_gives_the_last_position_of_each_text_as_a_dict_built_from_
     with pytest.raises(KeyError):
         idx["never a token \u2603"]
 
+
+
+def test_the_index_hashes_are_zlibs_crc32_of_each_texts_bytes():
+    """get() hashes its key with zlib.crc32; the compiled build must give the same numbers."""
+    import zlib
+    words = _words(6, 500) + ["", "\u4e2d\u6587", "a" * 300]
+    idx = StringIndex(StringArray.from_strings(words))
+    want = [zlib.crc32(w.encode("utf-8", "surrogateescape")) for w in words]
+    assert list(idx._hash) == want
+    assert idx.get("\ud800") is None and idx.get(3) is None  # no text holds a lone high surrogate
 
 def _old_ranks(merges):
     ranks = {}

@@ -199,9 +199,10 @@ class Vocab:
 
         special = np.nonzero(self.attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN))[0].tolist()
         # longest text first (llama.cpp compares byte lengths), so "<|im_end|>" beats "<|im"
-        special.sort(key=lambda t: -len(self.tokens[t].encode("utf-8")))
+        byte_len = self.tokens.byte_len  # the UTF-8 length (surrogate escapes are one byte each)
+        special.sort(key=lambda t: -byte_len(t))
         self._special_all = [(self.tokens[t], t) for t in special]
-        self._special_user = [(self.tokens[t], t) for t in special
+        self._special_user = [(text, t) for text, t in self._special_all
                               if not self.attrs[t] & (ATTR_CONTROL | ATTR_UNKNOWN)]
 
     # ---------------------------------------------------------------- queries
