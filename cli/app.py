@@ -3,6 +3,7 @@
 Each `cli/cmd_*.py` exposes `register(app)`; this file only wires them together and turns
 user-facing errors (runtime.errors.KvchatError) into one line on stderr and exit code 1.
 """
+import importlib
 import logging
 import os
 import sys
@@ -11,21 +12,41 @@ import typer
 
 from runtime.errors import KvchatError
 
-app = typer.Typer(
-    name="kvchat",
-    help="Chat with local GGUF models in the terminal (a llama.cpp-style engine on numba).",
-    no_args_is_help=False,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+# command name -> the module whose register(app) adds it, in `kvchat --help` order
+COMMANDS = {
+    "chat": "cli.cmd_chat", "run": "cli.cmd_run", "pull": "cli.cmd_pull", "list": "cli.cmd_list",
+    "rm": "cli.cmd_rm", "info": "cli.cmd_info", "tokenize": "cli.cmd_tokenize",
+    "perplexity": "cli.cmd_perplexity", "bench": "cli.cmd_bench", "bench-batched": "cli.cmd_bench_batched",
+    "session": "cli.cmd_session", "kv-sweep": "cli.cmd_kv_sweep", "logprobs": "cli.cmd_logprobs",
+}
 
-from cli import cmd_pull, cmd_info, cmd_tokenize, cmd_chat, cmd_run, cmd_perplexity, cmd_bench  # noqa: E402
-from cli import cmd_bench_batched, cmd_session, cmd_kv_sweep, cmd_logprobs, cmd_list, cmd_rm  # noqa: E402
 
-for _module in (cmd_chat, cmd_run, cmd_pull, cmd_list, cmd_rm, cmd_info, cmd_tokenize, cmd_perplexity, cmd_bench,
-                cmd_bench_batched, cmd_session, cmd_kv_sweep, cmd_logprobs):
-    _module.register(app)
+def make_app(only: str | None = None) -> typer.Typer:
+    """The typer app with every command, or with command `only` alone: `kvchat run ...` then
+    imports run's module and what it needs, not every other command's (the inference engine,
+    the hub client, ...). A callback keeps a one-command app a group, so `run` stays its name."""
+    application = typer.Typer(
+        name="kvchat",
+        help="Chat with local GGUF models in the terminal (a llama.cpp-style engine on numba).",
+        no_args_is_help=False,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    if only is not None:
+        application.callback()(lambda: None)
+    for name, module in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module).register(application)
+    return application
+
+
+def __getattr__(name: str):
+    """`cli.app.app`: the app with every command (built on first use; tests drive it)."""
+    if name == "app":
+        globals()["app"] = application = make_app()
+        return application
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 try:  # typer >= 0.22 vendors click as typer._click; older releases depend on click itself
@@ -57,8 +78,9 @@ def main(argv=None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]
+    application = make_app(args[0]) if args[0] in COMMANDS else globals().get("app") or __getattr__("app")
     try:
-        rc = app(args=args, prog_name="kvchat", standalone_mode=False)
+        rc = application(args=args, prog_name="kvchat", standalone_mode=False)
     except KvchatError as e:
         from cli.wording import error_text
         print(f"error: {error_text(e)}", file=sys.stderr)
