@@ -3,15 +3,26 @@
 Set before numba is first imported (a user's environment wins):
 - the threading layer is pinned to OpenMP: a parallel launch costs ~3 µs with omp against
   ~80 µs with the workqueue layer on this machine, and a token needs ~100 launches;
-- OMP_WAIT_POLICY=passive: idle OpenMP workers sleep instead of spinning. When anything else
-  runs on the machine, spinning workers make every launch wait for a descheduled spinner
-  (290–730 µs per launch measured under load, 16 µs passive; tg 4–5 against 21–35 t/s at load
-  average 6–8 in session 3), while a passive launch costs 11–43 µs — so small kernels run
-  serial twins below the thresholds of kernels/parallel.py. docs/performance.md has the runs.
+- GOMP_SPINCOUNT (only when the user set neither it nor OMP_WAIT_POLICY): an idle OpenMP worker
+  spins that many pause-loop iterations before it sleeps. libgomp's unit is one `pause` plus a
+  load (~31 ns on this Xeon, so SPIN_COUNT is ~0.3 ms): long enough to bridge the gaps between a
+  generated token's launches when its layer matmuls run parallel, short enough that a worker is
+  asleep between tokens of a loaded machine and while chat waits for input;
+- OMP_WAIT_POLICY=passive: with libgomp this makes the spin 0 when the user gives no
+  GOMP_SPINCOUNT, and the count used when there are more OpenMP threads than CPUs 0 as well
+  (libgomp's env.c: throttled = min(100 or 1000 for unset / active policy, GOMP_SPINCOUNT)), so an
+  oversubscribed process never spins. Unbounded spinning (OMP_WAIT_POLICY=active) made every
+  launch wait for a descheduled spinner when anything else ran (tg 4–5 against 21–35 t/s at load
+  6–8 in session 3); whether a one-token step's matmuls go parallel at all is decided from
+  measured step times by kernels/launch_tuner.py. docs/performance.md has the runs.
 """
 import os
 
+SPIN_COUNT = 10_000  # pause-loop iterations an idle worker spins before it sleeps (see above)
+
 os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from kernels.jit_cache import lean_cache_loads  # noqa: E402 (numba's threading env is set above)

@@ -6,6 +6,7 @@ decode(batch) either fully succeeds or leaves memory as it was:
   3. memory.init_batch splits it and finds slots in a dry run; on FAILED_PREPARE one retry
      after pending updates                                            (no room -> 1, untouched)
   4. per ubatch: mctx.apply() (the only mutation), abort check, model.forward(ubatch, mctx)
+     (a one-token ubatch's matmul threshold chosen by kernels/launch_tuner.py)
      -> logits rows of the ubatch's outputs, mctx.next()
   5. any failure after an apply() rolls back everything this call placed   (2 / -2 / -3)
 The model is anything with `.hparams` and `.forward(ubatch, mctx) -> f32 [n_outputs, n_vocab]`.
@@ -16,6 +17,7 @@ import logging
 
 import numpy as np
 
+from kernels.launch_tuner import LaunchTuner
 from runtime.batch import Batch, BatchAllocator
 from runtime.cparams import ContextParams, resolve_cparams
 from runtime.arch import create_memory
@@ -47,6 +49,7 @@ class Context:
         self._n_outputs = 0
         self._out_row = np.zeros(0, dtype=np.int64)  # batch index -> output row (-1: none)
         self.n_threads = self.cparams.n_threads
+        self.launch = LaunchTuner()  # one-token steps: layer matmuls on one core or all (measured)
         if self.n_threads is not None:
             self.set_n_threads(self.n_threads)
 
@@ -140,7 +143,7 @@ class Context:
                 mctx.apply()
                 if self.abort_callback is not None and self.abort_callback():
                     raise DecodeAborted()
-                logits = self.model.forward(ub, mctx)
+                logits = self.launch.forward(self.model, ub, mctx)
                 if ub.n_outputs:
                     rows = out_row[ub.batch_idx[ub.output]]
                     self._logits[rows] = logits[:ub.n_outputs]

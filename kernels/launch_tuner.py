@@ -1,0 +1,121 @@
+"""Per generated token: the layer matmuls on one core or on all, chosen from measured step times.
+
+Why: a one-token decode step makes ~100 matmul launches of 0.1-1 M multiply-adds each. On an
+idle machine, with the OpenMP workers spinning briefly between launches (GOMP_SPINCOUNT,
+kernels/__init__.py), splitting those matmuls over the cores makes the faster step. When another
+process holds a core, every parallel launch waits for a descheduled worker and the same step is
+about three times slower than on one core. Which arm wins depends on the machine's load at that
+moment, which neither a start-up setting nor a fixed threshold knows and which changes while a
+chat runs. So the tuner measures: it runs both arms for a few steps, keeps the faster one, watches
+its step time, and probes again when that time moves by more than `drift` or after `period` steps
+(the period doubles while the choice holds, up to `max_period`, and resets when it flips).
+
+The arms differ only in `kernels.parallel.MATMUL_PAR_MIN_MACS` during the step (SERIAL: the
+configured threshold; PARALLEL: `PARALLEL_ARM_MACS`). Serial and parallel matmul kernels give
+bit-identical rows (tests/test_launch_tuner.py), so the choice changes speed, never tokens.
+Only one-token ubatches are tuned (generation); prompt ubatches keep the configured threshold.
+A user's KVCHAT_MATMUL_PAR_MIN_MACS turns the tuner off: their threshold holds for every step.
+The first step on each arm is not counted (it may load or compile a kernel).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from kernels import parallel
+
+SERIAL, PARALLEL = 0, 1
+ARM_NAMES = ("serial", "parallel")
+PARALLEL_ARM_MACS = 0  # threshold during a PARALLEL step: every layer matmul splits over the cores
+
+
+class LaunchTuner:
+    """Chooses SERIAL or PARALLEL for each one-token step (see the module docstring)."""
+
+    def __init__(self, clock=time.perf_counter, *, enabled: bool | None = None, n_probe: int = 3,
+                 n_reprobe: int = 2, period: int = 32, max_period: int = 128, drift: float = 1.3,
+                 margin: float = 0.97):
+        if enabled is None:
+            enabled = "KVCHAT_MATMUL_PAR_MIN_MACS" not in os.environ
+        self.enabled = enabled
+        self.clock = clock
+        self.n_probe, self.n_reprobe = n_probe, n_reprobe
+        self.base_period, self.max_period = period, max_period
+        self.drift, self.margin = drift, margin
+        self.arm = SERIAL  # the arm exploited between probes
+        self.period = period
+        self.warm = [False, False]  # has each arm run once (its first step is not counted)?
+        self.probing = False
+        self.plan: list[int] = []  # arms of the probe in progress, next first
+        self.probe_times: tuple[list, list] = ([], [])  # seconds per step of this probe, per arm
+        self.window: list[float] = []  # the last 3 exploited step times
+        self.ref = 0.0  # the exploited arm's median step time when it was chosen
+        self.since = 0  # exploited steps since the last probe
+        self.history: list[tuple[int, float]] = []  # (arm, seconds) of every counted step, for tests/benchmarks
+        self._start_probe(self.n_probe)
+
+    # ---- the hook: Context.decode calls this for every ubatch -----------------------------
+
+    def forward(self, model, ub, mctx):
+        """model.forward(ub, mctx), with the matmul threshold of the chosen arm for a one-token
+        ubatch; the configured threshold is back in place afterwards, whatever happens."""
+        if not self.enabled or ub.n_tokens != 1:
+            return model.forward(ub, mctx)
+        arm = self.next_arm()
+        saved = parallel.MATMUL_PAR_MIN_MACS
+        parallel.MATMUL_PAR_MIN_MACS = saved if arm == SERIAL else min(saved, PARALLEL_ARM_MACS)
+        t0 = self.clock()
+        try:
+            out = model.forward(ub, mctx)
+        finally:
+            parallel.MATMUL_PAR_MIN_MACS = saved
+        self.record(arm, self.clock() - t0)
+        return out
+
+    # ---- decisions --------------------------------------------------------------------------
+
+    def next_arm(self) -> int:
+        """The arm the next one-token step runs on."""
+        return self.plan[0] if self.plan else self.arm
+
+    def record(self, arm: int, seconds: float) -> None:
+        """Account one step of `arm` that took `seconds`, and decide what comes next."""
+        if self.plan and self.plan[0] == arm:
+            self.plan.pop(0)
+        if not self.warm[arm]:
+            self.warm[arm] = True
+            if self.probing:
+                self.plan.append(arm)  # this step loaded its kernels: count one more instead
+            return
+        self.history.append((arm, seconds))
+        if self.probing:
+            self.probe_times[arm].append(seconds)
+            if not self.plan:
+                self._decide()
+            return
+        self.since += 1
+        self.window = (self.window + [seconds])[-3:]
+        moved = len(self.window) == 3 and not (
+            self.ref / self.drift <= statistics.median(self.window) <= self.ref * self.drift)
+        if moved:
+            self.period = self.base_period  # the load changed: keep looking often until it settles
+        if moved or self.since >= self.period:
+            self._start_probe(self.n_reprobe)
+
+    def _start_probe(self, n: int) -> None:
+        """Interleave n counted steps of each arm, the one not exploited first."""
+        other = 1 - self.arm
+        self.plan = [other, self.arm] * n
+        self.probe_times = ([], [])
+        self.probing = True
+
+    def _decide(self) -> None:
+        ser = statistics.median(self.probe_times[SERIAL])
+        par = statistics.median(self.probe_times[PARALLEL])
+        best = PARALLEL if par < ser * self.margin else SERIAL
+        self.period = min(self.period * 2, self.max_period) if best == self.arm else self.base_period
+        self.arm = best
+        self.ref = par if best == PARALLEL else ser
+        self.window, self.since = [], 0
+        self.probing = False

@@ -1,0 +1,176 @@
+"""kernels/launch_tuner.py: which arm each one-token step runs on (fake clock), and that the arm
+never changes a token or a logit (tiny quantized models, both arms' kernels really run)."""
+import numpy as np
+import pytest
+
+import kernels.matmul as km
+from kernels import parallel
+from kernels.ggml_types import GGMLType
+from kernels.launch_tuner import PARALLEL, SERIAL, LaunchTuner
+from runtime.context import Context
+from runtime.cparams import ContextParams
+from runtime.generate import decode_tokens, generate
+from runtime.model import Model
+
+S, P = SERIAL, PARALLEL
+
+
+class FakeStep:
+    """A model whose forward takes `cost[arm]` seconds on a fake clock; the arm is read from the
+    matmul threshold the tuner put in place, as the real matmul wrapper reads it."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.cost = {S: 0.013, P: 0.010}  # quiet machine: parallel faster
+        self.arms = []
+
+    def clock(self):
+        return self.now
+
+    def forward(self, ub, mctx):
+        arm = P if parallel.MATMUL_PAR_MIN_MACS == 0 else S
+        if ub.n_tokens == 1:
+            self.arms.append(arm)
+        self.now += self.cost[arm]
+        return "logits"
+
+
+class UB:
+    def __init__(self, n):
+        self.n_tokens = n
+
+
+def run(tuner, fake, n):
+    for _ in range(n):
+        assert tuner.forward(fake, UB(1), None) == "logits"
+    out, fake.arms = fake.arms, []
+    return out
+
+
+def test_the_first_probe_runs_each_arm_once_uncounted_then_three_times_and_keeps_the_faster():
+    fake = FakeStep()
+    tuner = LaunchTuner(fake.clock, enabled=True)
+    assert run(tuner, fake, 8) == [P, S, P, S, P, S, P, S]
+    assert tuner.arm == P and not tuner.probing
+    assert [a for a, _ in tuner.history] == [P, S, P, S, P, S]  # the two warm-up steps not counted
+    assert run(tuner, fake, 20) == [P] * 20
+
+
+def test_serial_is_kept_when_parallel_is_not_faster_by_the_margin():
+    fake = FakeStep()
+    fake.cost = {S: 0.010, P: 0.0099}  # 1 % faster: inside the 3 % margin
+    tuner = LaunchTuner(fake.clock, enabled=True)
+    run(tuner, fake, 8)
+    assert tuner.arm == S
+    assert run(tuner, fake, 10) == [S] * 10
+
+
+def test_load_appearing_moves_generation_to_one_core_within_a_few_steps():
+    fake = FakeStep()
+    tuner = LaunchTuner(fake.clock, enabled=True)
+    run(tuner, fake, 8 + 5)
+    fake.cost = {S: 0.013, P: 0.037}  # a busy loop took a core: parallel launches wait
+    arms = run(tuner, fake, 8)
+    # two slow steps make the median of three move past the drift bound, then a short probe
+    assert arms == [P, P, S, P, S, P, S, S]
+    assert tuner.arm == S and tuner.period == tuner.base_period
+
+
+def test_load_going_away_is_found_by_the_periodic_probe():
+    fake = FakeStep()
+    fake.cost = {S: 0.013, P: 0.037}
+    tuner = LaunchTuner(fake.clock, enabled=True, period=8, max_period=16)
+    run(tuner, fake, 8)
+    assert tuner.arm == S and tuner.period == 16  # the choice held: the period doubled
+    fake.cost = {S: 0.012, P: 0.010}  # the load is gone; serial barely changes (no drift)
+    arms = run(tuner, fake, 16 + 4 + 3)
+    assert arms[:16] == [S] * 16 and arms[16:20] == [P, S, P, S] and arms[20:] == [P] * 3
+    assert tuner.arm == P and tuner.period == 8  # the choice flipped: back to the base period
+
+
+def test_a_stable_choice_is_reprobed_ever_less_often_up_to_max_period():
+    fake = FakeStep()
+    tuner = LaunchTuner(fake.clock, enabled=True, period=4, max_period=16)
+    arms = run(tuner, fake, 8 + 4 + 4 + 8 + 4 + 16 + 4 + 16)
+    probe = [S, P, S, P]  # the arm not exploited first
+    assert arms[8:12] == [P] * 4 and arms[12:16] == probe  # first choice flipped S -> P: base period
+    assert arms[16:24] == [P] * 8 and arms[24:28] == probe
+    assert arms[28:44] == [P] * 16 and arms[44:48] == probe and arms[48:] == [P] * 16
+    assert tuner.period == 16
+
+
+def test_prompt_ubatches_keep_the_configured_threshold_and_are_not_timed():
+    fake = FakeStep()
+    tuner = LaunchTuner(fake.clock, enabled=True)
+    seen = []
+    fake.forward = lambda ub, mctx: seen.append(parallel.MATMUL_PAR_MIN_MACS)
+    before = parallel.MATMUL_PAR_MIN_MACS
+    tuner.forward(fake, UB(7), None)
+    assert seen == [before] and tuner.history == [] and tuner.next_arm() == P
+
+
+def test_the_threshold_is_restored_after_a_step_that_raises():
+    fake = FakeStep()
+    tuner = LaunchTuner(fake.clock, enabled=True)
+    before = parallel.MATMUL_PAR_MIN_MACS
+
+    def boom(ub, mctx):
+        assert parallel.MATMUL_PAR_MIN_MACS == 0
+        raise RuntimeError("x")
+    fake.forward = boom
+    with pytest.raises(RuntimeError):
+        tuner.forward(fake, UB(1), None)
+    assert parallel.MATMUL_PAR_MIN_MACS == before and tuner.history == [] and tuner.next_arm() == P
+
+
+def test_a_user_threshold_in_the_environment_turns_the_tuner_off(monkeypatch):
+    monkeypatch.setenv("KVCHAT_MATMUL_PAR_MIN_MACS", "300000")
+    fake = FakeStep()
+    tuner = LaunchTuner(fake.clock)
+    assert not tuner.enabled
+    assert run(tuner, fake, 10) == [S] * 10 and tuner.history == []
+    monkeypatch.delenv("KVCHAT_MATMUL_PAR_MIN_MACS")
+    assert LaunchTuner(fake.clock).enabled
+
+
+class Pinned(LaunchTuner):
+    """A tuner that always runs one arm (what a machine's load could make the real one do)."""
+
+    def __init__(self, arm):
+        super().__init__(enabled=True)
+        self.pinned = arm
+
+    def next_arm(self):
+        return self.pinned
+
+
+@pytest.mark.parametrize("arch, wtype", [("llama", GGMLType.Q8_0), ("gemma3", GGMLType.Q4_0),
+                                         ("qwen2", GGMLType.Q4_1)])
+def test_generation_is_bit_identical_whichever_arm_each_step_runs(tiny_model, monkeypatch, arch, wtype):
+    model = Model.load(tiny_model(arch, n_embd=128, n_ff=256, weight_type=wtype))
+    kernels = []
+    real_call = km.QMatrix._call
+    monkeypatch.setattr(km.QMatrix, "_call",
+                        lambda self, kernel, args: (kernels.append(kernel), real_call(self, kernel, args))[1])
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 250, 9)]
+
+    def gen(tuner):
+        ctx = Context(model, ContextParams(n_ctx=128, n_batch=64, n_ubatch=64, type_k="f16", type_v="f16"))
+        ctx.launch = tuner
+        logits = []
+
+        def sample(row):
+            logits.append(row.copy())
+            return int(np.argmax(row))
+        first = decode_tokens(ctx, prompt, 0)
+        kernels.clear()  # the prompt's matmuls (9 tokens: serial twins) are not the tuner's
+        toks = [s.token for s in generate(ctx, sample, logits=first, pos0=len(prompt), max_tokens=24)]
+        return toks, np.stack(logits), set(kernels)
+
+    ser_toks, ser_logits, ser_kernels = gen(Pinned(S))
+    par_toks, par_logits, par_kernels = gen(Pinned(P))
+    mix_toks, mix_logits, _ = gen(LaunchTuner(enabled=True))  # probes: both arms, interleaved
+    assert km.matmul_q in par_kernels and km.matmul_q_serial in ser_kernels
+    assert km.matmul_q_serial not in par_kernels  # every one-token layer matmul went parallel
+    assert ser_toks == par_toks == mix_toks and len(ser_toks) == 24
+    assert np.array_equal(ser_logits, par_logits) and np.array_equal(ser_logits, mix_logits)
