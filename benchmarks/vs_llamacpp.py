@@ -2,11 +2,18 @@
 
     python benchmarks/vs_llamacpp.py --llama-bench PATH/llama-bench [-m smollm2 -m gemma3 | -m FILE.gguf]
         [--rounds 3] [--reps 2] [--threads 2] [--tests pp512,tg128,tg128@d4096] [--caches f16,q8_0]
+        [--variant NAME=VAR=VALUE,VAR=VALUE ...] [--busy N]
 
 For every model, test and cache type, each round runs ``kvchat bench`` and then ``llama-bench``
 with the same settings (one process each, alternating, so that both see the same machine load)
 and the table reports the median t/s of the rounds and the ratio of the medians. The machine is
 shared: only the ratio of runs made side by side means anything; absolute t/s do not.
+
+``--variant`` runs kvchat once per variant in every round, with those environment variables
+(e.g. ``--variant before=OMP_WAIT_POLICY=passive,KVCHAT_MATMUL_PAR_MIN_MACS=4000000 --variant
+after=``: an empty list is the defaults), each against the same round's llama-bench. ``--busy N``
+keeps N busy-loop processes running for the whole run (a competing load: one core taken), and
+stops them at the end.
 
 Tests: ``ppN`` (a prompt of N tokens), ``tgN`` (N generated tokens), ``tgN@dD`` (N generated
 tokens after D tokens in the cache). Flash attention is on for both (the q8_0 V cache needs it).
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -47,12 +55,33 @@ def _json_tail(text: str):
     return json.loads(text[i:])
 
 
-def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int) -> float:
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"before=A=1,B=2" -> ("before", {"A": "1", "B": "2"}); "after=" -> ("after", {})."""
+    name, _, rest = text.partition("=")
+    env = {}
+    for item in filter(None, rest.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not var:
+            raise SystemExit(f"vs_llamacpp: variant '{text}': '{item}' is not VAR=VALUE")
+        env[var] = value
+    if not name:
+        raise SystemExit(f"vs_llamacpp: variant '{text}' has no name (NAME=VAR=VALUE,...)")
+    return name, env
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """n processes that each keep one core busy until stopped."""
+    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+
+
+def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int,
+               env: dict | None = None) -> float:
     p, n, d = test
     cmd = [sys.executable, "-c", "from cli.app import main; main()", "bench", "-m", str(model), "-p", str(p),
            "-n", str(n), "-d", str(d), "-r", str(reps), "-t", str(threads), "-ctk", cache, "-ctv", cache,
            "-fa", "on", "--json"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
     rows = _json_tail(out.stdout)
     return float(rows[-1]["avg_ts"])
 
@@ -77,31 +106,48 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tests", default="pp512,tg128,tg128@d4096")
     ap.add_argument("--caches", default="f16,q8_0")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=VAR=VALUE,... : a kvchat run with these environment variables (repeatable)")
+    ap.add_argument("--busy", type=int, default=0, help="busy-loop processes running meanwhile")
     a = ap.parse_args()
     if not a.llama_bench.is_file():
         raise SystemExit(f"vs_llamacpp: no llama-bench at {a.llama_bench} (docs/performance.md says how to build one)")
     models = [MODELS.get(m, Path(m)) for m in (a.model or ["smollm2", "gemma3"])]
     tests = [t.strip() for t in a.tests.split(",") if t.strip()]
     caches = [c.strip() for c in a.caches.split(",") if c.strip()]
+    variants = [parse_variant(v) for v in a.variant] or [("kvchat", {})]
+    busy = start_busy(a.busy)
     rows = []
-    for model in models:
-        for test in tests:
-            # depth tests run with every cache type; plain pp / tg with the first (f16) only
-            for cache in (caches if "@d" in test else caches[:1]):
-                ours, theirs = [], []
-                for r in range(a.rounds):
-                    ours.append(run_kvchat(model, parse_test(test), cache, a.reps, a.threads))
-                    theirs.append(run_llama(a.llama_bench, model, parse_test(test), cache, a.reps, a.threads))
-                    print(f"  {model.name} {test} {cache} round {r + 1}: kvchat {ours[-1]:.1f}  llama.cpp {theirs[-1]:.1f}",
-                          file=sys.stderr, flush=True)
-                mo, mt = statistics.median(ours), statistics.median(theirs)
-                rows.append((model.name, test, cache, mo, mt, mo / mt, ours, theirs))
-    print(f"| model | test | cache | kvchat t/s | llama.cpp t/s | ratio | rounds (kvchat / llama.cpp) |")
-    print("|---|---|---|---:|---:|---:|---|")
-    for name, test, cache, mo, mt, ratio, ours, theirs in rows:
-        per = ", ".join(f"{o:.0f}/{t:.0f}" for o, t in zip(ours, theirs))
-        print(f"| {name} | {test} | {cache} | {mo:.1f} | {mt:.1f} | **{ratio:.2f}×** | {per} |")
-
+    try:
+        for model in models:
+            for test in tests:
+                # depth tests run with every cache type; plain pp / tg with the first (f16) only
+                for cache in (caches if "@d" in test else caches[:1]):
+                    ours = {name: [] for name, _ in variants}
+                    theirs = []
+                    for r in range(a.rounds):
+                        for name, env in variants:
+                            ours[name].append(run_kvchat(model, parse_test(test), cache, a.reps, a.threads, env))
+                        theirs.append(run_llama(a.llama_bench, model, parse_test(test), cache, a.reps, a.threads))
+                        got = "  ".join(f"{name} {ours[name][-1]:.1f}" for name, _ in variants)
+                        print(f"  {model.name} {test} {cache} round {r + 1}: {got}  llama.cpp {theirs[-1]:.1f}",
+                              file=sys.stderr, flush=True)
+                    mt = statistics.median(theirs)
+                    for name, _ in variants:
+                        mo = statistics.median(ours[name])
+                        rows.append((model.name, test, cache, name, mo, mt, mo / mt, ours[name], theirs))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    load = f", {a.busy} busy loop{'s' if a.busy != 1 else ''} running" if a.busy else ""
+    print(f"rounds {a.rounds}, reps {a.reps}, threads {a.threads}{load}; variants: "
+          + "; ".join(f"{n}: {','.join(f'{k}={v}' for k, v in e.items()) or 'defaults'}" for n, e in variants))
+    print("| model | test | cache | kvchat | kvchat t/s | llama.cpp t/s | ratio | rounds (kvchat / llama.cpp) |")
+    print("|---|---|---|---|---:|---:|---:|---|")
+    for name, test, cache, variant, mo, mt, ratio, ours, theirs in rows:
+        per = ", ".join(f"{o:.1f}/{t:.1f}" for o, t in zip(ours, theirs))
+        print(f"| {name} | {test} | {cache} | {variant} | {mo:.1f} | {mt:.1f} | **{ratio:.2f}×** | {per} |")
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,9 @@ about three times slower than on one core. Which arm wins depends on the machine
 moment, which neither a start-up setting nor a fixed threshold knows and which changes while a
 chat runs. So the tuner measures: it runs both arms for a few steps, keeps the faster one, watches
 its step time, and probes again when that time moves by more than `drift` or after `period` steps
-(the period doubles while the choice holds, up to `max_period`, and resets when it flips).
+(the period doubles while the choice holds, up to `max_period`, and resets when it flips). A
+probe's first step of the other arm ends it when that step is `drift` slower than the exploited
+arm: under load a parallel step can cost 3x a serial one, so a probe should cost one such step.
 
 The arms differ only in `kernels.parallel.MATMUL_PAR_MIN_MACS` during the step (SERIAL: the
 configured threshold; PARALLEL: `PARALLEL_ARM_MACS`). Serial and parallel matmul kernels give
@@ -46,11 +48,12 @@ class LaunchTuner:
         self.arm = SERIAL  # the arm exploited between probes
         self.period = period
         self.warm = [False, False]  # has each arm run once (its first step is not counted)?
-        self.probing = False
+        self.probing = self.reprobe = False
         self.plan: list[int] = []  # arms of the probe in progress, next first
         self.probe_times: tuple[list, list] = ([], [])  # seconds per step of this probe, per arm
         self.window: list[float] = []  # the last 3 exploited step times
         self.ref = 0.0  # the exploited arm's median step time when it was chosen
+        self.current = 0.0  # its median step time when the probe in progress started
         self.since = 0  # exploited steps since the last probe
         self.history: list[tuple[int, float]] = []  # (arm, seconds) of every counted step, for tests/benchmarks
         self._start_probe(self.n_probe)
@@ -91,7 +94,10 @@ class LaunchTuner:
         self.history.append((arm, seconds))
         if self.probing:
             self.probe_times[arm].append(seconds)
-            if not self.plan:
+            if self.reprobe and arm != self.arm and seconds > self.current * self.drift:
+                self.plan = []  # the other arm is clearly worse: one step of it is enough
+                self._decide(keep=True)
+            elif not self.plan:
                 self._decide()
             return
         self.since += 1
@@ -109,13 +115,20 @@ class LaunchTuner:
         self.plan = [other, self.arm] * n
         self.probe_times = ([], [])
         self.probing = True
+        self.reprobe = self.ref > 0  # not the first probe
+        # the exploited arm's time now (the window moved if the probe is for drift)
+        self.current = statistics.median(self.window) if self.window else self.ref
 
-    def _decide(self) -> None:
-        ser = statistics.median(self.probe_times[SERIAL])
-        par = statistics.median(self.probe_times[PARALLEL])
-        best = PARALLEL if par < ser * self.margin else SERIAL
+    def _decide(self, keep: bool = False) -> None:
+        if keep:
+            best = self.arm
+        else:
+            ser = statistics.median(self.probe_times[SERIAL])
+            par = statistics.median(self.probe_times[PARALLEL])
+            best = PARALLEL if par < ser * self.margin else SERIAL
         self.period = min(self.period * 2, self.max_period) if best == self.arm else self.base_period
         self.arm = best
-        self.ref = par if best == PARALLEL else ser
+        if not keep:
+            self.ref = par if best == PARALLEL else ser
         self.window, self.since = [], 0
         self.probing = False

@@ -21,7 +21,7 @@ class FakeStep:
 
     def __init__(self):
         self.now = 0.0
-        self.cost = {S: 0.013, P: 0.010}  # quiet machine: parallel faster
+        self.cost = {S: 0.012, P: 0.010}  # quiet machine: parallel faster
         self.arms = []
 
     def clock(self):
@@ -69,7 +69,7 @@ def test_load_appearing_moves_generation_to_one_core_within_a_few_steps():
     fake = FakeStep()
     tuner = LaunchTuner(fake.clock, enabled=True)
     run(tuner, fake, 8 + 5)
-    fake.cost = {S: 0.013, P: 0.037}  # a busy loop took a core: parallel launches wait
+    fake.cost = {S: 0.012, P: 0.037}  # a busy loop took a core: parallel launches wait
     arms = run(tuner, fake, 8)
     # two slow steps make the median of three move past the drift bound, then a short probe
     assert arms == [P, P, S, P, S, P, S, S]
@@ -97,6 +97,17 @@ def test_a_stable_choice_is_reprobed_ever_less_often_up_to_max_period():
     assert arms[16:24] == [P] * 8 and arms[24:28] == probe
     assert arms[28:44] == [P] * 16 and arms[44:48] == probe and arms[48:] == [P] * 16
     assert tuner.period == 16
+
+
+def test_a_reprobe_stops_after_one_step_of_an_arm_that_is_clearly_worse():
+    fake = FakeStep()
+    fake.cost = {S: 0.012, P: 0.037}  # loaded machine
+    tuner = LaunchTuner(fake.clock, enabled=True, period=8, max_period=64)
+    run(tuner, fake, 8)
+    assert tuner.arm == S and tuner.period == 16
+    arms = run(tuner, fake, 16 + 1 + 32 + 1 + 3)
+    assert arms == [S] * 16 + [P] + [S] * 32 + [P] + [S] * 3  # one parallel step per probe
+    assert tuner.arm == S and tuner.period == 64 and not tuner.probing
 
 
 def test_prompt_ubatches_keep_the_configured_threshold_and_are_not_timed():
