@@ -60,10 +60,10 @@ def _clean_env(tree: str | None) -> dict:
     return env
 
 
-def time_first_byte(cmd: list[str], env: dict, skip: bytes = b"") -> tuple[float, float, int]:
+def time_first_byte(cmd: list[str], env: dict, skip: bytes = b"", cwd=None) -> tuple[float, float, int]:
     """(seconds to the first stdout byte past the echoed `skip`, seconds to exit, return code)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     got = b""
     first = None
     while True:
@@ -95,17 +95,17 @@ def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
 
 
 def side_by_side(opts, args: list[str]) -> None:
-    runs = []  # (label, cmd, env, skip)
-    for tree in opts.tree:
+    runs = []  # (label, cmd, env, skip, cwd): `python -c` puts its working directory first on
+    for tree in opts.tree:  # sys.path, so each tree runs from its own directory
         runs.append((f"kvchat {tree}", [sys.executable, "-c", "from cli.app import main; main()", *args],
-                     _clean_env(tree), b""))
+                     _clean_env(tree), b"", os.path.abspath(tree)))
     if opts.llama_completion:
         cmd, echo = llama_cmd(opts.llama_completion, args)
-        runs.append(("llama-completion", cmd, _clean_env(None), echo))
+        runs.append(("llama-completion", cmd, _clean_env(None), echo, None))
     res = {label: ([], []) for label, *_ in runs}
     for r in range(opts.rounds):
-        for label, cmd, env, skip in runs:
-            first, total, rc = time_first_byte(cmd, env, skip)
+        for label, cmd, env, skip, cwd in runs:
+            first, total, rc = time_first_byte(cmd, env, skip, cwd)
             if rc != 0:
                 sys.exit(f"{label}: exit code {rc}")
             res[label][0].append(first)
@@ -192,7 +192,7 @@ def phases(opts, args: list[str]) -> None:
     print(f"{'phase':44s} {'median s':>9s}   (of {opts.rounds} rounds)")
     for k in ["interpreter start", *named]:
         print(f"{k:44s} {_median(rows[k]):9.3f}")
-    print(f"{'other (resolve, prompt, up to the first byte)':44s} {_median(other):9.3f}")
+    print(f"{'other (later imports, argument parsing, ...)':44s} {_median(other):9.3f}")
     print(f"{'= first answer byte':44s} {_median(rows['first answer byte']):9.3f}")
     print(f"{'exit':44s} {_median(rows['exit']):9.3f}")
 
