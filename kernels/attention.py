@@ -240,17 +240,22 @@ def _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out):
             _finish(m, s, a, out[t, h])
 
 
-def _partials(split, n_kv, n_tokens, n_head, dv):
-    """Partial-softmax buffers of a split launch (empty when not split): per chunk, and for the
-    start chunk's part before the start tile (-inf: nothing there)."""
-    n_ch = -(-n_kv // CHUNK) if split else 0
-    nt = n_tokens if split else 0
+def _partials(n_kv, n_tokens, n_head, dv):
+    """Partial-softmax buffers of a split launch: per chunk, and for the start chunk's part
+    before the start tile (-inf: nothing there)."""
+    n_ch = -(-n_kv // CHUNK)
     return (np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # max per chunk
             np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # sum of p per chunk
             np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32),  # sum of p * v per chunk
-            np.full((nt, n_head), NEG_INF, dtype=np.float32),
-            np.zeros((nt, n_head), dtype=np.float32),
-            np.zeros((nt, n_head, dv), dtype=np.float32))
+            np.full((n_tokens, n_head), NEG_INF, dtype=np.float32),
+            np.zeros((n_tokens, n_head), dtype=np.float32),
+            np.zeros((n_tokens, n_head, dv), dtype=np.float32))
+
+
+# an unsplit launch never touches the partials: empty buffers of the kernels' types
+_NO_PARTIALS = (np.empty((0, 0, 0), dtype=np.float32), np.empty((0, 0, 0), dtype=np.float32),
+                np.empty((0, 0, 0, 0), dtype=np.float32), np.empty((0, 0), dtype=np.float32),
+                np.empty((0, 0), dtype=np.float32), np.empty((0, 0, 0), dtype=np.float32))
 
 
 @njit(cache=True, parallel=True)
@@ -322,39 +327,71 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
     Returns [n_tokens, n_head * dv] f32 (heads concatenated, ready for the output projection).
     Each row depends only on its own query, mask row, start and the cells it sees (module docstring).
     """
-    n_tokens, n_head, dk = q.shape
+    n_tokens = q.shape[0]
     n_kv = mask.shape[1]
-    if flash:
-        dv = _values_per_bytes(int(type_v), v.shape[2] // n_head_kv)
-    else:
-        dv = v.shape[1] // n_head_kv
-    if dk % LANES or dv % LANES:
-        raise ValueError(f"attention: head sizes must be multiples of {LANES} (got K {dk}, V {dv})")
     qr = round_q_to_vec_dot_type(q, int(type_k)) if round_q else q
     qr = np.ascontiguousarray(qr, dtype=np.float32)
-    out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
-    par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= parallel.ATTN_PAR_MIN_MACS
     mask = np.ascontiguousarray(mask, dtype=np.float32)
     ts = np.ascontiguousarray(tok_stream, dtype=np.int32)
-    if start is None:
-        start = np.zeros(n_tokens, dtype=np.int64)
-    else:
+    if start is not None:
         start = np.ascontiguousarray(start, dtype=np.int64)
         if start.shape != (n_tokens,) or (n_tokens and (start.min() < 0 or start.max() >= max(n_kv, 1))):
             raise ValueError(f"attention: start must be {n_tokens} cells in [0, {n_kv})")
-    args = (qr, k, int(type_k), v, int(type_v), mask, start, ts, int(n_head_kv), np.float32(scale),
-            np.float32(softcap))
+    return attention_checked(qr, k, int(type_k), v, int(type_v), mask, ts, start, int(n_head_kv),
+                             np.float32(scale), np.float32(softcap), bool(flash), n_threads)
+
+
+def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_kv, scale, softcap,
+                      flash, n_threads):
+    """attention() for a caller whose arguments are already in the kernels' types, as the
+    forward pass's are (runtime/arch/blocks.py): q C-contiguous f32 [n_tokens, n_head, dk],
+    mask C-contiguous f32 [n_tokens, n_kv], tok_stream C-contiguous i32 [n_tokens], start None or
+    C-contiguous i64 [n_tokens] in [0, n_kv), type_k / type_v / n_head_kv ints, scale and softcap
+    np.float32, flash a bool. Same kernels, same results; the conversions and checks a generated
+    token does not need (30 layers a token) are left to attention()."""
+    n_tokens, n_head, dk = q.shape
+    n_kv = mask.shape[1]
+    key = (flash, n_tokens, n_head, dk, n_head_kv, n_kv, k.shape[0], type_v, v.shape[2] if flash else v.shape[1],
+           n_threads, parallel.ATTN_PAR_MIN_MACS)
+    plan = _LAUNCHES.get(key)
+    if plan is None:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:  # prefill shapes vary; generation repeats a few
+            _LAUNCHES.clear()
+        plan = _LAUNCHES[key] = _launch_plan(*key)
+    fn, tb, split, cpu, n_units, dv, start0 = plan
+    out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
     if flash:
-        tb, split, cpu = flash_plan(n_tokens, n_head_kv, n_kv, k.shape[0], n_threads if par else 1)
-        fn = _flash_attn_par if par else _flash_attn_ser
-        pm, ps, pacc, bm, bs, bacc = _partials(split, n_kv, n_tokens, n_head, dv)
-        n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
-        fn(*args, int(tb), bool(split), int(cpu), int(n_units), pm, ps, pacc, bm, bs, bacc, out)
+        pm, ps, pacc, bm, bs, bacc = _partials(n_kv, n_tokens, n_head, dv) if split else _NO_PARTIALS
+        fn(q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
+           softcap, tb, split, cpu, n_units, pm, ps, pacc, bm, bs, bacc, out)
     else:
-        tb, hpg = classic_plan(n_tokens, n_head, n_head_kv, k.shape[0], n_threads if par else 1)
-        fn = classic_attn_par if par else classic_attn_ser
-        fn(*args, int(tb), int(hpg), int(classic_n_units(q, n_head_kv, tb, hpg)), out)
+        fn(q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
+           softcap, tb, split, n_units, out)  # classic: (tb, heads per group, n_units)
     return out.reshape(n_tokens, n_head * dv)
+
+
+_LAUNCHES: dict = {}  # the launch plan of each call shape seen (a generated token repeats one or two)
+_MAX_LAUNCHES = 256
+
+
+def _launch_plan(flash, n_tokens, n_head, dk, n_head_kv, n_kv, n_stream, type_v, v_width, n_threads, par_min):
+    """How attention_checked launches a call of this shape: (kernel, token block, split or
+    heads per group, chunks per unit, units, head size of V, zero start cells i64 [n_tokens]).
+    The start cells are shared by every call of the shape (the kernels only read them)."""
+    dv = _values_per_bytes(type_v, v_width // n_head_kv) if flash else v_width // n_head_kv
+    if dk % LANES or dv % LANES:
+        raise ValueError(f"attention: head sizes must be multiples of {LANES} (got K {dk}, V {dv})")
+    par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= par_min
+    start0 = np.zeros(n_tokens, dtype=np.int64)
+    if flash:
+        tb, split, cpu = flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads if par else 1)
+        n_ch = -(-n_kv // CHUNK)
+        n_units = n_head_kv * -(-n_tokens // tb) * (-(-n_ch // cpu) if split else 1)
+        return (_flash_attn_par if par else _flash_attn_ser, int(tb), bool(split), int(cpu), int(n_units), dv,
+                start0)
+    tb, hpg = classic_plan(n_tokens, n_head, n_head_kv, n_stream, n_threads if par else 1)
+    n_units = classic_n_units(np.empty((n_tokens, n_head, 0), dtype=np.float32), n_head_kv, tb, hpg)
+    return classic_attn_par if par else classic_attn_ser, int(tb), int(hpg), 0, int(n_units), dv, start0
 
 
 def _values_per_bytes(t, nbytes):

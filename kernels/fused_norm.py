@@ -66,11 +66,15 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 
 def add_rms_norm(x: np.ndarray, a: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [n, d] f32 += a [n, d] (in place); returns h = rmsnorm(x) * w, a new [n, d] f32."""
-    x, a = _rows(x), np.ascontiguousarray(a, dtype=np.float32)
-    h = np.empty_like(x)
+    """x [n, d] f32 += a [n, d] (in place); returns h = rmsnorm(x) * w, a new [n, d] f32.
+    (eps reaches the kernel as float64 whether given as a Python float or np.float64.)"""
+    if not (x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous):
+        _rows(x)
+    if not (a.dtype == np.float32 and a.flags.c_contiguous):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+    h = np.empty(x.shape, np.float32)
     fn = _add_rms_norm_par if x.shape[0] >= parallel.RMS_NORM_PAR_MIN_ROWS else _add_rms_norm_ser
-    fn(x, a, w, np.float64(eps), h)
+    fn(x, a, w, float(eps), h)
     return h
 
 
@@ -78,8 +82,11 @@ def norm_add_rms_norm(a: np.ndarray, w_post: np.ndarray, x: np.ndarray, w_next: 
                       eps: float) -> np.ndarray:
     """a [n, d] f32 = rmsnorm(a) * w_post (in place), x [n, d] += a (in place); returns
     h = rmsnorm(x) * w_next, a new [n, d] f32."""
-    x, a = _rows(x), _rows(a)
-    h = np.empty_like(x)
+    if not (x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous):
+        _rows(x)
+    if not (a.ndim == 2 and a.dtype == np.float32 and a.flags.c_contiguous):
+        _rows(a)
+    h = np.empty(x.shape, np.float32)
     fn = _norm_add_rms_norm_par if x.shape[0] >= parallel.RMS_NORM_PAR_MIN_ROWS else _norm_add_rms_norm_ser
-    fn(a, w_post, x, w_next, np.float64(eps), h)
+    fn(a, w_post, x, w_next, float(eps), h)
     return h

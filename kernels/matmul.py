@@ -100,6 +100,7 @@ class QMatrix:
         self.m = int(raw.shape[0])
         self.nbytes = int(raw.nbytes)
         self._k_packed = padded_k(self.t, self.k)  # float rows are padded to whole 32-blocks
+        self._k_ready = self.k if self._k_packed == self.k else -1  # x needs no padding: its width
         if self.t in FLOAT_TYPES:
             self.fmt = None
             self.kind, self._packed = repack(raw, t, k)
@@ -123,41 +124,46 @@ class QMatrix:
         depends on row t of x only, bit for bit (module docstring)."""
         if x.ndim == 1:
             return self.matmul(x[None, :])[0]
-        if not (x.dtype == np.float32 and x.flags.c_contiguous):
-            x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.k:
-            raise ValueError(f"QMatrix.matmul: x has {x.shape[-1]} columns, matrix has k={self.k}")
+        if not (x.dtype == np.float32 and x.flags.c_contiguous and x.shape[-1] == self._k_ready):
+            x = self._prepared(x)
         n = x.shape[0]
-        if self._k_packed != self.k:
-            xp = np.zeros((n, self._k_packed), np.float32)  # [n, kp], zero columns times zero weights
-            xp[:, : self.k] = x
-            x = xp
         y = np.empty((n, self.m), np.float32)  # [n, m]
-        if n:
-            if self.fmt is None:
-                self._call(matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS))
-            elif n * self._macs_per_token < parallel.MATMUL_PAR_MIN_MACS:
-                self._call(matmul_q_serial, self._args + (x, y, TOKEN_CHUNK))
-            else:
-                self._call(matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS))
+        if self.fmt is None:
+            kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
+        elif n * self._macs_per_token < parallel.MATMUL_PAR_MIN_MACS:
+            kernel, args = matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
+        else:
+            kernel, args = matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)
+        ep = self._entry.get(kernel)
+        if ep is not None:
+            ep(*args)
+        elif n:
+            self._entry_point(kernel, args)
         return y
 
-    def _call(self, kernel, args):
-        """kernel(*args) through the compiled entry point it has for this matrix, skipping
-        numba's argument dispatch.
+    def _prepared(self, x: np.ndarray) -> np.ndarray:
+        """x as the kernels take it: C-contiguous f32 [n, k_packed] (zero columns past k)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"QMatrix.matmul: x has {x.shape[-1]} columns, matrix has k={self.k}")
+        if self._k_packed != self.k:
+            xp = np.zeros((x.shape[0], self._k_packed), np.float32)  # [n, kp], zero columns times zero weights
+            xp[:, : self.k] = x
+            x = xp
+        return x
+
+    def _entry_point(self, kernel, args) -> None:
+        """kernel(*args) through numba's dispatcher (compiling or loading from numba's cache),
+        keeping the compiled entry point it chose for this matrix, which later calls use
+        directly.
 
         A one-token decode makes ~100 small matmul calls, and the dispatcher's typing of ten
         arguments (two Python-typed: the ISA and the QFormat) took ~5 µs of each, about a small
         matmul's own work. For one matrix and kernel the argument types are fixed (its packed
         arrays, ISA and format; x a C-contiguous f32 [n, k] and y a fresh f32 [n, m], which
-        matmul guarantees; ints), so the first call goes through the dispatcher (compiling or
-        loading from numba's cache) and keeps the overload it chose."""
-        ep = self._entry.get(kernel)
-        if ep is None:
-            kernel(*args)
-            self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
-            return
-        ep(*args)
+        matmul guarantees; ints)."""
+        kernel(*args)
+        self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""

@@ -8,14 +8,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.act import geglu, glu_fused, swiglu
-from kernels.attention import attention
 from kernels.attention import round_q_to_vec_dot_type
-from kernels.gelu_table import geglu_f16_table
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
-from kernels.rope import prepare_qkv_planned, rope_plan
-from runtime.memory.attn_rotation import rotate
+from runtime.arch.layer_plan import LayerPlan, attention_step, gated_ffn, store_and_attend
 
 
 def embed(model, tokens) -> np.ndarray:
@@ -56,53 +52,33 @@ def qkv_projection(L, h, sizes):
 def self_attention(model, il, L, h, pos, mctx, kq_scale, n_threads=None):
     """Multi-head attention of layer il for the ubatch: returns [n_tokens, n_head * head_dim_v] f32
     (before the output projection). QK-norm is applied when the layer has q_norm / k_norm.
-    n_threads: numba's thread count, which a forward pass reads once for all its layers."""
-    hp = model.hparams
-    sizes, rope, q_norm, k_norm = attention_plan(model, il, L, ctx_size(mctx))
-    q, k, v = prepare_qkv_planned(*qkv_projection(L, h, sizes), hp.n_head, hp.n_head_kv,
-                                  hp.n_embd_head_k, pos, rope, hp.rope_type == "neox",
-                                  q_norm, k_norm, hp.norm_eps)
-    return attend(model, il, q, k, v, mctx, kq_scale, n_threads)
-
-
-def attention_plan(model, il, L, n_ctx_seq):
-    """(Q/K/V widths, rope_plan, q_norm, k_norm) of layer il: constants of the model and of the
-    context size (LongRoPE picks its factors by it), worked out once and kept on the model, so a
-    generated token does not redo them 30 times."""
-    plans = model.__dict__.setdefault("_attention_plans", {})
-    key = (il, n_ctx_seq)
-    plan = plans.get(key)
-    if plan is None:
-        hp = model.hparams
-        dk = hp.n_embd_head_k
-        sizes = (dk * hp.n_head, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
-        plan = plans[key] = (sizes, rope_plan(**hp.rope_args(il, n_ctx_seq)), opt(L, "q_norm"),
-                             opt(L, "k_norm"))
-    return plan
+    n_threads: numba's thread count, which a forward pass reads once for all its layers.
+    (runtime/arch/layer_plan.py: attention_step with the layer's plan.)"""
+    p = layer_plan(model, il, L, ctx_size(mctx))
+    return attention_step(p, h, pos, mctx, _threads(n_threads), np.float32(kq_scale))
 
 
 def attend(model, il, q, k, v, mctx, kq_scale, n_threads=None):
     """Attention of roped q [n, n_head, dk] over the cache after storing this ubatch's k
     [n, n_head_kv, dk] and v [n, n_embd_v_gqa] through the memory context of layer il;
     returns [n, n_head * dv] f32."""
-    hp = model.hparams
-    n = q.shape[0]
-    rot_k, rot_v = mctx.get_rot(il)  # quantized caches hold Hadamard-rotated K/V
-    if rot_k:
-        q, k = rotate(q, rot_k), rotate(k, rot_k)
-    if rot_v:
-        v = rotate(v, rot_v)
-    mctx.cpy_k(il, k.reshape(n, -1))
-    mctx.cpy_v(il, v)
-    k_cache, type_k = mctx.get_k(il)
-    v_cache, type_v = mctx.get_v(il)
-    q = round_q_like_ggml(q, type_k)
-    mask, tok_stream = mctx.kq_mask(il)
-    out = attention(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, hp.n_head_kv,
-                    kq_scale, hp.attn_logit_softcap, flash=not _v_trans(mctx, il),
-                    n_threads=numba.get_num_threads() if n_threads is None else n_threads,
-                    start=mctx.kq_start(il))
-    return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
+    p = layer_plan(model, il, model.weights.layers[il], ctx_size(mctx))
+    return store_and_attend(p, q, k, v, mctx, mctx.attn_io(il), _threads(n_threads), np.float32(kq_scale))
+
+
+def _threads(n_threads) -> int:
+    return numba.get_num_threads() if n_threads is None else n_threads
+
+
+def layer_plan(model, il, L, n_ctx_seq):
+    """The LayerPlan of layer il (runtime/arch/layer_plan.py) for a context of n_ctx_seq cells,
+    built once and kept on the model, so a generated token does not redo its constants 30 times."""
+    plans = model.__dict__.setdefault("_layer_plan", {})
+    key = (il, n_ctx_seq)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = LayerPlan(model, il, L, n_ctx_seq)
+    return plan
 
 
 def ctx_size(mctx) -> int:
@@ -121,19 +97,12 @@ def round_q_like_ggml(q: np.ndarray, type_k: int) -> np.ndarray:
     bf16 K. That rounding is part of llama.cpp's numbers for those caches (perplexity moves by
     a few tenths of a percent), so we apply it too; it is per row, so batch-invariant. An f16 K
     is left alone: llama.cpp rounds Q to f16 only on its small-batch path (< 64 queries), not on
-    the tiled prefill path, and we keep one path for every batch size."""
+    the tiled prefill path, and we keep one path for every batch size. (The forward's copy of
+    this rule: runtime/arch/layer_plan.py, attend_io.)"""
     t = int(type_k)
     if t in (int(GGMLType.F32), int(GGMLType.F16)):
         return q
     return round_q_to_vec_dot_type(q, t)  # kernels/attention.py: the rounding itself
-
-
-def _v_trans(mctx, il) -> bool:
-    """Whether the V cache of layer il is stored transposed (flash attention off)."""
-    f = getattr(mctx, "v_trans", None)
-    if callable(f):
-        return bool(f(il))
-    return bool(f)
 
 
 def output_projection(L, attn):
@@ -144,27 +113,10 @@ def output_projection(L, attn):
 
 
 def feed_forward(L, h, n_ff, use_gelu, gelu_table=False):
-    """Gated FFN: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU. gelu_table: GELU as
-    ggml's CPU computes it, through its f16 table (kernels/gelu_table.py)."""
-    if gelu_table:
-        if opt(L, "w_gate_up") is not None:
-            gu = L.w_gate_up.matmul(h)  # [n, 2 * n_ff] f32
-            a = geglu_f16_table(gu[:, :n_ff], gu[:, n_ff:])
-        else:
-            a = geglu_f16_table(L.w_gate.matmul(h), L.w_up.matmul(h))
-    elif opt(L, "w_gate_up") is not None:
-        a = glu_fused(L.w_gate_up.matmul(h), n_ff, use_gelu)
-    else:
-        g, u = L.w_gate.matmul(h), L.w_up.matmul(h)
-        if opt(L, "b_gate") is not None:
-            g += L.b_gate
-        if opt(L, "b_up") is not None:
-            u += L.b_up
-        a = geglu(g, u) if use_gelu else swiglu(g, u)
-    out = L.w_down.matmul(a)
-    if opt(L, "b_down") is not None:
-        out += L.b_down
-    return out
+    """Gated FFN of layer L: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU
+    (runtime/arch/layer_plan.py: gated_ffn)."""
+    return gated_ffn(h, n_ff, use_gelu, gelu_table, opt(L, "w_gate_up"), opt(L, "w_gate"), opt(L, "w_up"),
+                     opt(L, "b_gate"), opt(L, "b_up"), L.w_down, opt(L, "b_down"))
 
 
 def output_ids(ubatch) -> np.ndarray | None:

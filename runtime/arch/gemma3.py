@@ -17,7 +17,8 @@ import numpy as np
 from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
 from kernels.fused_norm import norm_add_rms_norm
-from runtime.arch.blocks import embed, feed_forward, lm_head, output_ids, output_projection, self_attention
+from runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
+from runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
 from runtime.hparams import HParams, positive, swa_layers
 
 SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
@@ -27,25 +28,27 @@ def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
     """Logits f32 [n_outputs, n_vocab]; gelu_table: GeGLU through ggml's f16 GELU table (gemma2).
 
     Each post-norm, residual add and the norm after it run as one kernel
-    (kernels/fused_norm.norm_add_rms_norm: the same arithmetic in one launch)."""
+    (kernels/fused_norm.norm_add_rms_norm: the same arithmetic in one launch); each layer runs
+    from its plan (runtime/arch/layer_plan.py)."""
     hp = model.hparams
     eps = hp.norm_eps
     pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
     x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, * sqrt(n_embd): the residual stream
     out_ids = output_ids(ubatch)
-    layers = model.weights.layers
+    plans = layer_plans(model, ctx_size(mctx))
     last = hp.n_layer - 1
     n_threads = numba.get_num_threads()
-    h = rms_norm(x, layers[0].attn_norm, eps)
-    for il, L in enumerate(layers):
-        attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale, n_threads)
-        if il == last and out_ids is not None:
+    h = rms_norm(x, plans[0].L.attn_norm, eps)
+    for p in plans:
+        L = p.L
+        attn = attention_step(p, h, pos, mctx, n_threads)
+        if p.il == last and out_ids is not None:
             attn, x = attn[out_ids], x[out_ids]
             if x.shape[0] == 0:
                 return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        h = norm_add_rms_norm(output_projection(L, attn), L.post_attn_norm, x, L.ffn_norm, eps)
-        ffn = feed_forward(L, h, hp.n_ff, use_gelu=True, gelu_table=gelu_table)
-        w_next = layers[il + 1].attn_norm if il < last else model.weights.output_norm
+        h = norm_add_rms_norm(output_step(p, attn), L.post_attn_norm, x, L.ffn_norm, eps)
+        ffn = ffn_step(p, h, True, gelu_table)
+        w_next = plans[p.il + 1].L.attn_norm if p.il < last else model.weights.output_norm
         h = norm_add_rms_norm(ffn, L.post_ffn_norm, x, w_next, eps)
     return lm_head(model, h)
 

@@ -16,7 +16,8 @@ import numpy as np
 from kernels.norm import rms_norm
 from runtime.arch.base import Arch, Tensor
 from kernels.fused_norm import add_rms_norm
-from runtime.arch.blocks import embed, feed_forward, lm_head, output_ids, output_projection, self_attention
+from runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
+from runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
 from runtime.hparams import rope_factor_tensor
 
 
@@ -25,25 +26,26 @@ def forward(model, ubatch, mctx) -> np.ndarray:
 
     Each residual add runs fused with the norm that follows it (kernels/fused_norm.py: the same
     arithmetic in one launch): after attention with ffn_norm, after the FFN with the next
-    layer's attn_norm, or with output_norm after the last layer."""
+    layer's attn_norm, or with output_norm after the last layer. Each layer runs from its plan
+    (runtime/arch/layer_plan.py: its weights and constants, worked out once)."""
     hp = model.hparams
     eps = hp.norm_eps
     pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
     x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, the residual stream
     out_ids = output_ids(ubatch)
-    layers = model.weights.layers
+    plans = layer_plans(model, ctx_size(mctx))
     last = hp.n_layer - 1
     n_threads = numba.get_num_threads()
-    h = rms_norm(x, layers[0].attn_norm, eps)
-    for il, L in enumerate(layers):
-        attn = self_attention(model, il, L, h, pos, mctx, hp.kq_scale, n_threads)  # [n, n_head*dv]
-        if il == last and out_ids is not None:
+    h = rms_norm(x, plans[0].L.attn_norm, eps)
+    for p in plans:
+        attn = attention_step(p, h, pos, mctx, n_threads)  # [n, n_head*dv]
+        if p.il == last and out_ids is not None:
             attn, x = attn[out_ids], x[out_ids]
             if x.shape[0] == 0:
                 return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        h = add_rms_norm(x, output_projection(L, attn), L.ffn_norm, eps)
-        w_next = layers[il + 1].attn_norm if il < last else model.weights.output_norm
-        h = add_rms_norm(x, feed_forward(L, h, hp.n_ff, use_gelu=False), w_next, eps)
+        h = add_rms_norm(x, output_step(p, attn), p.L.ffn_norm, eps)
+        w_next = plans[p.il + 1].L.attn_norm if p.il < last else model.weights.output_norm
+        h = add_rms_norm(x, ffn_step(p, h, False), w_next, eps)
     return lm_head(model, h)
 
 

@@ -127,6 +127,32 @@ class KVCacheContext(MemoryContext):
             return layer.v, self.type_v
         return layer.v[:, :self.n_kv], self.type_v
 
+    def attn_io(self, il: int):
+        """Everything attention layer il reads and writes for this ubatch, in one call (a
+        generated token runs ~30 layers; the forward's per-layer path, runtime/arch/blocks.py):
+        (store, k, type_k, v, type_v, flash, mask, tok_stream, start, rot_k, rot_v).
+
+        store: (k_rows, v_rows, strm, cell, type_k, type_v): the layer's K and V arrays u8
+        [n_stream, kv_size, row_bytes] and the slot cells i64 [n_tokens] of this ubatch, where a
+        kernel may quantize the fresh rows itself (kernels/qkv_store.py: what cpy_k and cpy_v do,
+        as llama.cpp's cpy_k hands the graph a set_rows view); None when V is stored transposed
+        or K/V are rotated first: then use cpy_k / cpy_v. The rest are get_k, get_v, not v_trans,
+        kq_mask, kq_start and get_rot of this layer."""
+        layer = self.kv.layer_of[il]
+        if self._mask is None:
+            self._mask = self._build_mask()
+        mask, tok_strm = self._mask
+        start = self.kq_start(il) if self.kv.n_swa > 0 else None
+        n_kv = self.n_kv
+        if self.v_trans:
+            return (None, layer.k[:, :n_kv], self.type_k, layer.v, self.type_v, False, mask, tok_strm,
+                    start, self.n_rot_k, self.n_rot_v)
+        store = None
+        if not (self.n_rot_k or self.n_rot_v):
+            store = (layer.k, layer.v, self._dst_strm, self._dst_cell, self.type_k, self.type_v)
+        return (store, layer.k[:, :n_kv], self.type_k, layer.v[:, :n_kv], self.type_v, True, mask,
+                tok_strm, start, self.n_rot_k, self.n_rot_v)
+
     def kq_mask(self, il: int | None = None):
         """(mask f32 [n_tokens, n_kv] of 0 / -inf, tok_stream i32 [n_tokens]) for this ubatch;
         built once per ubatch (all layers of one cache share it)."""

@@ -242,5 +242,8 @@ class KVCacheISWAContext(MemoryContext):
     def kq_mask(self, il):
         return self._ctx(il).kq_mask(il)
 
+    def attn_io(self, il):
+        return self._ctx(il).attn_io(il)
+
     def kq_start(self, il):
         return self._ctx(il).kq_start(il)
