@@ -105,6 +105,12 @@ class AttentionMemoryContext(Protocol):
         """i64 [n_tokens] cell where each token's attention sums begin (the cell of the oldest
         position it sees, for a sliding-window ring), or None for cell 0."""
 
+    def attn_io(self, il: int) -> tuple:
+        """All of the above for layer il in one call (the forward's per-layer path): (store, k,
+        type_k, v, type_v, flash, mask, tok_stream, start, rot_k, rot_v); store = (k_rows,
+        v_rows, strm i64 [n], cell i64 [n], type_k, type_v) where a kernel may quantize the
+        ubatch's plain K/V rows itself, or None (transposed V, rotated K/V: use cpy_k / cpy_v)."""
+
 
 @runtime_checkable
 class RecurrentMemoryContext(Protocol):
