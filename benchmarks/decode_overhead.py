@@ -18,14 +18,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 GROUPS = [("matmul kernels (numba)", ("matmul_q_serial", "matmul_q", "matmul_blocks")),
-          ("QMatrix.matmul wrapper", ("matmul.py:matmul", "_numba_type_")),
-          ("attention kernel", ("_flash_attn", "_classic_attn")),
-          ("attention wrapper + thread count", ("attention.py:attention", "flash_plan", "_partials",
-                                                "_values_per_bytes", "get_num_threads", "_launch_threads")),
+          ("QMatrix.matmul wrapper", ("matmul.py:matmul", "matmul.py:_prepared", "_numba_type_")),
+          ("attention kernel", ("_flash_attn", "_classic_attn", "classic_attn")),
+          ("attention wrapper + thread count", ("attention.py:attention", "attention_checked", "_launch_plan",
+                                                "flash_plan", "_partials", "_values_per_bytes", "get_num_threads",
+                                                "_launch_threads", "attend_io")),
           ("norms (rms_norm / fused)", ("rms_norm", "fused_norm")),
-          ("RoPE + QK split + its constants", ("prepare_qkv", "_prep_qkv", "_theta_scale", "_factors",
-                                               "rope_args", "rope_plan", "attention_plan")),
-          ("KV cache write + mask", ("cpy_k", "cpy_v", "scatter_rows", "kq_mask", "get_k", "get_v", "get_rot")),
+          ("RoPE + QK split + KV write (fused or not)", ("prepare_qkv", "_prep_qkv", "_prep_store", "_theta_scale",
+                                                       "_factors", "rope_args", "rope_plan", "attention_plan")),
+          ("KV cache write + mask + memory accessors", ("cpy_k", "cpy_v", "scatter_rows", "kq_mask", "get_k", "get_v",
+                                                       "get_rot", "kq_start", "attn_io", "_build_mask")),
           ("GLU", ("glu", "swiglu", "geglu")),
           ("embedding", ("get_rows", "dequant", "embed"))]
 

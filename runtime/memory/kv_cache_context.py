@@ -142,7 +142,7 @@ class KVCacheContext(MemoryContext):
         if self._mask is None:
             self._mask = self._build_mask()
         mask, tok_strm = self._mask
-        start = self.kq_start(il) if self.kv.n_swa > 0 else None
+        start = self.kq_start(il)
         n_kv = self.n_kv
         if self.v_trans:
             return (None, layer.k[:, :n_kv], self.type_k, layer.v, self.type_v, False, mask, tok_strm,
