@@ -134,11 +134,8 @@ class QMatrix:
             kernel, args = matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
         else:
             kernel, args = matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)
-        ep = self._entry.get(kernel)
-        if ep is not None:
-            ep(*args)
-        elif n:
-            self._entry_point(kernel, args)
+        if n:
+            self._call(kernel, args)
         return y
 
     def _prepared(self, x: np.ndarray) -> np.ndarray:
@@ -152,18 +149,22 @@ class QMatrix:
             x = xp
         return x
 
-    def _entry_point(self, kernel, args) -> None:
-        """kernel(*args) through numba's dispatcher (compiling or loading from numba's cache),
-        keeping the compiled entry point it chose for this matrix, which later calls use
-        directly.
+    def _call(self, kernel, args) -> None:
+        """kernel(*args) through the compiled entry point it has for this matrix, skipping
+        numba's argument dispatch.
 
         A one-token decode makes ~100 small matmul calls, and the dispatcher's typing of ten
         arguments (two Python-typed: the ISA and the QFormat) took ~5 µs of each, about a small
         matmul's own work. For one matrix and kernel the argument types are fixed (its packed
         arrays, ISA and format; x a C-contiguous f32 [n, k] and y a fresh f32 [n, m], which
-        matmul guarantees; ints)."""
-        kernel(*args)
-        self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
+        matmul guarantees; ints), so the first call goes through the dispatcher (compiling or
+        loading from numba's cache) and keeps the overload it chose."""
+        ep = self._entry.get(kernel)
+        if ep is None:
+            kernel(*args)
+            self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
+            return
+        ep(*args)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""
