@@ -54,12 +54,12 @@ from kernels.attention_tiles import (
     exp_le0,
     load_tile,
     mask_tile,
-    online_update,
-    tile_dots1,
-    tile_dots2,
-    tile_dots4,
+    prefetch_tile,
+    query_scores,
+    softmax_step,
     tile_live,
-    tile_scores,
+    tile_pv,
+    tile_pv1,
 )
 from kernels import parallel
 from kernels.ggml_types import GGMLType, type_info
@@ -67,18 +67,22 @@ from kernels.quants import dequantize, quantize
 from kernels.simd import LANES
 
 _F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
+PREFETCH = 2  # tiles ahead that _chunk asks the cache rows of
 CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from the call's shape
 
 
 @njit(cache=True, inline="always")
 def _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, kb0, kb, vb0, vb, scale, softcap, j_lo,
-           j_hi, kt, vt, sc, mt, mx, sm, acc, bmx, bsm, bacc):
+           j_hi, kt, vt, sc, mt, tm, gs, gr, mx, sm, acc):
     """Online softmax of the unit's queries (qb [nq, dk]; query qi is token t0 + qi // gq) over
-    the cells [j_lo, j_hi) of one chunk, from a fresh state: mx [nq] max score (-inf: no cell
-    seen), sm [nq] sum of p = e^(s - mx), acc [nq, dv] sum of p * v. In a query's start chunk
-    (the one holding the tile of start[token], see `attention`) the tiles before its start tile
-    go to a second state bmx/bsm/bacc (fresh: set to -inf by the caller), folded last. kt [KT, dk]
-    / vt [KT, dv] tiles, sc [4 * KT] scores of up to four queries, mt [t1 - t0, KT] mask tile."""
+    the cells [j_lo, j_hi) of one chunk, from a fresh state: rows 0 .. nq - 1 of mx [2 nq] max
+    score (-inf: no cell seen), sm [2 nq] sum of p = e^(s - mx), acc [2 nq, dv] sum of p * v.
+    In a query's start chunk (the one holding the tile of start[token], see `attention`) the
+    tiles before its start tile go to row nq + qi instead (fresh: set to -inf by the caller),
+    folded last. kt [KT, dk] / vt [KT, dv] tiles, sc [nq * KT] scores then probabilities,
+    mt [t1 - t0, KT] mask tile, tm [nq] tile maxima, gs / gr [4] a P·V group's sc offsets / rows.
+    Per tile: every query's scores, then each query's softmax step, then the P·V of up to four
+    queries at once (tile_pv: each query's chains as alone, so grouping never changes a bit)."""
     nq = qb.shape[0]
     n_kv = mask.shape[1]
     for qi in range(nq):
@@ -87,29 +91,30 @@ def _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, kb0, kb, vb0, 
         nj = min(KT, n_kv - j0)
         if not tile_live(mask, t0, t1, j0, j0 + nj):
             continue
+        prefetch_tile(k, st, j0 + PREFETCH * KT, kb0, kb)
+        prefetch_tile(v, st, j0 + PREFETCH * KT, vb0, vb)
         load_tile(type_k, k, st, j0, nj, kb0, kb, kt)
         load_tile(type_v, v, st, j0, nj, vb0, vb, vt)
         mask_tile(mask, t0, t1, j0, nj, mt)
-        qi = 0
-        while qi < nq:  # scores of up to four queries per pass over the K tile
-            if qi + 4 <= nq:
-                tile_dots4(qb, qi, kt, sc, 0, KT)
-                n = 4
-            elif qi + 2 <= nq:
-                tile_dots2(qb, qi, kt, sc, 0, KT)
-                n = 2
-            else:
-                tile_dots1(qb, qi, kt, sc, 0, KT)
-                n = 1
-            for i in range(n):
-                m_tile = tile_scores(sc, i * KT, mt, (qi + i) // gq, scale, softcap)
-                if m_tile != NEG_INF:
-                    s0 = start[t0 + (qi + i) // gq] // KT * KT  # the query's start tile
-                    if j0 < s0 and s0 // CHUNK == j_lo // CHUNK:
-                        online_update(qi + i, m_tile, sc, i * KT, vt, bmx, bsm, bacc)
-                    else:
-                        online_update(qi + i, m_tile, sc, i * KT, vt, mx, sm, acc)
-            qi += n
+        for qi in range(nq):
+            tm[qi] = query_scores(qb, qi, kt, mt, qi // gq, scale, softcap, sc, qi * KT)
+        n = 0
+        for qi in range(nq):
+            if tm[qi] == NEG_INF:
+                continue
+            s0 = start[t0 + qi // gq] // KT * KT  # the query's start tile
+            r = nq + qi if j0 < s0 and s0 // CHUNK == j_lo // CHUNK else qi
+            if softmax_step(r, tm[qi], sc, qi * KT, mx, sm, acc):
+                tile_pv1(sc, qi * KT, vt, acc, r)  # some p = 0: those cells skipped
+                continue
+            gs[n] = qi * KT
+            gr[n] = r
+            n += 1
+            if n == 4:
+                tile_pv(4, sc, gs[0], gs[1], gs[2], gs[3], vt, acc, gr[0], gr[1], gr[2], gr[3])
+                n = 0
+        if n:
+            tile_pv(n, sc, gs[0], gs[1], gs[2], gs[3], vt, acc, gr[0], gr[1], gr[2], gr[3])
 
 
 @njit(cache=True, inline="always")
@@ -183,22 +188,22 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, 
             qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
     kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
     vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
-    sc = np.empty(4 * KT, dtype=np.float32)  # scores, then probabilities, of up to four queries
+    sc = np.empty(nq * KT, dtype=np.float32)  # scores, then probabilities, of every query
     mt = np.empty((t1 - t0, KT), dtype=np.float32)  # mask tile of the block's tokens
-    cm = np.empty(nq, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v
-    cs = np.empty(nq, dtype=np.float32)
-    ca = np.empty((nq, dv), dtype=np.float32)
+    tm = np.empty(nq, dtype=np.float32)  # tile maxima
+    gs = np.zeros(4, dtype=np.int64)  # a P·V group: sc offsets, state rows
+    gr = np.zeros(4, dtype=np.int64)
+    cm = np.full(2 * nq, NEG_INF, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v;
+    cs = np.zeros(2 * nq, dtype=np.float32)  # rows nq + qi: the start chunk's cells before the start tile
+    ca = np.zeros((2 * nq, dv), dtype=np.float32)
     rm = np.full(nq, NEG_INF, dtype=np.float32)  # running result over the chunks folded so far
     rs = np.zeros(nq, dtype=np.float32)
     ra = np.zeros((nq, dv), dtype=np.float32)
-    bmx = np.full(nq, NEG_INF, dtype=np.float32)  # the start chunk's cells before the start tile
-    bsm = np.zeros(nq, dtype=np.float32)
-    bac = np.zeros((nq, dv), dtype=np.float32)
     c_first = 0 if split else start[t0] // CHUNK
     for ci in range(c_lo, c_hi):
         c = ci if split else (c_first + ci) % n_ch
         _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, hk * kb, kb, hk * vb, vb, scale,
-               softcap, c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, mt, cm, cs, ca, bmx, bsm, bac)
+               softcap, c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, mt, tm, gs, gr, cm, cs, ca)
         for qi in range(nq):
             if split:
                 t = t0 + qi // gq
@@ -208,15 +213,15 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, 
                 for e in range(dv):
                     pacc[c, t, h, e] = ca[qi, e]
                 if start[t] // CHUNK == c:
-                    bm[t, h] = bmx[qi]
-                    bs[t, h] = bsm[qi]
+                    bm[t, h] = cm[nq + qi]
+                    bs[t, h] = cs[nq + qi]
                     for e in range(dv):
-                        bacc[t, h, e] = bac[qi, e]
+                        bacc[t, h, e] = ca[nq + qi, e]
             else:
                 rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[qi], cs[qi], ca[qi])
     if not split:
         for qi in range(nq):
-            rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], bmx[qi], bsm[qi], bac[qi])
+            rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[nq + qi], cs[nq + qi], ca[nq + qi])
             _finish(rm[qi], rs[qi], ra[qi], out[t0 + qi // gq, h0 + qi % gq])
 
 

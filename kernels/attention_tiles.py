@@ -23,7 +23,24 @@ from kernels.quants import (
     dequant_row_q8_0,
 )
 from kernels.quants_fp import bits_to_f32, f32_to_bits
-from kernels.simd import LANES, vadd, vbcast, vfma, vhsum, vload, vstore, vzero
+from kernels.simd import (
+    LANES,
+    prefetch,
+    vadd,
+    vany_eq0,
+    vbcast,
+    vexp_le0,
+    vfma,
+    vhmax,
+    vhsum,
+    vhsum16,
+    vload,
+    vmax,
+    vmul,
+    vstore,
+    vsub,
+    vzero,
+)
 
 KT = 32  # cells per tile: two vectors of kernels/simd.py
 assert KT == 2 * LANES
@@ -158,7 +175,7 @@ def mask_tile(mask, t0, t1, j0, nj, mt):
 def tile_dots1(qb, qi, kt, x, off, stride):
     """x[off + j] = qb[qi]·kt[j] for the KT cells of a tile (kt [KT, dk] f32): per cell, lane l
     is an fma chain over components l, l+16, ... in order, then one fixed tree (vhsum).
-    tile_dots1/2/4 share this signature: query qi + r's scores go to x[off + r * stride:][:KT]
+    tile_dots1/4 share this signature: query qi + r's scores go to x[off + r * stride:][:KT]
     (stride is unused here, with one query)."""
     dk = qb.shape[1]
     for j in range(KT):
@@ -166,22 +183,6 @@ def tile_dots1(qb, qi, kt, x, off, stride):
         for e in range(0, dk, LANES):
             a = vfma(vload(qb, qi * dk + e), vload(kt, j * dk + e), a)
         x[off + j] = vhsum(a)
-
-
-@njit(cache=True, inline="always")
-def tile_dots2(qb, qi, kt, x, off, stride):
-    """tile_dots1 for queries qi and qi + 1 at once (one K load feeds two fma chains); each
-    query's chain is the very sequence tile_dots1 computes, so the results are the same bits."""
-    dk = qb.shape[1]
-    for j in range(KT):
-        a = vzero()
-        b = vzero()
-        for e in range(0, dk, LANES):
-            kv = vload(kt, j * dk + e)
-            a = vfma(vload(qb, qi * dk + e), kv, a)
-            b = vfma(vload(qb, (qi + 1) * dk + e), kv, b)
-        x[off + j] = vhsum(a)
-        x[off + stride + j] = vhsum(b)
 
 
 @njit(cache=True, inline="always")
@@ -230,50 +231,166 @@ def tile_scores(x, off, mt, mr, scale, softcap):
 
 
 @njit(cache=True, inline="always")
-def online_update(qi, m_tile, sc, so, vt, mx, sm, acc):
-    """Add a tile to query qi's online softmax (mx, sm, acc [nq, dv]): sc[so:so+KT] holds the
-    tile's scores (max m_tile > -inf) and becomes its probabilities; vt [KT, dv] the V rows."""
+def _dots16(qb, qi, kt, j0):
+    """qb[qi]·kt[j] for the 16 cells j0 .. j0 + 15 of a tile, as one vector (lane i: cell j0 + i):
+    each cell's lane chains exactly as tile_dots1's, and vhsum16 sums each the way vhsum does,
+    so the 16 scores are tile_dots1's bits without 16 separate horizontal sums."""
+    dk = qb.shape[1]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()
+    a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = vzero()
+    for e in range(0, dk, LANES):
+        qv = vload(qb, qi * dk + e)
+        b = j0 * dk + e
+        a0 = vfma(qv, vload(kt, b), a0)
+        a1 = vfma(qv, vload(kt, b + dk), a1)
+        a2 = vfma(qv, vload(kt, b + 2 * dk), a2)
+        a3 = vfma(qv, vload(kt, b + 3 * dk), a3)
+        a4 = vfma(qv, vload(kt, b + 4 * dk), a4)
+        a5 = vfma(qv, vload(kt, b + 5 * dk), a5)
+        a6 = vfma(qv, vload(kt, b + 6 * dk), a6)
+        a7 = vfma(qv, vload(kt, b + 7 * dk), a7)
+        a8 = vfma(qv, vload(kt, b + 8 * dk), a8)
+        a9 = vfma(qv, vload(kt, b + 9 * dk), a9)
+        a10 = vfma(qv, vload(kt, b + 10 * dk), a10)
+        a11 = vfma(qv, vload(kt, b + 11 * dk), a11)
+        a12 = vfma(qv, vload(kt, b + 12 * dk), a12)
+        a13 = vfma(qv, vload(kt, b + 13 * dk), a13)
+        a14 = vfma(qv, vload(kt, b + 14 * dk), a14)
+        a15 = vfma(qv, vload(kt, b + 15 * dk), a15)
+    return vhsum16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
+
+
+@njit(cache=True, inline="always")
+def query_scores(qb, qi, kt, mt, mr, scale, softcap, x, off):
+    """x[off:off + KT] <- the scores of query qi over a K tile (kt [KT, dk]): K·q as tile_dots1,
+    then scale (or soft-cap) and mask row mt[mr] as tile_scores, whose bits these are; returns
+    the tile's max."""
+    d0 = _dots16(qb, qi, kt, 0)
+    d1 = _dots16(qb, qi, kt, LANES)
+    if softcap != 0.0:
+        vstore(x, off, d0)
+        vstore(x, off + LANES, d1)
+        return tile_scores(x, off, mt, mr, scale, softcap)
+    sb = vbcast(scale)
+    m0 = mr * KT
+    s0 = vadd(vmul(d0, sb), vload(mt, m0))
+    s1 = vadd(vmul(d1, sb), vload(mt, m0 + LANES))
+    vstore(x, off, s0)
+    vstore(x, off + LANES, s1)
+    return vhmax(vmax(s0, s1))
+
+
+@njit(cache=True, inline="always")
+def softmax_step(r, m_tile, sc, so, mx, sm, acc):
+    """A tile's online-softmax step for state row r (mx, sm, acc [rows, dv]) up to the P·V: rescale to the new
+    max, sc[so:so + KT] scores -> probabilities, their sum added. Returns True if some p is 0
+    (a masked or underflowed cell, which the P·V must skip: tile_pv1, as ggml skips masked cells)."""
     dv = acc.shape[1]
-    if mx[qi] == NEG_INF:  # first visible tile of the chunk
-        mx[qi] = m_tile
-        sm[qi] = 0.0
+    if mx[r] == NEG_INF:  # first visible tile of the chunk
+        mx[r] = m_tile
+        sm[r] = 0.0
         for e in range(dv):
-            acc[qi, e] = 0.0
-    elif m_tile > mx[qi]:
-        r = exp_le0(mx[qi] - m_tile)
-        sm[qi] *= r
+            acc[r, e] = 0.0
+    elif m_tile > mx[r]:
+        f = exp_le0(mx[r] - m_tile)
+        sm[r] *= f
         for e in range(dv):
-            acc[qi, e] *= r
-        mx[qi] = m_tile
-    m_new = mx[qi]
+            acc[r, e] *= f
+        mx[r] = m_tile
+    mb = vbcast(mx[r])
+    p0 = vexp_le0(vsub(vload(sc, so), mb))  # exp_le0(s - max) of the tile's 32 cells
+    p1 = vexp_le0(vsub(vload(sc, so + LANES), mb))
+    vstore(sc, so, p0)
+    vstore(sc, so + LANES, p1)
+    sm[r] += vhsum(vadd(p0, p1))  # _tile_sum's tree
+    return vany_eq0(p0, p1)
+
+
+@njit(cache=True, inline="always")
+def tile_pv1(sc, so, vt, acc, r):
+    """acc[r, e] += p_j * v_j[e] over the tile's cells in order, cells with p = 0 skipped ."""
+    _pv_rest(sc, so, vt, acc, r, 0)
+
+
+@njit(cache=True, inline="always")
+def _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0):
+    """tile_pv for the 64 components e0 .. e0 + 63 (four vectors per query: up to 16 chains)."""
+    dv = acc.shape[1]
+    z = vzero()
+    a0, a1, a2, a3 = (vload(acc, r0 * dv + e0), vload(acc, r0 * dv + e0 + LANES),
+                      vload(acc, r0 * dv + e0 + 2 * LANES), vload(acc, r0 * dv + e0 + 3 * LANES))
+    b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = z
+    if n > 1:
+        b0, b1, b2, b3 = (vload(acc, r1 * dv + e0), vload(acc, r1 * dv + e0 + LANES),
+                          vload(acc, r1 * dv + e0 + 2 * LANES), vload(acc, r1 * dv + e0 + 3 * LANES))
+    if n > 2:
+        c0, c1, c2, c3 = (vload(acc, r2 * dv + e0), vload(acc, r2 * dv + e0 + LANES),
+                          vload(acc, r2 * dv + e0 + 2 * LANES), vload(acc, r2 * dv + e0 + 3 * LANES))
+    if n > 3:
+        d0, d1, d2, d3 = (vload(acc, r3 * dv + e0), vload(acc, r3 * dv + e0 + LANES),
+                          vload(acc, r3 * dv + e0 + 2 * LANES), vload(acc, r3 * dv + e0 + 3 * LANES))
     for j in range(KT):
-        sc[so + j] = exp_le0(sc[so + j] - m_new)
-    sm[qi] += _tile_sum(sc, so)
-    o = qi * dv
+        o = j * dv + e0
+        v0, v1, v2, v3 = vload(vt, o), vload(vt, o + LANES), vload(vt, o + 2 * LANES), vload(vt, o + 3 * LANES)
+        p = vbcast(sc[s0 + j])
+        a0, a1, a2, a3 = vfma(p, v0, a0), vfma(p, v1, a1), vfma(p, v2, a2), vfma(p, v3, a3)
+        if n > 1:
+            p = vbcast(sc[s1 + j])
+            b0, b1, b2, b3 = vfma(p, v0, b0), vfma(p, v1, b1), vfma(p, v2, b2), vfma(p, v3, b3)
+        if n > 2:
+            p = vbcast(sc[s2 + j])
+            c0, c1, c2, c3 = vfma(p, v0, c0), vfma(p, v1, c1), vfma(p, v2, c2), vfma(p, v3, c3)
+        if n > 3:
+            p = vbcast(sc[s3 + j])
+            d0, d1, d2, d3 = vfma(p, v0, d0), vfma(p, v1, d1), vfma(p, v2, d2), vfma(p, v3, d3)
+    for q in range(n):
+        r = r0 if q == 0 else (r1 if q == 1 else (r2 if q == 2 else r3))
+        x0, x1, x2, x3 = (a0, a1, a2, a3) if q == 0 else ((b0, b1, b2, b3) if q == 1 else
+                                                         ((c0, c1, c2, c3) if q == 2 else (d0, d1, d2, d3)))
+        vstore(acc, r * dv + e0, x0)
+        vstore(acc, r * dv + e0 + LANES, x1)
+        vstore(acc, r * dv + e0 + 2 * LANES, x2)
+        vstore(acc, r * dv + e0 + 3 * LANES, x3)
+
+
+@njit(cache=True, inline="always")
+def tile_pv(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3):
+    """P·V of n <= 4 queries at once, none with a p = 0 in the tile: query i's probabilities at
+    sc[s_i:s_i + KT], its state row r_i of acc [rows, dv]. Each V vector loaded feeds all n
+    queries' chains; each chain is the one tile_pv1 runs for its query (cells in order), so
+    the bits do not depend on n or on which queries share the pass."""
+    dv = acc.shape[1]
     e0 = 0
-    while e0 + 4 * LANES <= dv:  # acc[qi, e] += p_j * v_j[e], cells in order; 64 components at once
-        a0 = vload(acc, o + e0)
-        a1 = vload(acc, o + e0 + LANES)
-        a2 = vload(acc, o + e0 + 2 * LANES)
-        a3 = vload(acc, o + e0 + 3 * LANES)
-        for j in range(KT):
-            p = sc[so + j]
-            if p != 0.0:
-                pb = vbcast(p)
-                a0 = vfma(pb, vload(vt, j * dv + e0), a0)
-                a1 = vfma(pb, vload(vt, j * dv + e0 + LANES), a1)
-                a2 = vfma(pb, vload(vt, j * dv + e0 + 2 * LANES), a2)
-                a3 = vfma(pb, vload(vt, j * dv + e0 + 3 * LANES), a3)
-        vstore(acc, o + e0, a0)
-        vstore(acc, o + e0 + LANES, a1)
-        vstore(acc, o + e0 + 2 * LANES, a2)
-        vstore(acc, o + e0 + 3 * LANES, a3)
+    while e0 + 4 * LANES <= dv:
+        _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0)
         e0 += 4 * LANES
-    while e0 < dv:  # the same chain for a remainder of 16 or 32 components
+    if e0 < dv:  # 16 to 48 components left: per query (the same chains)
+        for q in range(n):
+            r = r0 if q == 0 else (r1 if q == 1 else (r2 if q == 2 else r3))
+            so = s0 if q == 0 else (s1 if q == 1 else (s2 if q == 2 else s3))
+            _pv_rest(sc, so, vt, acc, r, e0)
+
+
+@njit(cache=True, inline="always")
+def _pv_rest(sc, so, vt, acc, r, e_lo):
+    """tile_pv1 for the components e_lo .. dv of one query."""
+    dv = acc.shape[1]
+    o = r * dv
+    for e0 in range(e_lo, dv, LANES):
         a = vload(acc, o + e0)
         for j in range(KT):
             p = sc[so + j]
             if p != 0.0:
                 a = vfma(vbcast(p), vload(vt, j * dv + e0), a)
         vstore(acc, o + e0, a)
-        e0 += LANES
+
+
+@njit(cache=True, inline="always")
+def prefetch_tile(raw, st, j0, b0, nb):
+    """Ask for bytes [b0, b0 + nb) of cache rows j0 .. j0 + KT - 1 of stream st (those that
+    exist) ahead of load_tile, one hint per 64-byte line: the rows of a kv head are strided,
+    which the hardware prefetcher follows late, and a tile's arithmetic hides the wait."""
+    for j in range(j0, min(j0 + KT, raw.shape[1])):
+        o = st * raw.strides[0] + j * raw.strides[1] + b0  # flat byte index
+        for b in range(0, nb, 64):
+            prefetch(raw, o + b)

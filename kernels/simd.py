@@ -191,3 +191,142 @@ def vmul(typingctx, a, b):
         return builder.fmul(args[0], args[1])
 
     return f32vec(a, b), codegen
+
+
+def _pair_halves(builder, a, b, h):
+    """One level of a 16-row transpose-reduce: a and b each hold 16 / (2h) rows of 2h lanes;
+    the result holds each row's h sums lane i + lane (i + h), rows of a then rows of b, in order."""
+    blocks = 2 * LANES // (2 * h)
+    lo = [2 * h * blk + i for blk in range(blocks) for i in range(h)]
+    hi = [2 * h * blk + h + i for blk in range(blocks) for i in range(h)]
+    mk = lambda idx: ir.Constant(ir.VectorType(_I32, LANES), idx)  # noqa: E731
+    return builder.fadd(builder.shuffle_vector(a, b, mk(lo)), builder.shuffle_vector(a, b, mk(hi)))
+
+
+@intrinsic
+def vhsum16(typingctx, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """Lane i of the result = vhsum(x_i), bit for bit: the 16 trees are run side by side (a
+    transpose-reduce), each add the very lane pair vhsum adds, lo + hi. 15 shuffle pairs and
+    15 adds for 16 sums instead of 4 each: K·q of 16 cells in one vector."""
+    args = (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    if any(a != f32vec for a in args):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vecs, h = list(args), LANES // 2
+        while len(vecs) > 1:
+            vecs = [_pair_halves(builder, vecs[i], vecs[i + 1], h) for i in range(0, len(vecs), 2)]
+            h //= 2
+        return vecs[0]
+
+    return f32vec(*args), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """Lane by lane a if a > b else b (the scalar max of two non-NaN floats)."""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+
+    return f32vec(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, v):
+    """The largest of the 16 lanes (a max is exact, so the tree's order cannot change it)."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, n = args[0], LANES
+        while n > 1:
+            h = n // 2
+            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+            x, n = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi), h
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def prefetch(typingctx, a, i):
+    """Hint the cache line of flat element i of a (any contiguous array) into all cache levels
+    (llvm.prefetch, read): no effect on any value, only on when memory is read."""
+    if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        idx = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = builder.bitcast(builder.gep(ary.data, [idx]), ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(a, i), codegen
+
+
+_EXP_C = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@intrinsic
+def vexp_le0(typingctx, v):
+    """kernels/attention_tiles.exp_le0 on 16 lanes, operation for operation (the same plain
+    IEEE multiplies and adds, no fusing), so every lane is the scalar function's bits."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def c(x):
+            return ir.Constant(_VF, [float(__import__("numpy").float32(x))] * LANES)
+
+        x = args[0]
+        lo = c(-87.0)
+        xc = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)  # max(x, -87)
+        rnd = c(12582912.0)
+        n = builder.fsub(builder.fadd(builder.fmul(xc, c(1.4426950408889634)), rnd), rnd)
+        r = builder.fsub(xc, builder.fmul(n, c(0.693359375)))
+        r = builder.fadd(r, builder.fmul(n, c(2.12194440e-4)))
+        p = c(_EXP_C[0])
+        for k in _EXP_C[1:]:
+            p = builder.fadd(builder.fmul(p, r), c(k))
+        y = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), c(1.0))
+        vi = ir.VectorType(_I32, LANES)
+        e = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * LANES)), ir.Constant(vi, [23] * LANES))
+        y = builder.fmul(y, builder.bitcast(e, _VF))
+        return builder.select(builder.fcmp_ordered(">", x, lo), y, ir.Constant(_VF, None))
+
+    return f32vec(v), codegen
+
+
+@intrinsic
+def vany_eq0(typingctx, a, b):
+    """True if some lane of a or of b is +-0.0."""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        z = ir.Constant(_VF, None)
+        m = builder.or_(builder.fcmp_ordered("==", args[0], z), builder.fcmp_ordered("==", args[1], z))
+        bits = builder.bitcast(m, ir.IntType(LANES))
+        return builder.icmp_unsigned("!=", bits, ir.Constant(ir.IntType(LANES), 0))
+
+    return types.boolean(a, b), codegen
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    """a - b lane by lane."""
+    if not (a == b == f32vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fsub(args[0], args[1])
+
+    return f32vec(a, b), codegen

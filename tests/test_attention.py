@@ -443,3 +443,65 @@ def test_a_wrapped_sliding_window_ring_gives_the_bits_of_the_unwrapped_cache(fla
             np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
                                           want[i], err_msg=f"row {rows[i]}, unwrapped")
     assert not np.array_equal(attention(*ring, flash=flash, n_threads=1), want)  # cell order differs
+
+
+def test_vhsum16_lanes_are_the_bits_of_sixteen_separate_vhsums():
+    """K·q of 16 cells is summed side by side (kernels/simd.vhsum16); each lane must be the very
+    tree vhsum computes on its own, including rounding of values of wildly different sizes."""
+    from numba import njit
+
+    from kernels.simd import vhsum, vhsum16, vload, vstore
+
+    @njit(cache=False)
+    def both(x, side, alone):  # x [16 * 16] f32 -> side [16], alone [16]
+        vstore(side, 0, vhsum16(vload(x, 0), vload(x, 16), vload(x, 32), vload(x, 48), vload(x, 64),
+                                vload(x, 80), vload(x, 96), vload(x, 112), vload(x, 128), vload(x, 144),
+                                vload(x, 160), vload(x, 176), vload(x, 192), vload(x, 208), vload(x, 224),
+                                vload(x, 240)))
+        for i in range(16):
+            alone[i] = vhsum(vload(x, 16 * i))
+
+    rng = np.random.default_rng(3)
+    side, alone = np.empty(16, np.float32), np.empty(16, np.float32)
+    for _ in range(200):
+        x = (rng.standard_normal(256) * np.exp(rng.uniform(-30, 30, 256))).astype(np.float32)
+        both(x, side, alone)
+        assert np.array_equal(side.view(np.uint32), alone.view(np.uint32))
+
+
+def test_vector_exp_is_the_scalar_exp_bit_for_bit():
+    """The softmax step's 16-lane exp (simd.vexp_le0) against attention_tiles.exp_le0 on every
+    float32 in [-100, 0] with a stride of 97 bit patterns, plus -inf, NaN and the clamp edge."""
+    from numba import njit
+
+    from kernels.attention_tiles import exp_le0
+    from kernels.simd import vexp_le0, vload, vstore
+
+    @njit(cache=False)
+    def both(x, vec, sca):  # x [n] f32, n a multiple of 16
+        for i in range(0, x.size, 16):
+            vstore(vec, i, vexp_le0(vload(x, i)))
+        for i in range(x.size):
+            sca[i] = exp_le0(x[i])
+
+    bits = np.arange(0x80000000, 0xC2C80000, 97, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([bits.view(np.float32), np.array([-np.inf, np.nan, -87.0, -86.99999, -0.0, 0.0], np.float32)])
+    x = np.concatenate([x, np.zeros(-x.size % 16, np.float32)])
+    vec, sca = np.empty_like(x), np.empty_like(x)
+    both(x, vec, sca)
+    assert np.array_equal(vec.view(np.uint32), sca.view(np.uint32))
+
+
+def test_underflowing_probabilities_skip_cells_and_keep_rows_invariant():
+    """Heads with scores spread far beyond 87 get p = 0 cells (exp underflow), whose P·V skips
+    them (tile_pv1) while the other heads of the tile share one grouped P·V pass (tile_pv):
+    every row equals the row computed alone, bit for bit, and the reference."""
+    q, k, kval, v, vval, mask, ts = _setup("f16", "f16", 40, 9, 3, 64, N_KV, 768, 1, seed=29)
+    q[:, ::2] *= 60.0  # heads 0, 2, ..., 8: scores spread over hundreds
+    tk = GGMLType.F16
+    alone = np.stack([_alone(q, k, tk, v, tk, mask, ts, 3, True, i) for i in range(40)])
+    for n_threads in (1, 2):
+        got = attention(q, k, tk, v, tk, mask, ts, 3, 0.125, n_threads=n_threads)
+        np.testing.assert_array_equal(got, alone)
+    ref = _reference(q, kval, vval, mask, ts, 3, 0.125, 0.0)
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
