@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import deque
 
 from kernels import parallel
 
@@ -55,7 +56,7 @@ class LaunchTuner:
         self.ref = 0.0  # the exploited arm's median step time when it was chosen
         self.current = 0.0  # its median step time when the probe in progress started
         self.since = 0  # exploited steps since the last probe
-        self.history: list[tuple[int, float]] = []  # (arm, seconds) of every counted step, for tests/benchmarks
+        self.history: deque = deque(maxlen=4096)  # (arm, seconds) of the last counted steps (tests, benchmarks)
         self._start_probe(self.n_probe)
 
     # ---- the hook: Context.decode calls this for every ubatch -----------------------------

@@ -117,7 +117,7 @@ def test_prompt_ubatches_keep_the_configured_threshold_and_are_not_timed():
     fake.forward = lambda ub, mctx: seen.append(parallel.MATMUL_PAR_MIN_MACS)
     before = parallel.MATMUL_PAR_MIN_MACS
     tuner.forward(fake, UB(7), None)
-    assert seen == [before] and tuner.history == [] and tuner.next_arm() == P
+    assert seen == [before] and not tuner.history and tuner.next_arm() == P
 
 
 def test_the_threshold_is_restored_after_a_step_that_raises():
@@ -131,7 +131,7 @@ def test_the_threshold_is_restored_after_a_step_that_raises():
     fake.forward = boom
     with pytest.raises(RuntimeError):
         tuner.forward(fake, UB(1), None)
-    assert parallel.MATMUL_PAR_MIN_MACS == before and tuner.history == [] and tuner.next_arm() == P
+    assert parallel.MATMUL_PAR_MIN_MACS == before and not tuner.history and tuner.next_arm() == P
 
 
 def test_a_user_threshold_in_the_environment_turns_the_tuner_off(monkeypatch):
@@ -139,7 +139,7 @@ def test_a_user_threshold_in_the_environment_turns_the_tuner_off(monkeypatch):
     fake = FakeStep()
     tuner = LaunchTuner(fake.clock)
     assert not tuner.enabled
-    assert run(tuner, fake, 10) == [S] * 10 and tuner.history == []
+    assert run(tuner, fake, 10) == [S] * 10 and not tuner.history
     monkeypatch.delenv("KVCHAT_MATMUL_PAR_MIN_MACS")
     assert LaunchTuner(fake.clock).enabled
 
