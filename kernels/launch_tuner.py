@@ -7,10 +7,14 @@ process holds a core, every parallel launch waits for a descheduled worker and t
 about three times slower than on one core. Which arm wins depends on the machine's load at that
 moment, which neither a start-up setting nor a fixed threshold knows and which changes while a
 chat runs. So the tuner measures: it runs both arms for a few steps, keeps the faster one, watches
-its step time, and probes again when that time moves by more than `drift` or after `period` steps
-(the period doubles while the choice holds, up to `max_period`, and resets when it flips). A
-probe's first step of the other arm ends it when that step is `drift` slower than the exploited
-arm: under load a parallel step can cost 3x a serial one, so a probe should cost one such step.
+its step time, and probes again after `period` steps (the period doubles while the choice holds,
+up to `max_period`, and resets when it flips) or sooner when that time moves by more than `drift`
+in the direction that can change the answer: slower on the parallel arm (load came: parallel
+launches now wait for a descheduled worker), faster on the serial arm (load went). A probe's first
+step of the other arm ends it when that step is `drift` slower than the exploited arm: under load
+a parallel step can cost 3x a serial one, so a probe should cost one such step. On a jittery
+loaded machine step times cross the drift bound by chance, so each such probe that keeps the arm
+doubles the steps the next one must wait (`drift_gap`, up to `max_period`); a flip resets it.
 
 The arms differ only in `kernels.parallel.MATMUL_PAR_MIN_MACS` during the step (SERIAL: the
 configured threshold; PARALLEL: `PARALLEL_ARM_MACS`). Serial and parallel matmul kernels give
@@ -56,6 +60,8 @@ class LaunchTuner:
         self.ref = 0.0  # the exploited arm's median step time when it was chosen
         self.current = 0.0  # its median step time when the probe in progress started
         self.since = 0  # exploited steps since the last probe
+        self.drift_gap = 0  # exploited steps before a drift may start a probe (grows on false alarms)
+        self.drift_probe = False  # was the probe in progress started by a drift?
         self.history: deque = deque(maxlen=4096)  # (arm, seconds) of the last counted steps (tests, benchmarks)
         self._start_probe(self.n_probe)
 
@@ -103,12 +109,13 @@ class LaunchTuner:
             return
         self.since += 1
         self.window = (self.window + [seconds])[-3:]
-        moved = len(self.window) == 3 and not (
-            self.ref / self.drift <= statistics.median(self.window) <= self.ref * self.drift)
-        if moved:
-            self.period = self.base_period  # the load changed: keep looking often until it settles
+        moved = False
+        if len(self.window) == 3 and self.since >= self.drift_gap:
+            med = statistics.median(self.window)
+            moved = med > self.ref * self.drift if self.arm == PARALLEL else med < self.ref / self.drift
         if moved or self.since >= self.period:
             self._start_probe(self.n_reprobe)
+            self.drift_probe = moved
 
     def _start_probe(self, n: int) -> None:
         """Interleave n counted steps of each arm, the one not exploited first."""
@@ -128,6 +135,11 @@ class LaunchTuner:
             par = statistics.median(self.probe_times[PARALLEL])
             best = PARALLEL if par < ser * self.margin else SERIAL
         self.period = min(self.period * 2, self.max_period) if best == self.arm else self.base_period
+        if best != self.arm:
+            self.drift_gap = 0
+        elif self.drift_probe:  # a false alarm: wait longer before the next drift probe
+            self.drift_gap = min(max(2 * self.drift_gap, 4), self.max_period)
+        self.drift_probe = False
         self.arm = best
         if not keep:
             self.ref = par if best == PARALLEL else ser

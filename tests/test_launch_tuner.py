@@ -110,6 +110,29 @@ def test_a_reprobe_stops_after_one_step_of_an_arm_that_is_clearly_worse():
     assert tuner.arm == S and tuner.period == 64 and not tuner.probing
 
 
+def test_a_slower_serial_step_does_not_probe_parallel_which_load_makes_slower_still():
+    fake = FakeStep()
+    fake.cost = {S: 0.012, P: 0.037}
+    tuner = LaunchTuner(fake.clock, enabled=True, period=64, max_period=64)
+    run(tuner, fake, 8)
+    assert tuner.arm == S
+    fake.cost = {S: 0.020, P: 0.060}  # more load: serial 1.7x slower, past the drift bound
+    assert run(tuner, fake, 40) == [S] * 40  # only the periodic probe (at 128 steps) looks again
+
+
+def test_false_drift_alarms_wait_ever_longer_before_the_next_drift_probe():
+    fake = FakeStep()
+    fake.cost = {S: 0.012, P: 0.037}  # loaded: serial is right
+    tuner = LaunchTuner(fake.clock, enabled=True, period=128, max_period=128)
+    run(tuner, fake, 8)
+    assert tuner.arm == S
+    fake.cost = {S: 0.008, P: 0.037}  # serial steps look faster (jitter): a drift, but parallel is still worse
+    arms = run(tuner, fake, 3 + 1 + 4 + 1 + 8 + 1 + 16 + 1)
+    p_at = [i for i, a in enumerate(arms) if a == P]
+    # each false alarm costs one parallel step, and the gap before the next one doubles: 4, 8, 16
+    assert p_at == [3, 8, 17, 34] and tuner.drift_gap == 32 and tuner.arm == S
+
+
 def test_prompt_ubatches_keep_the_configured_threshold_and_are_not_timed():
     fake = FakeStep()
     tuner = LaunchTuner(fake.clock, enabled=True)
