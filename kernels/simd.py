@@ -163,6 +163,18 @@ def vadd(typingctx, a, b):
     return f32vec(a, b), codegen
 
 
+def _halving_tree(builder, x, combine):
+    """Reduce the 16 lanes of x to lane 0 in one fixed tree: combine(lanes i, lanes i + n/2) for
+    n = 16, 8, 4, 2 (vhsum's sum, vhmax's max)."""
+    n = LANES
+    while n > 1:
+        h = n // 2
+        lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+        hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+        x, n = combine(lo, hi), h
+    return builder.extract_element(x, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def vhsum(typingctx, v):
     """The sum of the 16 lanes, always in the same tree: lanes i + (i + 8), then i + (i + 4), ..."""
@@ -170,13 +182,7 @@ def vhsum(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        x, n = args[0], LANES
-        while n > 1:
-            h = n // 2
-            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
-            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
-            x, n = builder.fadd(lo, hi), h
-        return builder.extract_element(x, ir.Constant(_I32, 0))
+        return _halving_tree(builder, args[0], builder.fadd)
 
     return types.float32(v), codegen
 
@@ -241,13 +247,7 @@ def vhmax(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        x, n = args[0], LANES
-        while n > 1:
-            h = n // 2
-            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
-            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
-            x, n = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi), h
-        return builder.extract_element(x, ir.Constant(_I32, 0))
+        return _halving_tree(builder, args[0], lambda lo, hi: builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi))
 
     return types.float32(v), codegen
 
