@@ -139,9 +139,7 @@ class KVCacheContext(MemoryContext):
         or K/V are rotated first: then use cpy_k / cpy_v. The rest are get_k, get_v, not v_trans,
         kq_mask, kq_start and get_rot of this layer."""
         layer = self.kv.layer_of[il]
-        if self._mask is None:
-            self._mask = self._build_mask()
-        mask, tok_strm = self._mask
+        mask, tok_strm = self.kq_mask(il)
         start = self.kq_start(il)
         n_kv = self.n_kv
         if self.v_trans:
