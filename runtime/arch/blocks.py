@@ -11,7 +11,7 @@ import numpy as np
 from kernels.attention import round_q_to_vec_dot_type
 from kernels.ggml_types import GGMLType
 from kernels.norm import rms_norm
-from runtime.arch.layer_plan import LayerPlan, attention_step, gated_ffn, store_and_attend
+from runtime.arch.layer_plan import attention_step, gated_ffn, layer_plan, store_and_attend
 
 
 def embed(model, tokens) -> np.ndarray:
@@ -54,7 +54,7 @@ def self_attention(model, il, L, h, pos, mctx, kq_scale, n_threads=None):
     (before the output projection). QK-norm is applied when the layer has q_norm / k_norm.
     n_threads: numba's thread count, which a forward pass reads once for all its layers.
     (runtime/arch/layer_plan.py: attention_step with the layer's plan.)"""
-    p = layer_plan(model, il, L, ctx_size(mctx))
+    p = layer_plan(model, il, ctx_size(mctx))
     return attention_step(p, h, pos, mctx, _threads(n_threads), np.float32(kq_scale))
 
 
@@ -62,23 +62,12 @@ def attend(model, il, q, k, v, mctx, kq_scale, n_threads=None):
     """Attention of roped q [n, n_head, dk] over the cache after storing this ubatch's k
     [n, n_head_kv, dk] and v [n, n_embd_v_gqa] through the memory context of layer il;
     returns [n, n_head * dv] f32."""
-    p = layer_plan(model, il, model.weights.layers[il], ctx_size(mctx))
+    p = layer_plan(model, il, ctx_size(mctx))
     return store_and_attend(p, q, k, v, mctx, mctx.attn_io(il), _threads(n_threads), np.float32(kq_scale))
 
 
 def _threads(n_threads) -> int:
     return numba.get_num_threads() if n_threads is None else n_threads
-
-
-def layer_plan(model, il, L, n_ctx_seq):
-    """The LayerPlan of layer il (runtime/arch/layer_plan.py) for a context of n_ctx_seq cells,
-    built once and kept on the model, so a generated token does not redo its constants 30 times."""
-    plans = model.__dict__.setdefault("_layer_plan", {})
-    key = (il, n_ctx_seq)
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = LayerPlan(model, il, L, n_ctx_seq)
-    return plan
 
 
 def ctx_size(mctx) -> int:

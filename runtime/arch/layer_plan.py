@@ -58,13 +58,24 @@ class LayerPlan:
         self.n_ff = int(hp.n_ff)
 
 
-def layer_plans(model, n_ctx_seq: int) -> list:
-    """The LayerPlans of every layer for a context of n_ctx_seq cells per sequence (LongRoPE
-    picks its factors by it), built on first use and kept on the model."""
-    plans = model.__dict__.setdefault("_layer_plans", {})
-    p = plans.get(n_ctx_seq)
+def layer_plan(model, il: int, n_ctx_seq: int) -> LayerPlan:
+    """The LayerPlan of layer il for a context of n_ctx_seq cells per sequence (LongRoPE picks
+    its factors by it), built on first use and kept on the model, so a generated token does not
+    redo its constants for every layer."""
+    plans = model.__dict__.setdefault("_layer_plan", {})
+    key = (il, n_ctx_seq)
+    p = plans.get(key)
     if p is None:
-        p = plans[n_ctx_seq] = [LayerPlan(model, il, L, n_ctx_seq) for il, L in enumerate(model.weights.layers)]
+        p = plans[key] = LayerPlan(model, il, model.weights.layers[il], n_ctx_seq)
+    return p
+
+
+def layer_plans(model, n_ctx_seq: int) -> list:
+    """layer_plan of every layer, as one list kept on the model (a forward looks it up once)."""
+    lists = model.__dict__.setdefault("_layer_plans", {})
+    p = lists.get(n_ctx_seq)
+    if p is None:
+        p = lists[n_ctx_seq] = [layer_plan(model, il, n_ctx_seq) for il in range(len(model.weights.layers))]
     return p
 
 
