@@ -24,7 +24,10 @@ COMMANDS = {
 def make_app(only: str | None = None) -> typer.Typer:
     """The typer app with every command, or with command `only` alone: `kvchat run ...` then
     imports run's module and what it needs, not every other command's (the inference engine,
-    the hub client, ...). A callback keeps a one-command app a group, so `run` stays its name."""
+    the hub client, ...). A callback keeps a one-command app a group, so `run` stays its name.
+    Values are converted without pydantic where typer's result is known (cli/fast_params.py)."""
+    from cli import fast_params
+    fast_params.install()
     application = typer.Typer(
         name="kvchat",
         help="Chat with local GGUF models in the terminal (a llama.cpp-style engine on numba).",
@@ -69,12 +72,22 @@ def quiet_engine_logs() -> None:
         logger.propagate = False
 
 
+def single_threaded_blas() -> None:
+    """numpy's OpenBLAS starts a thread per core and sizes its buffers when numpy is imported
+    (~0.05 s CPU of every start here); kvchat's engine never calls numpy's BLAS (its products
+    are numba kernels), so its one thread is enough. A user's setting wins; set before the
+    command's modules import numpy."""
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def main(argv=None) -> None:
     """Entry point: `kvchat` alone (or with only options) means `kvchat chat`.
 
     Usage errors (unknown option, bad value) and KvchatError both become one `error:` line on
     stderr — exit 2 and 1 respectively, as click and llama.cpp's tools do."""
     quiet_engine_logs()
+    single_threaded_blas()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]

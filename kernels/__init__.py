@@ -25,6 +25,24 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
+import sys  # noqa: E402
+
+
+def _import_numba_without_yaml() -> None:
+    """numba imports PyYAML at start-up (~0.01 s) only to read a `.numba_config.yaml` in the
+    working directory; with no such file there is nothing for it to read, so it is imported as
+    if PyYAML were absent (a file, or numba already imported: numba's own way)."""
+    if "numba" in sys.modules or "yaml" in sys.modules or os.path.exists(".numba_config.yaml"):
+        return
+    sys.modules["yaml"] = None  # `import yaml` raises ImportError
+    try:
+        import numba.core.config  # noqa: F401
+    finally:
+        del sys.modules["yaml"]
+
+
+_import_numba_without_yaml()
+
 from kernels.jit_cache import lean_cache_loads  # noqa: E402 (numba's threading env is set above)
 
 lean_cache_loads()  # cached kernels load without numba's compiler registries (kernels/jit_cache.py)
