@@ -54,11 +54,12 @@ def lean_cache_loads() -> bool:
         return True
     if not all(hasattr(cache, a) for a in ("load_overload", "_load_overload",
                                             "_guard_against_spurious_io_errors")) \
-            or not hasattr(nrt.rtsys, "initialize"):
+            or not hasattr(nrt.rtsys, "initialize") or not hasattr(nrt.rtsys, "_init"):
         return False
 
     def load_overload(self, sig, target_context):
-        nrt.rtsys.initialize(target_context)  # the NRT symbols cached code links against
+        if not nrt.rtsys._init:  # the NRT symbols cached code links against
+            init_nrt(target_context)
         with self._guard_against_spurious_io_errors():
             return self._load_overload(sig, target_context)
         return None  # the guard swallowed a spurious I/O error: compile instead
@@ -67,7 +68,57 @@ def lean_cache_loads() -> bool:
     load_overload.__doc__ = cache.load_overload.__doc__
     cache.load_overload = load_overload
     lazy_link_modules()
+    numba_environments_unimported()
     return True
+
+
+def numba_environments_unimported() -> bool:
+    """A cached kernel's environments (one per function compiled into it, inlined numba overloads
+    included) name their module, and numba imports it to hand its globals to the environment:
+    loading the first kernel imported numba.np.arrayobj and what it pulls in (unicode, charseq,
+    sort implementations; ~0.03-0.07 s) for the array overloads inlined into every kernel.
+    Only object-mode code reads an environment's globals, and no code of numba's own modules
+    runs in object mode, so a numba module not imported yet gets an environment holding just its
+    name (what pickling the environment reads); every other module is imported as numba does.
+    True when installed; False (numba left as it is) when this numba's environment differs."""
+    import sys
+
+    from numba.core import environment
+
+    rebuild = getattr(environment, "_rebuild_env", None)
+    if getattr(rebuild, "_kvchat_lazy", False):
+        return True
+    env_class = getattr(environment, "Environment", None)
+    if rebuild is None or env_class is None or not hasattr(environment, "lookup_environment") \
+            or not hasattr(env_class, "_memo"):
+        return False
+
+    def rebuild_env(modname, consts, env_name):
+        if modname in sys.modules or not str(modname).startswith("numba."):
+            return rebuild(modname, consts, env_name)
+        env = environment.lookup_environment(env_name)
+        if env is not None:
+            return env
+        env = env_class({"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        env_class._memo[env_name] = env
+        return env
+
+    rebuild_env._kvchat_lazy = True
+    environment._rebuild_env = rebuild_env
+    return True
+
+
+def init_nrt(target_context) -> None:
+    """numba's runtime with its machine code from kvchat's cache (kernels/nrt_cache.py); numba's
+    own rtsys.initialize if that fails for any reason."""
+    from numba.core.runtime import nrt
+    try:
+        from kernels.nrt_cache import initialize
+        initialize(target_context)
+    except Exception:
+        nrt.rtsys.initialize(target_context)
 
 
 def elf_defined_symbols(obj: bytes) -> set[str] | None:
