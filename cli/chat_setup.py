@@ -49,7 +49,7 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
     from runtime.model import Model
 
     from kernels.jit_cache import kernels_compiled
-    path = resolve_model(settings.model, renderer.err)
+    path = resolve_model(settings.model, renderer.err_console)
     first_run = not kernels_compiled()  # numba compiles while loading and warming up
     with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
         model = Model.load(path)

@@ -24,13 +24,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from typing import TYPE_CHECKING
 
 from cli.paths import cache_dir
 from runtime.errors import KvchatError
 from runtime.gguf_split import parse_split_name
+
+if TYPE_CHECKING:  # rich is imported when a download shows its progress
+    from rich.console import Console
+    from rich.progress import Progress
+
+def _stderr_console() -> Console:
+    from rich.console import Console
+    return Console(stderr=True)
+
 
 PREFIX = "hf:"
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")  # llama.cpp's order when no :QUANT is given
@@ -210,12 +217,12 @@ def resolve(ref: HubRef, console: Console | None = None, *, refresh: bool = Fals
         raise KvchatError(f"{ref} is not in the cache and HF_HUB_OFFLINE is set; unset it to download "
                           f"(`kvchat list` shows the models you can run offline)")
     try:
-        return download(ref, console or Console(stderr=True))
+        return download(ref, console or _stderr_console())
     except KvchatError as e:
         if refresh and getattr(e, "network", False):
             local = find_cached(ref)
             if local:
-                (console or Console(stderr=True)).print(f"[yellow]{e}[/]")
+                (console or _stderr_console()).print(f"[yellow]{e}[/]")
                 return local
         raise
 
@@ -338,6 +345,8 @@ class _Bars:
 
     def __init__(self, console: Console):
         self.label = ""
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                                  TransferSpeedColumn(), TimeRemainingColumn(), console=console)
 

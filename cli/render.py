@@ -2,17 +2,21 @@
 
 Answers go to `out` (stdout) as raw text, flushed per piece, so pipes and terminals see tokens
 as they are produced; everything else (notices, timings, tables, spinners) goes to `err`
-(stderr) through rich, so `kvchat run ... > answer.txt` captures only the answer.
+(stderr) through rich, so `kvchat run ... > answer.txt` captures only the answer. rich is
+imported when something is first shown on stderr (a spinner, a notice): a `kvchat run` whose
+stderr is not a terminal and that has nothing to say never imports it (~0.05 s of a start).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
 
 MIB = 1024.0 * 1024.0
 
@@ -25,7 +29,7 @@ def timings_line(stats) -> str:
 class Renderer:
     def __init__(self, out=None, err: Console | None = None, markdown: bool = False):
         self.out = out or sys.stdout
-        self.err = err or Console(stderr=True, highlight=False)
+        self._err = err
         self.markdown = markdown
         self._live: Live | None = None
         self._text: list[str] = []
@@ -34,6 +38,34 @@ class Renderer:
         # Writing stops, `on_out_lost` is told once (run stops generating), the caller says so.
         self.out_lost = self.out is None
         self.on_out_lost = None
+
+    @property
+    def err(self) -> Console:
+        """The stderr console (made, and rich imported, on first use)."""
+        if self._err is None:
+            from rich.console import Console
+            self._err = Console(stderr=True, highlight=False)
+        return self._err
+
+    @err.setter
+    def err(self, console: Console) -> None:
+        self._err = console
+
+    @property
+    def err_console(self):
+        """A stand-in for `err` to hand on (model download messages): makes it when used."""
+        return _LazyConsole(self)
+
+    def _err_is_terminal(self) -> bool:
+        """rich's Console.is_terminal for the default stderr console, without making it when
+        the answer is plain: not a tty and none of the variables rich reads to force one."""
+        if self._err is None and "TTY_COMPATIBLE" not in os.environ and "FORCE_COLOR" not in os.environ:
+            try:
+                if not sys.stderr.isatty():
+                    return False
+            except (AttributeError, ValueError):
+                return False
+        return self.err.is_terminal
 
     def _write(self, text: str) -> None:
         if self.out_lost:
@@ -69,6 +101,9 @@ class Renderer:
         if self.out_lost or (self.markdown and not self._out_is_tty()):
             return  # a pipe gets the rendered Markdown once, at the end
         if self.markdown:
+            from rich.console import Console
+            from rich.live import Live
+            from rich.text import Text
             if self._live is None:
                 self._live = Live(Text(""), console=Console(file=self.out, highlight=False),
                                   auto_refresh=False, vertical_overflow="visible")
@@ -97,6 +132,7 @@ class Renderer:
             self._live = None
         elif self.markdown:  # not a terminal: nothing was streamed; print the rendering
             try:
+                from rich.console import Console
                 from rich.markdown import Markdown
                 Console(file=self.out, highlight=False).print(Markdown(text))
             except (BrokenPipeError, ValueError, OSError):
@@ -114,28 +150,33 @@ class Renderer:
 
     def notice(self, text: str) -> None:
         """One dim line (context shifts, stops, saves)."""
+        from rich.text import Text
         self._break_line()
         self.err.print(Text(text, style="dim"))
 
     def warn(self, text: str) -> None:
+        from rich.text import Text
         self.err.print(Text(text, style="yellow"))
 
     def error(self, text: str) -> None:
+        from rich.text import Text
         self.err.print(Text(f"error: {text}", style="bold red"))
 
     def timings(self, stats) -> None:
+        from rich.text import Text
         self.err.print(Text(timings_line(stats), style="dim"))
 
     @contextlib.contextmanager
     def spinner(self, text: str):
         """A spinner on stderr while something slow happens (model load, kernel compilation)."""
-        if self.err.is_terminal:
+        if self._err_is_terminal():
             with self.err.status(text, spinner="dots"):
                 yield
         else:
             yield
 
     def verbose_prompt(self, vocab, ids) -> None:
+        from rich.text import Text
         self.err.print(Text(f"prompt: {len(ids)} new tokens", style="dim"))
         for t in ids:
             piece = vocab.token_to_piece(int(t), True).decode("utf-8", errors="replace")
@@ -144,6 +185,7 @@ class Renderer:
     # ---- tables -----------------------------------------------------------------------------
 
     def stats(self, conv) -> None:
+        from rich.table import Table
         s = conv.last_stats
         t = Table(title="last turn", show_header=False, box=None, pad_edge=False)
         t.add_row("prompt tokens decoded", str(s.n_prompt), f"{s.t_prompt * 1000:.0f} ms",
@@ -158,6 +200,7 @@ class Renderer:
 
     def memory(self, breakdown: dict, weights_bytes: int | None = None) -> None:
         """/mem: weights, KV caches (per layer kind and type), outputs."""
+        from rich.table import Table
         t = Table(title="memory", box=None, pad_edge=False)
         t.add_column("buffer")
         t.add_column("detail")
@@ -185,6 +228,7 @@ class Renderer:
 
     def kv_map(self, memory, seq_names=None, max_cells: int = 512) -> None:
         """/kv: every cell of each cache — sequence and position, empty cells, the head."""
+        from rich.text import Text
         for name, cache in kv_caches(memory):
             for strm, cells in enumerate(cache.cells):
                 size = int(cells.pos.shape[0])
@@ -210,11 +254,22 @@ class Renderer:
         self.err.print(Text("cell = s<seq>:<pos> · '····' empty · reverse = head", style="dim"))
 
 
+class _LazyConsole:
+    """Renderer.err_console: every attribute is the renderer's stderr console's."""
+
+    def __init__(self, renderer: Renderer):
+        self._renderer = renderer
+
+    def __getattr__(self, name):
+        return getattr(self._renderer.err, name)
+
+
 SEQ_STYLES = ["cyan", "green", "magenta", "yellow", "blue", "red"]
 
 
 def kv_grid(pos, seq, head: int, per_row: int = 8) -> Text:
     """pos i32 [n], seq bool [n, n_seq_max] → rows of cells like `s0:12`."""
+    from rich.text import Text
     out = Text()
     n = int(pos.shape[0])
     for i in range(n):

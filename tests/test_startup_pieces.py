@@ -213,3 +213,45 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
     first = [t for t in r.texts if "compiling kernels, first run only" in t]
     assert len(first) == (0 if compiled else 2)  # the load's spinner and the warm-up's
     assert warmed == [2 if compiled else 64]
+
+
+LEAN_RUN = ("import atexit, sys\n"
+            "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
+            "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj') if m in sys.modules)))\n"
+            "from cli.app import main\nmain()\n")
+
+
+def test_a_plain_kvchat_run_imports_neither_rich_pydantic_yaml_nor_numbas_array_overloads(tiny_chat, tmp_path):
+    """stderr not a terminal and nothing to say: none of them is needed, and the answer is the one
+    a run that imports rich (FORCE_COLOR makes rich treat stderr as a terminal: spinners) gives."""
+    from tests.conftest import ROOT
+    args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "--seed", "3", "--temp", "0.9", "-c", "256"]
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    env["PYTHONPATH"] = str(ROOT)
+    plain = subprocess.run([sys.executable, "-c", LEAN_RUN, *args], env=env, capture_output=True,
+                           text=True, cwd=tmp_path, timeout=600)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stderr.strip().splitlines()[-1] == "MODULES []"
+    forced = subprocess.run([sys.executable, "-c", LEAN_RUN, *args], env=dict(env, FORCE_COLOR="1"),
+                            capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert forced.returncode == 0, forced.stderr
+    assert "'rich'" in forced.stderr.strip().splitlines()[-1]
+    assert plain.stdout == forced.stdout and len(plain.stdout.strip()) > 0
+
+
+def test_the_renderer_makes_its_stderr_console_only_when_it_shows_something(monkeypatch):
+    import io
+
+    from cli.render import Renderer
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    r = Renderer(out=io.StringIO())
+    with r.spinner("loading"):
+        pass
+    assert r._err is None  # not a terminal: no spinner, no console
+    r.notice("resumed")
+    assert r._err is not None and sys.stderr.getvalue() == "resumed\n"
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    forced = Renderer(out=io.StringIO())
+    assert forced._err_is_terminal() is True and forced.err.is_terminal is True
