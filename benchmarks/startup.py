@@ -12,7 +12,7 @@ Side by side (each round runs every command once, in turn; medians over rounds):
   byte" is the first byte after that echo — its first generated token. .pyc files are written
   (PYTHONDONTWRITEBYTECODE is removed from the children's environment, as on a user's machine).
 
-Phases (`--phases`): the same command run in-process by a child, with perf_counter marks around
+Phases (`--phases`, one column per --tree, rounds alternated): the same command run in-process by a child, with perf_counter marks around
 the calls a warm start makes (imports, GGUF parse, vocabulary, weights, context, warm-up, the
 prompt up to the first answer byte), medians over rounds. Times are measured from the child's
 spawn (the parent passes its wall clock), so the interpreter's own start is the first row.
@@ -173,28 +173,42 @@ def child_phases(args: list[str]) -> None:
         json.dump(out, f)
 
 
+def _phase_round(tree: str, args: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = _clean_env(tree)
+    env.update(STARTUP_OUT=out, STARTUP_SPAWN=repr(time.time()))
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--child-phases", "--", *args],
+                   env=env, stdout=subprocess.DEVNULL, check=True, cwd=os.path.abspath(tree))
+    with open(out) as f:
+        marks = json.load(f)
+    os.unlink(out)
+    return marks
+
+
 def phases(opts, args: list[str]) -> None:
-    rows: dict = {}
-    for r in range(opts.rounds):
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            out = f.name
-        env = _clean_env(opts.tree[0] if opts.tree else os.path.dirname(HERE))
-        env.update(STARTUP_OUT=out, STARTUP_SPAWN=repr(time.time()))
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--child-phases", "--", *args],
-                       env=env, stdout=subprocess.DEVNULL, check=True)
-        with open(out) as f:
-            for k, v in json.load(f).items():
-                rows.setdefault(k, []).append(v)
-        os.unlink(out)
-    named = [k for k in rows if k not in ("first answer byte", "exit", "interpreter start")]
-    accounted = [sum(rows[k][i] for k in named + ["interpreter start"]) for i in range(opts.rounds)]
-    other = [rows["first answer byte"][i] - accounted[i] for i in range(opts.rounds)]
-    print(f"{'phase':44s} {'median s':>9s}   (of {opts.rounds} rounds)")
-    for k in ["interpreter start", *named]:
-        print(f"{k:44s} {_median(rows[k]):9.3f}")
-    print(f"{'other (later imports, argument parsing, ...)':44s} {_median(other):9.3f}")
-    print(f"{'= first answer byte':44s} {_median(rows['first answer byte']):9.3f}")
-    print(f"{'exit':44s} {_median(rows['exit']):9.3f}")
+    """One column per --tree, the trees' rounds alternated (A B A B ...), medians."""
+    trees = opts.tree or [os.path.dirname(HERE)]
+    rows = {t: {} for t in trees}
+    for _ in range(opts.rounds):
+        for t in trees:
+            for k, v in _phase_round(t, args).items():
+                rows[t].setdefault(k, []).append(v)
+    table = {}
+    for t in trees:
+        r = rows[t]
+        named = [k for k in r if k not in ("first answer byte", "exit", "interpreter start")]
+        other = [r["first answer byte"][i] - sum(r[k][i] for k in named + ["interpreter start"])
+                 for i in range(opts.rounds)]
+        col = {k: _median(r[k]) for k in ["interpreter start", *named]}
+        col["other (later imports, argument parsing, ...)"] = _median(other)
+        col["= first answer byte"] = _median(r["first answer byte"])
+        col["exit"] = _median(r["exit"])
+        table[t] = col
+    labels = list(dict.fromkeys(k for col in table.values() for k in col))
+    print(f"{'phase (median s, ' + str(opts.rounds) + ' rounds)':44s} " + " ".join(f"{os.path.basename(t.rstrip('/')):>14s}" for t in trees))
+    for k in labels:
+        print(f"{k:44s} " + " ".join(f"{table[t].get(k, float('nan')):14.3f}" for t in trees))
 
 
 def main() -> None:
@@ -202,7 +216,7 @@ def main() -> None:
     ap.add_argument("--tree", action="append", default=[], help="a kvchat source tree (repeat to compare)")
     ap.add_argument("--llama-completion", help="llama-completion binary to run side by side")
     ap.add_argument("-r", "--rounds", type=int, default=5)
-    ap.add_argument("--phases", action="store_true", help="phase table of one tree (the first --tree or this one)")
+    ap.add_argument("--phases", action="store_true", help="phase table of each --tree (or this one), rounds alternated")
     ap.add_argument("--child-phases", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help="kvchat arguments, after --")
     opts = ap.parse_args()
