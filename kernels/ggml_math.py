@@ -9,8 +9,6 @@ CPU, libm's fmaf elsewhere), so the result is the same on every CPU path.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -44,18 +42,50 @@ _C1 = np.float32(float.fromhex('0x1.ffffecp-1'))
 _ONE = np.float32(1.0)
 
 
+_R_BITS = 0x4B400000  # the bits of _R: 2^23 + 2^22
+
+
+@intrinsic
+def scale_by_pow2(typingctx, j, z):
+    """j * 2^n rounded once, for n = z - 0x1.8p23 with |n| <= 192, from z's bits.
+
+    z = x log2(e) + 0x1.8p23 lies in [2^23, 2^24) when |n| < 2^22, so its low mantissa bits
+    hold n + 2^22 and bits(z) - bits(0x1.8p23) = n. 2^n is built as 2^(n >> 1) * 2^(n - (n >> 1)):
+    both factors are normal floats for |n| <= 192, j * 2^(n >> 1) is exact (j is near 1), and
+    the second product rounds once — the value scalef(j, n) gives, overflow to inf and
+    subnormal results included. Integer and float operations only (no ldexp call), so a loop
+    over it vectorizes. For |n| > 192 the result is meaningless and expf_ggml discards it.
+    """
+    if not (j == z == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fj, fz = args
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        n = builder.sub(builder.bitcast(fz, i32), ir.Constant(i32, _R_BITS))
+        n1 = builder.ashr(n, ir.Constant(i32, 1))
+        n2 = builder.sub(n, n1)
+
+        def pow2(k):
+            return builder.bitcast(builder.shl(builder.add(k, ir.Constant(i32, 127)), ir.Constant(i32, 23)), f32)
+
+        return builder.fmul(builder.fmul(fj, pow2(n1)), pow2(n2))
+
+    return types.float32(j, z), codegen
+
+
 @njit(cache=True, inline="always")
 def expf_ggml(x):
-    """e^x of a float32 as ggml_v_expf (AVX-512 form) computes it, lane by lane."""
+    """e^x of a float32 as ggml_v_expf (AVX-512 form) computes it, lane by lane. Branch-free
+    (the saturation is a select), so loops over it vectorize."""
     z = fma32(x, _LOG2E, _R)
     n = z - _R
     b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
-    if abs(n) > np.float32(192.0):
-        return np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
     u = b * b
     j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, fma32(_C1, b, _ONE))
-    # scalef(j, n) = j * 2^n, rounded once (exact in float64, then one rounding to float32)
-    return np.float32(math.ldexp(np.float64(j), int(n)))
+    res = scale_by_pow2(j, z)  # scalef(j, n)
+    alt = np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
+    return alt if abs(n) > np.float32(192.0) else res
 
 
 @njit(cache=True, inline="always")

@@ -69,6 +69,24 @@ def test_swiglu_gives_ggmls_bits():
     np.testing.assert_array_equal(glu_fused(np.concatenate([g, u])[None], g.size, False)[0], want)
 
 
+def test_swiglu_gives_ggmls_bits_on_a_stride_of_all_float32_patterns():
+    """The vectorized SiLU (2^n built from the exponent bits, kernels/ggml_math.scale_by_pow2)
+    against the float64-scaled reference on every 4099th bit pattern (1M values: normals,
+    subnormals) and densely where e^-x leaves the normal range
+    (|x| 86..104: subnormal and overflowing results) and at the 192 saturation bound (|x| ~133).
+    Odd widths run the vector loop's remainder too."""
+    pats = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.concatenate([np.linspace(a, b, 20001) for a, b in ((86, 104), (-104, -86), (132, 134), (-134, -132))])
+    g = np.concatenate([pats[np.isfinite(pats)], edges.astype(np.float32)])
+    for width in (g.size, 13):
+        x = g[:width]
+        want = silu_reference(x)
+        np.testing.assert_array_equal(swiglu(x[None], np.ones((1, width), np.float32))[0], want)
+        np.testing.assert_array_equal(glu_fused(np.concatenate([x, np.ones(width, np.float32)])[None], width, False)[0], want)
+    # the reference's emulated fma has no infinities; ggml: e^-inf = 0 (n <= 0), e^inf = inf
+    np.testing.assert_array_equal(swiglu(np.float32([[np.inf, -np.inf]]), np.ones((1, 2), np.float32)), [[np.inf, np.nan]])
+
+
 def test_gelu_saturates_like_ggml():
     g = np.array([[-12.0, -10.0, 10.0, 11.0]], dtype=np.float32)
     u = np.ones_like(g)
