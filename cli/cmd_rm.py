@@ -1,4 +1,5 @@
-"""`kvchat rm NAME`: delete a model kvchat downloaded (never Ollama's files or another tool's)."""
+"""`kvchat rm NAME`: delete a model kvchat downloaded (never Ollama's files or another tool's), and
+its packed weights cached on disk (runtime/weight_cache.py)."""
 import typer
 
 from cli.catalog import human_size, remove
@@ -8,6 +9,9 @@ def register(app: typer.Typer) -> None:
     @app.command("rm")
     def rm(names: list[str] = typer.Argument(..., help="models as `kvchat list` names them")):
         """Delete models kvchat downloaded (registry or hub); Ollama's and other tools' files are left alone."""
+        from runtime.weight_cache import sweep
+
         for name in names:
             what, freed = remove(name)
+            freed += sweep()  # the packs of files that no longer exist: this model's
             print(f"removed {what} ({human_size(freed)} freed)")

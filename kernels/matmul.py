@@ -26,7 +26,7 @@ from kernels.ggml_types import GGMLType, row_bytes
 from kernels.matmul_int import matmul_q, matmul_q_serial
 from kernels import parallel
 from kernels.matmul_kernels import matmul_blocks
-from kernels.qlayout import repack_int
+from kernels.qlayout import FORMATS, Packed, repack_int
 from kernels.quants import dequantize
 from kernels.repack import padded_k, repack
 
@@ -84,25 +84,36 @@ class QMatrix:
 
     raw: u8 [m, row_bytes] (a read-only view on the model's mmap is fine: its pages are
     released from the resident set as they are repacked, and only get_rows reads rows of it
-    again). Attributes: m, k, t, kind (packed layout), fmt (the integer kernel's QFormat, None
-    for float weights), nbytes (bytes in the file), packed_nbytes.
+    again). packed: (kind, arrays) as ``packing()`` gives them for these rows, e.g. mapped from
+    the disk cache of runtime/weight_cache.py: used as they are, so raw is never read (it may be
+    None, then m gives the number of rows). Attributes: m, k, t, kind (packed layout), fmt (the
+    integer kernel's QFormat, None for float weights), nbytes (bytes in the file), packed_nbytes.
     """
 
-    def __init__(self, raw: np.ndarray, t: int, k: int, keep_raw: bool = True):
-        if raw.ndim != 2 or raw.dtype != np.uint8:
-            raise ValueError(f"QMatrix: raw must be uint8 [m, row_bytes], got {raw.dtype} {raw.shape}")
-        rb = row_bytes(t, k)
-        if raw.shape[1] != rb:
-            raise ValueError(f"QMatrix: rows of {raw.shape[1]} bytes, type {GGMLType(t).name} x {k} needs {rb}")
-        self.raw = raw
+    def __init__(self, raw: np.ndarray | None, t: int, k: int, keep_raw: bool = True, *,
+                 packed: tuple[str, tuple] | None = None, m: int | None = None):
         self.t = int(t)
         self.k = int(k)
-        self.m = int(raw.shape[0])
-        self.nbytes = int(raw.nbytes)
+        rb = row_bytes(self.t, self.k)
+        if raw is None:
+            if packed is None or m is None:
+                raise ValueError("QMatrix: without raw rows, packed arrays and m are needed")
+            self.m = int(m)
+        else:
+            if raw.ndim != 2 or raw.dtype != np.uint8:
+                raise ValueError(f"QMatrix: raw must be uint8 [m, row_bytes], got {raw.dtype} {raw.shape}")
+            if raw.shape[1] != rb:
+                raise ValueError(f"QMatrix: rows of {raw.shape[1]} bytes, type {GGMLType(t).name} x {k} needs {rb}")
+            self.m = int(raw.shape[0])
+        self.raw = raw
+        self.nbytes = self.m * rb
         self._k_packed = padded_k(self.t, self.k)  # float rows are padded to whole 32-blocks
         self._k_ready = self.k if self._k_packed == self.k else -1  # x needs no padding: its width
-        if self.t in FLOAT_TYPES:
-            self.fmt = None
+        self.fmt = None if self.t in FLOAT_TYPES else FORMATS.get(GGMLType(self.t))  # None: repack_int refuses it
+        if packed is not None:
+            self.kind, arrays = packed
+            self._packed = tuple(arrays) if self.fmt is None else Packed(*arrays)
+        elif self.fmt is None:
             self.kind, self._packed = repack(raw, t, k)
             release_file_pages(raw)
         else:
@@ -115,6 +126,10 @@ class QMatrix:
         # the kernel's leading arguments, built once (a token calls ~100 matmuls)
         self._args = tuple(self._packed) if self.fmt is None else (ISA, self.fmt, *self._packed)
         self._entry = {}  # kernel -> its compiled entry point for this matrix (_call)
+
+    def packing(self) -> tuple[str, tuple]:
+        """(kind, packed arrays): what ``QMatrix(..., packed=...)`` takes back."""
+        return self.kind, tuple(self._packed)
 
     def __repr__(self) -> str:
         return f"QMatrix({GGMLType(self.t).name}, m={self.m}, k={self.k})"

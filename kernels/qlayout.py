@@ -43,6 +43,9 @@ from numba.extending import NativeValue, models, register_model, typeof_impl, un
 from kernels.ggml_types import GGMLType, type_info
 
 R = 32  # rows interleaved per group: 2 x 16 i32 lanes
+# Bump when the packed bytes of the same file rows change. Packs cached on disk are keyed on it
+# and on a digest of this module, qlayout_pack.py and repack.py (runtime/weight_cache.py).
+LAYOUT_VERSION = 1
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 

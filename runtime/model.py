@@ -5,7 +5,8 @@ the weights are loaded from, the fusions applied at load, the forward pass and t
 Weights stay in their GGUF block formats (QMatrix on the mmap'd rows). Projections that read the
 same input and share a format are fused at load as the arch declares (Q|K|V into one matrix,
 gate|up into one), so each layer issues fewer, larger matmul launches; that copies rows, it
-never dequantizes them.
+never dequantizes them. The packed layouts are cached on disk per model file
+(runtime/weight_cache.py): a warm start maps them and does not read the packed tensors' rows.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from runtime.gguf_file import GGUFFile
 from runtime.gguf_split import open_gguf
 from runtime.hparams import HParams
 from runtime.os_memory import map_large_allocations, release_library_pages, trim_heap
+from runtime.weight_cache import open_store
 
 
 # llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
@@ -121,9 +123,16 @@ class Model:
 
 # ---- loading -------------------------------------------------------------------------------
 
-def _qmatrix(gf: GGUFFile, name: str) -> QMatrix:
+def _qmatrix(gf: GGUFFile, name: str, packs=None) -> QMatrix:
+    """A matrix tensor as a QMatrix on its file rows: its packing mapped from the weight cache
+    when that has it (the rows are then not read), else repacked (and recorded for the cache)."""
     ti = gf.tensors[name]
-    return QMatrix(ti.data, int(ti.ggml_type), int(ti.shape[0]))
+    t, k, m = int(ti.ggml_type), int(ti.shape[0]), int(ti.data.shape[0])
+    hit = packs.get(name, t, k, m) if packs is not None else None
+    qm = QMatrix(ti.data, t, k, packed=hit)
+    if packs is not None:
+        packs.put(name, t, k, m, qm.packing())
+    return qm
 
 
 def _vector(gf: GGUFFile, name: str) -> np.ndarray | None:
@@ -143,25 +152,34 @@ def _vector(gf: GGUFFile, name: str) -> np.ndarray | None:
     gf.fail(name, f"a 1-D weight must be F32 or F16, not {GGMLType(int(ti.ggml_type)).name}")
 
 
-def _fused(infos: list) -> QMatrix | None:
-    """One QMatrix over the rows of several same-format matrices of equal row length, else None."""
+def _fused(infos: list, packs=None) -> QMatrix | None:
+    """One QMatrix over the rows of several same-format matrices of equal row length, else None.
+    Cached under the parts' names joined by "+" (a weight-cache hit copies no rows)."""
     t0, k0 = int(infos[0].ggml_type), int(infos[0].shape[0])
     if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
         return None
-    raw = np.concatenate([i.data for i in infos], axis=0)  # [sum m, row_bytes] u8
-    for i in infos:
-        release_file_pages(i.data)  # the parts' file pages: only the repacked rows stay resident
-    return QMatrix(raw, t0, k0, keep_raw=False)
+    name, m = "+".join(i.name for i in infos), sum(int(i.data.shape[0]) for i in infos)
+    hit = packs.get(name, t0, k0, m) if packs is not None else None
+    if hit is not None:
+        qm = QMatrix(None, t0, k0, keep_raw=False, packed=hit, m=m)
+    else:
+        raw = np.concatenate([i.data for i in infos], axis=0)  # [sum m, row_bytes] u8
+        for i in infos:
+            release_file_pages(i.data)  # the parts' file pages: only the repacked rows stay resident
+        qm = QMatrix(raw, t0, k0, keep_raw=False)
+    if packs is not None:
+        packs.put(name, t0, k0, m, qm.packing())
+    return qm
 
 
-def _load_one(gf: GGUFFile, spec):
+def _load_one(gf: GGUFFile, spec, packs=None):
     """A schema entry: QMatrix for a matrix, f32 vector for a 1-D weight, None if absent."""
     if spec.name not in gf.tensors:
         return None
-    return _qmatrix(gf, spec.name) if len(spec.shape) == 2 else _vector(gf, spec.name)
+    return _qmatrix(gf, spec.name, packs) if len(spec.shape) == 2 else _vector(gf, spec.name)
 
 
-def load_group(gf: GGUFFile, specs: dict, fusions=()) -> dict:
+def load_group(gf: GGUFFile, specs: dict, fusions=(), packs=None) -> dict:
     """attribute -> loaded weight for one schema group (the model level or one layer), with the
     fusions that apply to it (all their parts declared) done before any QMatrix is built, so a
     fused projection's rows are held once."""
@@ -180,7 +198,7 @@ def load_group(gf: GGUFFile, specs: dict, fusions=()) -> dict:
         infos = [gf.tensors.get(specs[p].name) for p in f.parts]
         fused = None
         if all(i is not None for i in infos) and (f.bias_into is not None or not has_bias):
-            fused = _fused(infos)
+            fused = _fused(infos, packs)
         if fused is not None:
             out[f.into] = fused
             out.update({p: None for p in f.parts})
@@ -188,14 +206,19 @@ def load_group(gf: GGUFFile, specs: dict, fusions=()) -> dict:
             out[f.into] = None
     for attr, spec in specs.items():
         if attr not in out:
-            out[attr] = _load_one(gf, spec)
+            out[attr] = _load_one(gf, spec, packs)
     return out
 
 
 def load_weights(gf: GGUFFile, hp: HParams, arch) -> Weights:
+    """The arch's schema loaded from gf: packed matrices mapped from the weight cache
+    (runtime/weight_cache.py) when it holds them, else repacked and then written to it."""
     schema = arch.tensors(hp)
-    w = Weights(**load_group(gf, schema.model),
-                layers=[Layer(**load_group(gf, specs, arch.fusions)) for specs in schema.layers])
+    packs = open_store(gf)
+    w = Weights(**load_group(gf, schema.model, packs=packs),
+                layers=[Layer(**load_group(gf, specs, arch.fusions, packs)) for specs in schema.layers])
     if getattr(w, "output", None) is None:
         w.output = w.tok_embd  # tied head
+    if packs is not None:
+        packs.save()
     return w
