@@ -163,9 +163,13 @@ class PackStore:
             return None
         try:
             for e in tensors.values():
+                if not (isinstance(e["kind"], str) and all(isinstance(e[f], int) for f in ("t", "k", "m"))):
+                    return None
                 for dt, shape, off in e["arrays"]:
+                    if np.dtype(dt).kind not in "iuf" or min(shape, default=0) < 0:
+                        return None
                     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-                    if off % _ALIGN or off < 0 or off + n > data or min(shape, default=0) < 0:
+                    if off % _ALIGN or off < 0 or off + n > data:
                         return None
         except (KeyError, TypeError, ValueError):
             return None

@@ -17,6 +17,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 REFERENCE_DIR = ROOT.parent / "shared" / "reference"
+# The packed-weights cache (runtime/weight_cache.py) is off for the suite, subprocesses included: the tests'
+# temporary models would otherwise fill the user's $KVCHAT_CACHE/packed. tests/test_weight_cache.py turns
+# it on in a temporary KVCHAT_CACHE.
+os.environ.setdefault("KVCHAT_WEIGHT_CACHE", "0")
 
 
 # Property tests draw the same examples on every run (the suite gates every landing, so a failure must

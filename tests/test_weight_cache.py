@@ -123,7 +123,7 @@ def _one_pack(cache):
     return cache / name
 
 
-def test_a_changed_model_file_is_repacked_and_its_old_pack_removed(tmp_path, cache):
+def test_a_changed_model_file_is_repacked_and_its_old_pack_removed(tmp_path, cache, monkeypatch):
     path = write_tiny_model(tmp_path / "m.gguf", weight_type=GGMLType.Q8_0)
     Model.load(path)
     old = _one_pack(cache)
@@ -132,11 +132,8 @@ def test_a_changed_model_file_is_repacked_and_its_old_pack_removed(tmp_path, cac
     _, warm, logits = _load(path)
     new = _one_pack(cache)
     assert new != old and new.name.split("-")[0] == old.name.split("-")[0]  # same model, new key
-    os.environ["KVCHAT_WEIGHT_CACHE"] = "0"
-    try:
-        _, _, want = _load(path)
-    finally:
-        del os.environ["KVCHAT_WEIGHT_CACHE"]
+    monkeypatch.setenv("KVCHAT_WEIGHT_CACHE", "0")
+    _, _, want = _load(path)
     np.testing.assert_array_equal(logits, want)
 
 
