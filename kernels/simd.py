@@ -151,16 +151,30 @@ def vfma(typingctx, a, b, c):
     return f32vec(a, b, c), codegen
 
 
-@intrinsic
-def vadd(typingctx, a, b):
-    """a + b lane by lane."""
-    if not (a == b == f32vec):
-        return None
+def _lanewise(name: str, doc: str, emit):
+    """An intrinsic f32vec(a, b) computing emit(builder, a, b) lane by lane (vadd, vmul, ...)."""
+    def typer(typingctx, a, b):
+        if not (a == b == f32vec):
+            return None
 
-    def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1])
+        def codegen(context, builder, sig, args):
+            return emit(builder, args[0], args[1])
 
-    return f32vec(a, b), codegen
+        return f32vec(a, b), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+def _select_max(builder, a, b):
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+vadd = _lanewise("vadd", "a + b lane by lane.", lambda b, x, y: b.fadd(x, y))
+vsub = _lanewise("vsub", "a - b lane by lane.", lambda b, x, y: b.fsub(x, y))
+vmul = _lanewise("vmul", "a * b lane by lane (one rounding).", lambda b, x, y: b.fmul(x, y))
+vmax = _lanewise("vmax", "Lane by lane a if a > b else b (the scalar max of two non-NaN floats).", _select_max)
 
 
 def _halving_tree(builder, x, combine):
@@ -185,18 +199,6 @@ def vhsum(typingctx, v):
         return _halving_tree(builder, args[0], builder.fadd)
 
     return types.float32(v), codegen
-
-
-@intrinsic
-def vmul(typingctx, a, b):
-    """a * b lane by lane (one rounding)."""
-    if not (a == b == f32vec):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fmul(args[0], args[1])
-
-    return f32vec(a, b), codegen
 
 
 def _pair_halves(builder, a, b, h):
@@ -229,25 +231,13 @@ def vhsum16(typingctx, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x1
 
 
 @intrinsic
-def vmax(typingctx, a, b):
-    """Lane by lane a if a > b else b (the scalar max of two non-NaN floats)."""
-    if not (a == b == f32vec):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
-
-    return f32vec(a, b), codegen
-
-
-@intrinsic
 def vhmax(typingctx, v):
     """The largest of the 16 lanes (a max is exact, so the tree's order cannot change it)."""
     if v != f32vec:
         return None
 
     def codegen(context, builder, sig, args):
-        return _halving_tree(builder, args[0], lambda lo, hi: builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi))
+        return _halving_tree(builder, args[0], lambda lo, hi: _select_max(builder, lo, hi))
 
     return types.float32(v), codegen
 
@@ -318,15 +308,3 @@ def vany_eq0(typingctx, a, b):
         return builder.icmp_unsigned("!=", bits, ir.Constant(ir.IntType(LANES), 0))
 
     return types.boolean(a, b), codegen
-
-
-@intrinsic
-def vsub(typingctx, a, b):
-    """a - b lane by lane."""
-    if not (a == b == f32vec):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fsub(args[0], args[1])
-
-    return f32vec(a, b), codegen
