@@ -263,6 +263,13 @@ class _LazyConsole:
     def __getattr__(self, name):
         return getattr(self._renderer.err, name)
 
+    # `with console:` (rich's Live, i.e. the download bars) looks these up on the type, past __getattr__
+    def __enter__(self):
+        return self._renderer.err.__enter__()
+
+    def __exit__(self, *exc):
+        return self._renderer.err.__exit__(*exc)
+
 
 SEQ_STYLES = ["cyan", "green", "magenta", "yellow", "blue", "red"]
 
