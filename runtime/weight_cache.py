@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.memory.state import pid_alive
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVPACK\x00\x01"
@@ -262,16 +264,6 @@ def _populate(mm: mmap.mmap) -> None:
             pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def sweep(directory: Path | None = None, keep: Path | None = None) -> int:
     """Remove packs of model files that no longer exist (or changed: another key for the same
     model), and temporaries of writers that died; bytes freed. Never raises for an OS error."""
@@ -293,7 +285,7 @@ def sweep(directory: Path | None = None, keep: Path | None = None) -> int:
                 old = time.time() - p.stat().st_mtime > _STALE_TMP_S
             except OSError:
                 continue
-            if pid != os.getpid() and (old or not _pid_alive(pid)):
+            if pid != os.getpid() and (old or not pid_alive(pid)):
                 freed += _unlink(p)
             continue
         if not name.endswith(SUFFIX) or (keep is not None and p == keep):

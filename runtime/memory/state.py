@@ -150,12 +150,14 @@ def _umask() -> int:
     return m
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """False only when no process has this pid: a temp file is removed only if its writer is gone
+    (any other answer, e.g. not ours to signal, counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:
         return True
     return True
 
@@ -178,7 +180,7 @@ def remove_stale_temps(path) -> list[str]:
         full = os.path.join(d, entry)
         if entry.startswith(prefix):
             pid = entry[len(prefix):].split("-", 1)[0]
-            if not pid.isdigit() or _pid_alive(int(pid)):
+            if not pid.isdigit() or pid_alive(int(pid)):
                 continue
         elif entry.startswith(".tmp-") and len(entry) == 13:
             try:
