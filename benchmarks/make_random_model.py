@@ -1,0 +1,130 @@
+"""Write a llama-architecture F16 GGUF of any shape with seeded random weights, one tensor at a time.
+
+Why: memory and speed claims for a large model (issue 11: "a 7B Q4 model must fit where llama.cpp
+fits") need a file of that shape, and no real 7B file is on the machine. Weights are random
+(normal * --scale, norms 1.0) so activations stay finite; the tokenizer (every tokenizer.* key)
+is copied from a real GGUF so prompts tokenize as with that model. Tensors are generated and
+written one by one, so peak memory is about one tensor's float32 draw plus its F16 copy (~1.2 GB for a
+49152 x 4096 embedding), not the model. Quantize the result with llama.cpp's `llama-quantize F16FILE OUT Q4_K_M`.
+
+    python benchmarks/make_random_model.py OUT.gguf --tokenizer-from SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --n-embd 4096 --n-layer 32 --n-ff 11008 --n-head 32 --n-head-kv 32   # Llama-2-7B's shape
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+VT = gguf.GGUFValueType
+
+
+def tokenizer_fields(src: Path) -> list[tuple[str, object, VT, VT | None]]:
+    """(key, value, type, array item type) of every tokenizer.* key in `src`."""
+    reader = gguf.GGUFReader(src)
+    out = []
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == VT.ARRAY else None
+            out.append((key, field.contents(), field.types[0], sub))
+    return out
+
+
+def tensor_plan(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy shape) in file order; numpy shape is GGUF's ne reversed (rows, cols)."""
+    head = a.n_embd // a.n_head
+    kv = a.n_head_kv * head
+    plan = [("token_embd.weight", (n_vocab, a.n_embd))]
+    for i in range(a.n_layer):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", (a.n_embd,)),
+                 (p + "attn_q.weight", (a.n_embd, a.n_embd)),
+                 (p + "attn_k.weight", (kv, a.n_embd)),
+                 (p + "attn_v.weight", (kv, a.n_embd)),
+                 (p + "attn_output.weight", (a.n_embd, a.n_embd)),
+                 (p + "ffn_norm.weight", (a.n_embd,)),
+                 (p + "ffn_gate.weight", (a.n_ff, a.n_embd)),
+                 (p + "ffn_up.weight", (a.n_ff, a.n_embd)),
+                 (p + "ffn_down.weight", (a.n_embd, a.n_ff))]
+    plan += [("output_norm.weight", (a.n_embd,)), ("output.weight", (n_vocab, a.n_embd))]
+    return plan
+
+
+def make_tensor(shape: tuple[int, ...], index: int, seed: int, scale: float) -> np.ndarray:
+    """Norm weights (1-D) are 1.0 in F32; matrices are normal * scale in F16, seeded per tensor."""
+    if len(shape) == 1:
+        return np.ones(shape, dtype=np.float32)
+    rng = np.random.default_rng([seed, index])
+    draw = rng.standard_normal(shape, dtype=np.float32)
+    draw *= np.float32(scale)
+    return draw.astype(np.float16)
+
+
+def write_model(a: argparse.Namespace) -> None:
+    tok = tokenizer_fields(a.tokenizer_from)
+    n_vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    w = gguf.GGUFWriter(a.out, "llama")
+    w.add_name(a.name)
+    w.add_block_count(a.n_layer)
+    w.add_context_length(a.n_ctx)
+    w.add_embedding_length(a.n_embd)
+    w.add_feed_forward_length(a.n_ff)
+    w.add_head_count(a.n_head)
+    w.add_head_count_kv(a.n_head_kv)
+    w.add_rope_freq_base(a.rope_base)
+    w.add_layer_norm_rms_eps(a.rms_eps)
+    w.add_rope_dimension_count(a.n_embd // a.n_head)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key, value, vtype, sub in tok:
+        w.add_key_value(key, value, vtype, sub)
+    plan = tensor_plan(a, n_vocab)
+    for name, shape in plan:
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for index, (name, shape) in enumerate(plan):
+        w.write_tensor_data(make_tensor(shape, index, a.seed, a.scale))
+    w.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tokenizer-from", type=Path, required=True, help="GGUF whose tokenizer.* keys to copy")
+    ap.add_argument("--n-embd", type=int, default=4096)
+    ap.add_argument("--n-layer", type=int, default=32)
+    ap.add_argument("--n-ff", type=int, default=11008)
+    ap.add_argument("--n-head", type=int, default=32)
+    ap.add_argument("--n-head-kv", type=int, default=32)
+    ap.add_argument("--n-ctx", type=int, default=4096, help="llama.context_length")
+    ap.add_argument("--rope-base", type=float, default=10000.0)
+    ap.add_argument("--rms-eps", type=float, default=1e-5)
+    ap.add_argument("--scale", type=float, default=0.02, help="std of the random matrix weights")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="random-llama")
+    a = ap.parse_args(argv)
+    if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
+        ap.error("--n-embd must divide by --n-head, and --n-head by --n-head-kv")
+    if a.out.exists():
+        ap.error(f"{a.out} exists; remove it or choose another path")
+    tmp = a.out.with_name(a.out.name + ".part")
+    a.out, final = tmp, a.out
+    try:
+        write_model(a)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, final)
+    print(final)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
