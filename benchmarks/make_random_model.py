@@ -64,8 +64,7 @@ def make_tensor(shape: tuple[int, ...], index: int, seed: int, scale: float) -> 
     return draw.astype(np.float16)
 
 
-def write_model(a: argparse.Namespace) -> None:
-    tok = tokenizer_fields(a.tokenizer_from)
+def write_model(a: argparse.Namespace, tok: list[tuple[str, object, VT, VT | None]]) -> None:
     n_vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(a.out, "llama")
     w.add_name(a.name)
@@ -114,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--n-embd must divide by --n-head, and --n-head by --n-head-kv")
     if a.out.exists():
         ap.error(f"{a.out} exists; remove it or choose another path")
+    try:
+        tok = tokenizer_fields(a.tokenizer_from)
+    except (OSError, ValueError) as e:
+        ap.error(f"--tokenizer-from {a.tokenizer_from}: not a readable GGUF file ({e})")
+    if not any(k == "tokenizer.ggml.tokens" for k, _, _, _ in tok):
+        ap.error(f"--tokenizer-from {a.tokenizer_from}: this GGUF has no tokenizer.ggml.tokens; give a model's file")
     tmp = a.out.with_name(a.out.name + ".part")
     a.out, final = tmp, a.out
     try:
-        write_model(a)
+        write_model(a, tok)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

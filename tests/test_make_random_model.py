@@ -1,0 +1,179 @@
+"""benchmarks/make_random_model.py: the seeded random-weight llama GGUF used to measure a 7B-shaped
+model's memory (docs/performance.md "Memory"), checked on a tiny shape with the factory's tokenizer.
+
+What a measurement relies on: the same seed gives the same bytes (so a run can be repeated), the
+header says the requested shape with the source's tokenizer, kvchat decodes it to the float64
+reference's tokens, and a failed or refused write leaves no file behind.
+"""
+from __future__ import annotations
+
+import codecs
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from runtime.model import Model
+from tests.arch_refs import greedy_ids
+from tests.cli_inproc import kvchat
+from tests.gguf_factory import write_tiny_model
+from tests.test_forward_logits import reference_forward
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = dict(n_embd=64, n_layer=2, n_ff=96, n_head=4, n_head_kv=2)
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("make_random_model", ROOT / "benchmarks" / "make_random_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return load_generator()
+
+
+@pytest.fixture(scope="module")
+def tok_source(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tok") / "src.gguf", n_embd=32, n_layer=1)
+
+
+def argv(out: Path, src: Path, seed: int = 0, **shape) -> list[str]:
+    args = [str(out), "--tokenizer-from", str(src), "--seed", str(seed)]
+    for key, value in dict(SHAPE, **shape).items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def model_path(gen, tok_source, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gen") / "random.gguf"
+    assert gen.main(argv(out, tok_source)) == 0
+    return out
+
+
+def test_the_same_seed_writes_a_byte_identical_file_and_another_seed_does_not(gen, tok_source, model_path, tmp_path):
+    again, other = tmp_path / "again.gguf", tmp_path / "other.gguf"
+    assert gen.main(argv(again, tok_source)) == 0
+    assert gen.main(argv(other, tok_source, seed=1)) == 0
+    assert again.read_bytes() == model_path.read_bytes()
+    assert other.stat().st_size == model_path.stat().st_size
+    assert other.read_bytes() != model_path.read_bytes()
+
+
+def field_values(reader: gguf.GGUFReader, prefix: str) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
+
+
+def test_the_header_has_the_requested_shape_and_the_source_tokenizer(model_path, tok_source):
+    r = gguf.GGUFReader(model_path)
+    kv = field_values(r, "")
+    assert kv["general.architecture"] == "llama"
+    assert kv["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_F16)
+    assert {k: kv[k] for k in ("llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
+                               "llama.attention.head_count", "llama.attention.head_count_kv",
+                               "llama.rope.dimension_count")} == {
+        "llama.embedding_length": 64, "llama.block_count": 2, "llama.feed_forward_length": 96,
+        "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16}
+    src_tok = field_values(gguf.GGUFReader(tok_source), "tokenizer.")
+    assert field_values(r, "tokenizer.") == src_tok
+    n_vocab = len(src_tok["tokenizer.ggml.tokens"])
+    assert kv["llama.vocab_size"] == n_vocab
+
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == 3 + 9 * 2
+    want = {"token_embd.weight": (n_vocab, 64), "output.weight": (n_vocab, 64), "output_norm.weight": (64,),
+            "blk.1.attn_q.weight": (64, 64), "blk.1.attn_k.weight": (32, 64), "blk.1.attn_v.weight": (32, 64),
+            "blk.1.attn_output.weight": (64, 64), "blk.1.ffn_gate.weight": (96, 64),
+            "blk.1.ffn_up.weight": (96, 64), "blk.1.ffn_down.weight": (64, 96), "blk.1.ffn_norm.weight": (64,)}
+    for name, shape in want.items():
+        t = tensors[name]
+        assert tuple(int(n) for n in reversed(t.shape)) == shape, name
+        if len(shape) == 1:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(t.data, np.ones(shape, np.float32))
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F16
+            std = float(np.asarray(t.data, np.float32).std())
+            assert 0.018 < std < 0.022, (name, std)  # --scale 0.02
+
+
+def test_kvchat_greedy_decodes_the_float64_references_tokens_and_the_same_tokens_twice(model_path):
+    model = Model.load(model_path)
+    try:
+        prompt = model.vocab.tokenize("hello world", add_special=True, parse_special=True)
+        ids = greedy_ids(model, prompt, 8)
+        assert greedy_ids(model, prompt, 8) == ids
+    finally:
+        model.close()
+    ref = reference_forward(model_path, prompt + ids)[len(prompt) - 1:-1]  # logits that chose each id
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2e-3  # kvchat's F16 path is ~1e-4 from the reference here
+    assert clear.sum() >= 4, f"too few clear margins to check: {top2[:, 1] - top2[:, 0]}"
+    assert [i for i, c in zip(ids, clear) if c] == [int(t) for t, c in zip(ref.argmax(1), clear) if c]
+
+
+def test_kvchat_run_prints_the_greedy_tokens_of_a_generated_model(model_path):
+    run = kvchat("run", "-m", model_path, "--raw", "-p", "hello world", "-n", "8", "--temp", "0",
+                 "-c", "128", "--no-prompt-cache")
+    assert run.returncode == 0, run.stderr
+    model = Model.load(model_path)
+    try:
+        prompt = model.vocab.tokenize("hello world", add_special=True, parse_special=True)
+        ids = greedy_ids(model, prompt, 8)
+        eog = [k for k, t in enumerate(ids) if model.vocab.is_eog(t)]
+        pieces = b"".join(model.vocab.token_to_piece(t, False) for t in (ids[:eog[0]] if eog else ids))
+    finally:
+        model.close()
+    # the random tokens are mostly byte pieces: printed as UTF-8 decoding makes them, a last
+    # unfinished character dropped
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(pieces)
+    assert run.stdout.rstrip("\n") == text.rstrip("\n")
+
+
+def test_an_existing_output_is_refused_and_left_untouched(gen, tok_source, tmp_path, capsys):
+    out = tmp_path / "taken.gguf"
+    out.write_bytes(b"precious")
+    with pytest.raises(SystemExit) as e:
+        gen.main(argv(out, tok_source))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"{out} exists; remove it or choose another path")
+    assert out.read_bytes() == b"precious"
+    assert not (tmp_path / "taken.gguf.part").exists()
+
+
+@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()], ids=["oserror", "interrupt"])
+def test_a_write_that_fails_midway_leaves_neither_the_output_nor_a_part_file(gen, tok_source, tmp_path,
+                                                                             monkeypatch, error):
+    out = tmp_path / "half.gguf"
+    made = []
+    real = gen.make_tensor
+
+    def failing(shape, index, seed, scale):
+        if index == 5:
+            assert (tmp_path / "half.gguf.part").stat().st_size > 0  # the header and 5 tensors are on disk
+            raise error
+        made.append(index)
+        return real(shape, index, seed, scale)
+
+    monkeypatch.setattr(gen, "make_tensor", failing)
+    with pytest.raises(type(error)):
+        gen.main(argv(out, tok_source))
+    assert made == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_tokenizer_source_that_is_not_a_gguf_is_a_one_line_error(gen, tmp_path, capsys):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a model")
+    with pytest.raises(SystemExit) as e:
+        gen.main(argv(tmp_path / "x.gguf", bad))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"{bad}" in err[-1] and "GGUF" in err[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
