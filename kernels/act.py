@@ -2,17 +2,17 @@
 
 - SwiGLU: silu(gate) * up, silu(x) = x / (1 + e^-x)        (llama, qwen2, qwen3: LLM_FFN_SILU, PAR)
   with ggml's vectorized exp (kernels/ggml_math.py), so the values are llama.cpp's bits
-- GeGLU:  gelu(gate) * up with ggml's tanh approximation  (gemma3: LLM_FFN_GELU, PAR)
-  gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))); ggml saturates to 0 / x beyond
-  |x| >= 10 and we do the same. (ggml's CPU build reads gelu from an f16 table; the difference
-  is below f16 resolution and far inside the reference tolerance.)
+- GeGLU:  gelu(gate) * up with ggml's tanh approximation  (gemma2, gemma3: LLM_FFN_GELU, PAR)
+  gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))), read as ggml's CPU build reads it:
+  from its f16 table, 0 / x beyond |x| >= 10 (kernels/gelu_table.py), so the values are
+  llama.cpp's bits too
 - softmax over rows with -inf masking (classic attention path, tests).
 
 Everything here is element-wise, so it is compiled without fast-math: with reassoc/arcp/contract
 LLVM rewrote x / (1 + e^-x) * u differently in the serial and the parallel twin (a third of the
 values differed in the last bit), and a row's result must not depend on how many rows there are
 (batch invariance, see kernels/attention.py). Without vectorizable math functions (no SVML) the
-flags bought no speed.
+flags bought no speed. Both activations are branch-free (selects), so their loops vectorize.
 """
 import math
 
@@ -20,21 +20,10 @@ import numpy as np
 from numba import njit, prange
 
 from kernels import parallel
+from kernels.gelu_table import geglu_row, gelu_table
 from kernels.ggml_math import silu_ggml
 
-_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
-_GELU_COEF_A = np.float32(0.044715)
-
-
-@njit(cache=True, inline="always")
-def gelu_f32(x):
-    """ggml_gelu (tanh form) of one f32 value."""
-    if x <= -10.0:
-        return np.float32(0.0)
-    if x >= 10.0:
-        return x
-    return np.float32(0.5) * x * (np.float32(1.0) + np.float32(
-        math.tanh(_SQRT_2_OVER_PI * x * (np.float32(1.0) + _GELU_COEF_A * x * x))))
+_NO_TABLE = np.zeros(1, dtype=np.float32)  # the table argument of the SiLU loops (never read)
 
 
 @njit(cache=True, inline="always")
@@ -45,57 +34,55 @@ def silu_f32(x):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _glu_row(gu, n_ff, use_gelu, out):
-    """One row: two separate loops, so the SiLU one (no calls, branch-free) vectorizes."""
+def _glu_row(gu, n_ff, use_gelu, table, out):
+    """One row: a loop per activation, branch-free, so the arithmetic vectorizes."""
     if use_gelu:
-        for i in range(n_ff):
-            out[i] = gelu_f32(gu[i]) * gu[n_ff + i]
+        geglu_row(gu[:n_ff], gu[n_ff:2 * n_ff], table, out)
     else:
         for i in range(n_ff):
             out[i] = silu_f32(gu[i]) * gu[n_ff + i]
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def _glu_rows_par(gu, n_ff, use_gelu, out):
-    """gu: [n, 2*n_ff] f32 = [gate | up] per row; out: [n, n_ff] f32."""
+def _glu_rows_par(gu, n_ff, use_gelu, table, out):
+    """gu: [n, 2*n_ff] f32 = [gate | up] per row; table: [65536] f32 GELU table; out: [n, n_ff] f32."""
     for r in prange(gu.shape[0]):
-        _glu_row(gu[r], n_ff, use_gelu, out[r])
+        _glu_row(gu[r], n_ff, use_gelu, table, out[r])
 
 
 @njit(cache=True, error_model="numpy")
-def _glu_rows_ser(gu, n_ff, use_gelu, out):
+def _glu_rows_ser(gu, n_ff, use_gelu, table, out):
     for r in range(gu.shape[0]):
-        _glu_row(gu[r], n_ff, use_gelu, out[r])
+        _glu_row(gu[r], n_ff, use_gelu, table, out[r])
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _glu_split_row(gate, up, use_gelu, out):
+def _glu_split_row(gate, up, use_gelu, table, out):
     if use_gelu:
-        for i in range(gate.shape[0]):
-            out[i] = gelu_f32(gate[i]) * up[i]
+        geglu_row(gate, up, table, out)
     else:
         for i in range(gate.shape[0]):
             out[i] = silu_f32(gate[i]) * up[i]
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def _glu_split(gate, up, use_gelu, out):
+def _glu_split(gate, up, use_gelu, table, out):
     """gate, up, out: [n, n_ff] f32."""
     for r in prange(gate.shape[0]):
-        _glu_split_row(gate[r], up[r], use_gelu, out[r])
+        _glu_split_row(gate[r], up[r], use_gelu, table, out[r])
 
 
 def swiglu(gate, up):
     """silu(gate) * up. gate, up: [n, n_ff] f32 -> [n, n_ff] f32."""
     out = np.empty_like(gate)
-    _glu_split(gate, up, False, out)
+    _glu_split(gate, up, False, _NO_TABLE, out)
     return out
 
 
 def geglu(gate, up):
     """gelu(gate) * up. gate, up: [n, n_ff] f32 -> [n, n_ff] f32."""
     out = np.empty_like(gate)
-    _glu_split(gate, up, True, out)
+    _glu_split(gate, up, True, gelu_table(), out)
     return out
 
 
@@ -103,7 +90,7 @@ def glu_fused(gate_up, n_ff, use_gelu):
     """The same on one [n, 2*n_ff] f32 array holding gate then up (a fused gate+up matmul)."""
     out = np.empty((gate_up.shape[0], n_ff), dtype=np.float32)
     fn = _glu_rows_par if gate_up.shape[0] >= parallel.GLU_PAR_MIN_ROWS else _glu_rows_ser
-    fn(gate_up, n_ff, use_gelu, out)
+    fn(gate_up, n_ff, use_gelu, gelu_table() if use_gelu else _NO_TABLE, out)
     return out
 
 

@@ -111,7 +111,10 @@ def reference_forward(path, tokens):
             x = x + _rms(o, W("post_attention_norm.weight"), hp.norm_eps)
             h = _rms(x, W("ffn_norm.weight"), hp.norm_eps)
             g = M(h, "ffn_gate.weight")
-            a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * g * (1 + 0.044715 * g * g)))
+            # ggml's CPU GELU: f16(gelu(f16(g))) inside (-10, 10), 0 / g outside (GGML_GELU_FP16)
+            gh = g.astype(np.float16).astype(np.float64)
+            a = (0.5 * gh * (1 + np.tanh(np.sqrt(2 / np.pi) * gh * (1 + 0.044715 * gh * gh)))).astype(np.float16)
+            a = np.where(g <= -10, 0.0, np.where(g >= 10, g, a.astype(np.float64)))
             f = M(a * M(h, "ffn_up.weight"), "ffn_down.weight")
             x = x + _rms(f, W("post_ffw_norm.weight"), hp.norm_eps)
         else:

@@ -52,7 +52,8 @@ def test_swiglu_and_geglu_match_numpy():
     u = _rng(1).standard_normal((5, 1536)).astype(np.float32)
     g64, u64 = g.astype(np.float64), u.astype(np.float64)
     np.testing.assert_allclose(swiglu(g, u), g64 / (1 + np.exp(-g64)) * u64, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(geglu(g, u), _gelu_tanh(g64) * u64, rtol=1e-5, atol=1e-6)
+    # GELU is read from ggml's f16 table (tests/test_act_gelu.py): half precision
+    np.testing.assert_allclose(geglu(g, u), _gelu_tanh(g64) * u64, rtol=2e-3, atol=2e-3)
     fused = np.concatenate([g, u], axis=1)
     np.testing.assert_allclose(glu_fused(fused, 1536, True), geglu(g, u), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(glu_fused(fused, 1536, False), swiglu(g, u), rtol=1e-6, atol=1e-7)

@@ -101,10 +101,10 @@ def output_projection(L, attn):
     return out
 
 
-def feed_forward(L, h, n_ff, use_gelu, gelu_table=False):
+def feed_forward(L, h, n_ff, use_gelu):
     """Gated FFN of layer L: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU
     (runtime/arch/layer_plan.py: gated_ffn)."""
-    return gated_ffn(h, n_ff, use_gelu, gelu_table, opt(L, "w_gate_up"), opt(L, "w_gate"), opt(L, "w_up"),
+    return gated_ffn(h, n_ff, use_gelu, opt(L, "w_gate_up"), opt(L, "w_gate"), opt(L, "w_up"),
                      opt(L, "b_gate"), opt(L, "b_up"), L.w_down, opt(L, "b_down"))
 
 

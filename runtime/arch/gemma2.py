@@ -8,8 +8,8 @@ il % 2 == 0 (sliding_window_pattern default 2; window default 4096), with the iS
 attention scale is 1/sqrt(head size), 1/sqrt(n_embd/n_head) for the 27B (46 layers); NEOX RoPE
 (base 10000 unless the file says), rope.freq_base_swa for the sliding layers if given. The
 head is always token_embd. GGUF norm weights already include Gemma's +1. GeGLU's GELU goes
-through ggml's f16 table as llama.cpp's CPU build does (exact tanh moves the reference
-log-probs by up to 1.0e-2, the table by 2.7e-3; kernels/gelu_table.py).
+through ggml's f16 table as llama.cpp's CPU build does, as gemma3's (exact tanh moves the
+reference log-probs by up to 1.0e-2, the table by 2.7e-3; kernels/gelu_table.py).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Gemma2(Arch):
 
     @staticmethod
     def forward(model, ubatch, mctx):
-        return gemma3.forward(model, ubatch, mctx, gelu_table=True)
+        return gemma3.forward(model, ubatch, mctx)
 
 
 ARCH = Gemma2()

@@ -1,5 +1,5 @@
 """gemma3 (src/models/gemma3.cpp): embeddings scaled by sqrt(n_embd), QK-norm, RMSNorm before
-and after both attention and FFN, GeGLU (tanh GELU), local RoPE base on sliding-window layers.
+and after both attention and FFN, GeGLU (tanh GELU read from ggml's f16 table, kernels/gelu_table.py), local RoPE base on sliding-window layers.
 
 Sliding-window layers attend through the SWA cache: the iSWA memory context routes cpy_k /
 get_k / kq_mask by hparams.is_swa(il). SWA layout: `sliding_window_pattern` n (default 6: five
@@ -24,8 +24,8 @@ from runtime.hparams import HParams, positive, swa_layers
 SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
 
 
-def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab]; gelu_table: GeGLU through ggml's f16 GELU table (gemma2).
+def forward(model, ubatch, mctx) -> np.ndarray:
+    """Logits f32 [n_outputs, n_vocab] (gemma3 and gemma2).
 
     Each post-norm, residual add and the norm after it run as one kernel
     (kernels/fused_norm.norm_add_rms_norm: the same arithmetic in one launch); each layer runs
@@ -47,7 +47,7 @@ def forward(model, ubatch, mctx, gelu_table: bool = False) -> np.ndarray:
             if x.shape[0] == 0:
                 return np.zeros((0, hp.n_vocab), dtype=np.float32)
         h = norm_add_rms_norm(output_step(p, attn), L.post_attn_norm, x, L.ffn_norm, eps)
-        ffn = ffn_step(p, h, True, gelu_table)
+        ffn = ffn_step(p, h, True)
         w_next = plans[p.il + 1].L.attn_norm if p.il < last else model.weights.output_norm
         h = norm_add_rms_norm(ffn, L.post_ffn_norm, x, w_next, eps)
     return lm_head(model, h)

@@ -17,7 +17,6 @@ import numpy as np
 
 from kernels.act import geglu, glu_fused, swiglu
 from kernels.attention import attention_checked, round_q_to_vec_dot_type
-from kernels.gelu_table import geglu_f16_table
 from kernels.ggml_types import GGMLType
 from kernels.qkv_store import prepare_qkv_store
 from kernels.rope import _ONE, prepare_qkv_planned, rope_plan
@@ -146,24 +145,17 @@ def output_step(p: LayerPlan, attn: np.ndarray) -> np.ndarray:
     return out
 
 
-def ffn_step(p: LayerPlan, h: np.ndarray, use_gelu: bool, gelu_table: bool = False) -> np.ndarray:
+def ffn_step(p: LayerPlan, h: np.ndarray, use_gelu: bool) -> np.ndarray:
     """The layer's gated FFN (gated_ffn) on h [n, n_embd] -> [n, n_embd] f32."""
-    return gated_ffn(h, p.n_ff, use_gelu, gelu_table, p.w_gate_up, p.w_gate, p.w_up, p.b_gate, p.b_up,
+    return gated_ffn(h, p.n_ff, use_gelu, p.w_gate_up, p.w_gate, p.w_up, p.b_gate, p.b_up,
                      p.w_down, p.b_down)
 
 
-def gated_ffn(h, n_ff, use_gelu, gelu_table, w_gate_up, w_gate, w_up, b_gate, b_up, w_down, b_down):
-    """down(act(gate(h)) * up(h)), act GELU (gemma) or SiLU; gelu_table: GELU as ggml's CPU
-    computes it, through its f16 table (kernels/gelu_table.py). w_gate_up: a fused gate+up
-    matrix or None (then w_gate and w_up); biases None where the file has none.
-    h [n, n_embd] f32 -> [n, n_embd] f32."""
-    if gelu_table:
-        if w_gate_up is not None:
-            gu = w_gate_up.matmul(h)  # [n, 2 * n_ff] f32
-            a = geglu_f16_table(gu[:, :n_ff], gu[:, n_ff:])
-        else:
-            a = geglu_f16_table(w_gate.matmul(h), w_up.matmul(h))
-    elif w_gate_up is not None:
+def gated_ffn(h, n_ff, use_gelu, w_gate_up, w_gate, w_up, b_gate, b_up, w_down, b_down):
+    """down(act(gate(h)) * up(h)), act GELU (gemma; as ggml's CPU computes it, through its f16
+    table: kernels/gelu_table.py) or SiLU. w_gate_up: a fused gate+up matrix or None (then w_gate
+    and w_up); biases None where the file has none. h [n, n_embd] f32 -> [n, n_embd] f32."""
+    if w_gate_up is not None:
         a = glu_fused(w_gate_up.matmul(h), n_ff, use_gelu)
     else:
         g, u = w_gate.matmul(h), w_up.matmul(h)
