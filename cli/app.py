@@ -2,13 +2,13 @@
 
 Each `cli/cmd_*.py` exposes `register(app)`; this file only wires them together and turns
 user-facing errors (runtime.errors.KvchatError) into one line on stderr and exit code 1.
+A plain `kvchat run` line (known flags, values typer would read the same way) is parsed by
+cli/fast_args.py and typer is not imported at all; every other line goes through typer.
 """
 import importlib
 import logging
 import os
 import sys
-
-import typer
 
 from runtime.errors import KvchatError
 
@@ -21,11 +21,13 @@ COMMANDS = {
 }
 
 
-def make_app(only: str | None = None) -> typer.Typer:
+def make_app(only: str | None = None):
     """The typer app with every command, or with command `only` alone: `kvchat run ...` then
     imports run's module and what it needs, not every other command's (the inference engine,
     the hub client, ...). A callback keeps a one-command app a group, so `run` stays its name.
     Values are converted without pydantic where typer's result is known (cli/fast_params.py)."""
+    import typer
+
     from cli import fast_params
     fast_params.install()
     application = typer.Typer(
@@ -52,12 +54,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-try:  # typer >= 0.22 vendors click as typer._click; older releases depend on click itself
-    from typer._click import exceptions as _click_exc
-except ImportError:  # pragma: no cover - depends on the installed typer
-    from click import exceptions as _click_exc
-
-
 def quiet_engine_logs() -> None:
     """The engine logs what llama.cpp logs (decode aborted, state refused, ...); the CLI says
     what matters in its own words, so those records stay hidden unless KVCHAT_DEBUG is set.
@@ -81,6 +77,40 @@ def single_threaded_blas() -> None:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def run_without_typer(args: list[str]):
+    """`kvchat run ...` parsed by cli/fast_args.py and run; NotImplemented when typer must parse it."""
+    if args[0] != "run":
+        return NotImplemented
+    from cli import cmd_run, fast_args
+    from cli.options import OPTIONS, settings_from
+    values = fast_args.parse(args[1:], cmd_run.RUN_OPTIONS + OPTIONS)
+    if values is None:
+        return NotImplemented
+    own = {o.name: values.pop(o.name) for o in cmd_run.RUN_OPTIONS}
+    return fast_args.invoke(lambda: cmd_run.run_command(settings_from(values), **own))
+
+
+def run_with_typer(args: list[str]):
+    """The typer app's answer to `kvchat ARGS`; usage errors become one line (exit 2)."""
+    import typer
+
+    from cli.fast_args import click_module
+    click_exc = click_module("exceptions")
+    application = make_app(args[0]) if args[0] in COMMANDS else globals().get("app") or __getattr__("app")
+    try:
+        return application(args=args, prog_name="kvchat", standalone_mode=False)
+    except click_exc.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "kvchat"
+        print(f"error: {e.format_message()} (see `{command} --help`)", file=sys.stderr)
+        sys.exit(2)
+    except click_exc.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
 def main(argv=None) -> None:
     """Entry point: `kvchat` alone (or with only options) means `kvchat chat`.
 
@@ -91,21 +121,16 @@ def main(argv=None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]
-    application = make_app(args[0]) if args[0] in COMMANDS else globals().get("app") or __getattr__("app")
+    from cli.fast_args import EndOfInput
     try:
-        rc = application(args=args, prog_name="kvchat", standalone_mode=False)
+        rc = run_without_typer(args)
+        if rc is NotImplemented:
+            rc = run_with_typer(args)
     except KvchatError as e:
         from cli.wording import error_text
         print(f"error: {error_text(e)}", file=sys.stderr)
         sys.exit(1)
-    except _click_exc.UsageError as e:
-        command = e.ctx.command_path if e.ctx is not None else "kvchat"
-        print(f"error: {e.format_message()} (see `{command} --help`)", file=sys.stderr)
-        sys.exit(2)
-    except _click_exc.ClickException as e:
-        print(f"error: {e.format_message()}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except (EndOfInput, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     if isinstance(rc, int) and rc:

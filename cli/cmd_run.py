@@ -7,17 +7,40 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
+from typing import Optional
 
 from cli.chat_setup import (apply_saved_sampling, hold_session_lock, make_conversation, open_engine,
                             should_resume, sigint_sets)
-from cli.options import ChatSettings, with_settings
+from cli.options import ChatSettings, Option
 from cli.render import Renderer
 from runtime.conversation import Interrupted, StopReason
 from runtime.errors import KvchatError
 from runtime.text.utf8 import decode_bytes, read_stream
+
+INPUT, PARALLEL, PROMPT_CACHE = "Input", "Parallel", "Prompt cache"
+
+# run's own flags (the shared ones are cli/options.py's OPTIONS); typer's `min` is in `extra` so
+# that a refusal keeps typer's wording
+RUN_OPTIONS = [
+    Option("prompt", Optional[str], ("-p", "--prompt"), "the prompt text", INPUT),
+    Option("file", Optional[Path], ("-f", "--file"), "read the prompt from FILE", INPUT),
+    Option("raw", bool, ("--raw",), "plain completion: no chat template", INPUT, default=False),
+    Option("parallel", int, ("-np", "--parallel"), "N answers of the prompt (seeds S..S+N-1), or N "
+           "prompts of --prompts-file at a time", PARALLEL, extra={"min": 1}, default=1),
+    Option("prompts_file", Optional[Path], ("--prompts-file",),
+           "answer every prompt of FILE (one per line, or .jsonl with prompt/messages)", PARALLEL),
+    Option("jsonl", bool, ("--jsonl",), "one JSON object per answer on stdout", PARALLEL, default=False),
+    Option("kv_unified", bool, ("-kvu/-no-kvu", "--kv-unified/--no-kv-unified"),
+           "one cell pool for all sequences (else one stream of n_ctx/N cells each)", PARALLEL,
+           default=True),
+    Option("prompt_cache", Optional[Path], ("--prompt-cache",), "directory of the persistent prefix cache",
+           PROMPT_CACHE, extra={"show_default": "<cache dir>/prompt-cache"}),
+    Option("no_prompt_cache", bool, ("--no-prompt-cache",), "neither read nor write the prefix cache",
+           PROMPT_CACHE, default=False),
+    Option("prompt_cache_max", int, ("--prompt-cache-max",),
+           "size limit of the prefix cache in MiB (least recently used entries go first)", PROMPT_CACHE,
+           extra={"min": 1}, default=2048),
+]
 
 
 def read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -35,89 +58,76 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
     return read_stream(sys.stdin)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("run")
-    @with_settings
-    def run(prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="the prompt text",
-                                                          rich_help_panel="Input")] = None,
-            file: Annotated[Optional[Path], typer.Option("-f", "--file", help="read the prompt from FILE",
-                                                         rich_help_panel="Input")] = None,
-            raw: Annotated[bool, typer.Option("--raw", help="plain completion: no chat template",
-                                              rich_help_panel="Input")] = False,
-            parallel: Annotated[int, typer.Option("-np", "--parallel", min=1, rich_help_panel="Parallel",
-                                                  help="N answers of the prompt (seeds S..S+N-1), or N "
-                                                       "prompts of --prompts-file at a time")] = 1,
-            prompts_file: Annotated[Optional[Path], typer.Option(
-                "--prompts-file", rich_help_panel="Parallel",
-                help="answer every prompt of FILE (one per line, or .jsonl with prompt/messages)")] = None,
-            jsonl: Annotated[bool, typer.Option("--jsonl", rich_help_panel="Parallel",
-                                                help="one JSON object per answer on stdout")] = False,
-            kv_unified: Annotated[bool, typer.Option("-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
-                                                     rich_help_panel="Parallel",
-                                                     help="one cell pool for all sequences (else one "
-                                                          "stream of n_ctx/N cells each)")] = True,
-            prompt_cache: Annotated[Optional[Path], typer.Option(
-                "--prompt-cache", rich_help_panel="Prompt cache", show_default="<cache dir>/prompt-cache",
-                help="directory of the persistent prefix cache")] = None,
-            no_prompt_cache: Annotated[bool, typer.Option("--no-prompt-cache", rich_help_panel="Prompt cache",
-                                                          help="neither read nor write the prefix cache")] = False,
-            prompt_cache_max: Annotated[int, typer.Option("--prompt-cache-max", min=1, rich_help_panel="Prompt cache",
-                                                          help="size limit of the prefix cache in MiB "
-                                                               "(least recently used entries go first)")] = 2048,
-            settings: ChatSettings = None):
+def register(app) -> None:
+    """`run` on the typer app: RUN_OPTIONS, then the shared flags (cli/options.py)."""
+    import inspect
+
+    from cli.options import _parameter, with_settings
+
+    def run(settings: ChatSettings = None, **own):
         """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
-        import threading
-        from cli import run_parallel
-        if prompts_file is not None and (prompt is not None or file is not None):
-            raise KvchatError("give either --prompts-file or a prompt (-p / -f), not both")
-        if (parallel > 1 or prompts_file is not None or jsonl) and settings.session is not None:
-            raise KvchatError("--session works with one answer; drop -np / --prompts-file / --jsonl")
-        text = read_prompt(prompt, file) if prompts_file is None else None
-        lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
-        renderer = Renderer(markdown=settings.markdown)
-        stop = threading.Event()
-        renderer.on_out_lost = stop.set  # nobody reads the answer any more: stop generating it
-        engine = open_engine(settings, renderer, stop,
-                             n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
-                             kv_unified=kv_unified)
-        raw = raw or not engine.has_template
-        conv = make_conversation(engine, settings, renderer, stop, raw=raw)
-        if prompts_file is not None or parallel > 1 or jsonl:
-            with sigint_sets(stop):
-                if prompts_file is not None:
-                    run_parallel.run_prompts_file(engine, conv, settings, prompts_file, parallel,
-                                                  jsonl, stop, renderer)
-                else:
-                    run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl,
-                                                  stop, renderer)
-            return
-        if should_resume(settings, renderer):
-            # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
-            from cli.session import load_conversation
-            data = load_conversation(settings.session, conv, engine.identity, engine.cache,
-                                     engine.vocab.n_vocab)
-            apply_saved_sampling(conv, data.sampling, settings)
-            renderer.notice(f"resumed {settings.session}: {conv.n_cached} tokens in the cache")
-        renderer.begin_answer()
-        try:
-            with sigint_sets(stop):
-                if not no_prompt_cache:
-                    from cli import run_prompt_cache
-                    run_prompt_cache.warm(engine, conv, text, prompt_cache, prompt_cache_max, renderer)
-                stats = conv.ask(text, on_text=renderer.piece)
-        except Interrupted:  # Ctrl-C while the prompt was being evaluated
-            renderer.end_answer()
-            renderer.notice("interrupted")
-            raise typer.Exit(130)
+        return run_command(settings, **own)
+
+    run.__signature__ = inspect.Signature([_parameter(o) for o in RUN_OPTIONS]
+                                          + [inspect.Parameter("settings", inspect.Parameter.KEYWORD_ONLY)])
+    app.command("run")(with_settings(run))
+
+
+def run_command(settings: ChatSettings, *, prompt, file, raw, parallel, prompts_file, jsonl, kv_unified,
+                prompt_cache, no_prompt_cache, prompt_cache_max):
+    """The command itself, from converted flags (typer's, or cli/fast_args.py's for a plain line)."""
+    import threading
+    from cli import run_parallel
+    if prompts_file is not None and (prompt is not None or file is not None):
+        raise KvchatError("give either --prompts-file or a prompt (-p / -f), not both")
+    if (parallel > 1 or prompts_file is not None or jsonl) and settings.session is not None:
+        raise KvchatError("--session works with one answer; drop -np / --prompts-file / --jsonl")
+    text = read_prompt(prompt, file) if prompts_file is None else None
+    lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
+    renderer = Renderer(markdown=settings.markdown)
+    stop = threading.Event()
+    renderer.on_out_lost = stop.set  # nobody reads the answer any more: stop generating it
+    engine = open_engine(settings, renderer, stop,
+                         n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
+                         kv_unified=kv_unified)
+    raw = raw or not engine.has_template
+    conv = make_conversation(engine, settings, renderer, stop, raw=raw)
+    if prompts_file is not None or parallel > 1 or jsonl:
+        with sigint_sets(stop):
+            if prompts_file is not None:
+                run_parallel.run_prompts_file(engine, conv, settings, prompts_file, parallel,
+                                              jsonl, stop, renderer)
+            else:
+                run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl,
+                                              stop, renderer)
+        return
+    if should_resume(settings, renderer):
+        # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
+        from cli.session import load_conversation
+        data = load_conversation(settings.session, conv, engine.identity, engine.cache,
+                                 engine.vocab.n_vocab)
+        apply_saved_sampling(conv, data.sampling, settings)
+        renderer.notice(f"resumed {settings.session}: {conv.n_cached} tokens in the cache")
+    renderer.begin_answer()
+    try:
+        with sigint_sets(stop):
+            if not no_prompt_cache:
+                from cli import run_prompt_cache
+                run_prompt_cache.warm(engine, conv, text, prompt_cache, prompt_cache_max, renderer)
+            stats = conv.ask(text, on_text=renderer.piece)
+    except Interrupted:  # Ctrl-C while the prompt was being evaluated
         renderer.end_answer()
-        if settings.session is not None:
-            from cli.session import save_conversation
-            save_conversation(settings.session, conv, engine.identity, engine.cache,
-                              force=settings.force)
-        if settings.show_timings:
-            renderer.timings(stats)
-        if renderer.out_lost:
-            saved = f"; the conversation is saved in {settings.session}" if settings.session else ""
-            raise KvchatError(f"stdout is closed, so the answer could not be printed in full{saved}")
-        if stats.stop == StopReason.INTERRUPTED:
-            raise typer.Exit(130)
+        renderer.notice("interrupted")
+        raise SystemExit(130)
+    renderer.end_answer()
+    if settings.session is not None:
+        from cli.session import save_conversation
+        save_conversation(settings.session, conv, engine.identity, engine.cache,
+                          force=settings.force)
+    if settings.show_timings:
+        renderer.timings(stats)
+    if renderer.out_lost:
+        saved = f"; the conversation is saved in {settings.session}" if settings.session else ""
+        raise KvchatError(f"stdout is closed, so the answer could not be printed in full{saved}")
+    if stats.stop == StopReason.INTERRUPTED:
+        raise SystemExit(130)

@@ -19,8 +19,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
-import typer
-
 from runtime.errors import KvchatError
 from runtime.sampling import SamplingParams
 
@@ -244,6 +242,7 @@ CACHE_FLAGS = ("model", "hf_repo", "threads", "ctx_size", "batch_size", "ubatch_
 
 def hf_option(panel: str | None = None):
     """`-hf owner/repo[:QUANT]` for a command declaring its own -m (same as -m hf:owner/repo[:QUANT])."""
+    import typer
     return typer.Option(None, *BY_NAME["hf_repo"].flags, help=HF_HELP, rich_help_panel=panel)
 
 
@@ -281,18 +280,33 @@ def parse_value(option: Option, text: str):
     return check_value(option, value)
 
 
-# ---- typer wiring ---------------------------------------------------------------------------------
+def settings_from(values: dict, fixed: dict | None = None) -> ChatSettings:
+    """ChatSettings from the shared flags' converted values (`fixed`: a command's own defaults
+    for flags it does not take): -fa's choice as its text, `-hf X` as `-m hf:X`."""
+    values = dict(values)
+    if isinstance(values.get("flash_attn"), FlashAttn):
+        values["flash_attn"] = values["flash_attn"].value
+    if values.get("hf_repo") is not None:  # -hf X is -m hf:X, for every command taking both
+        if values.get("model") is not None:
+            raise KvchatError(f"give -m {values['model']} or -hf {values['hf_repo']}, not both")
+        values["model"] = "hf:" + values["hf_repo"]
+    return ChatSettings(**((fixed or {}) | values))
+
+
+# ---- typer wiring (typer is imported by a command's registration, not with this module) -----------
 
 def _callback(option: Option):
     def callback(value):
         try:
             return check_value(option, value)
         except ValueError as e:
+            import typer
             raise typer.BadParameter(str(e)) from None
     return callback
 
 
 def _parameter(option: Option) -> inspect.Parameter:
+    import typer
     default = option.default
     if option.type is FlashAttn and default is not None:
         default = FlashAttn(default)
@@ -324,13 +338,7 @@ def with_settings(func=None, *, names=None, overrides=None):
     @functools.wraps(func)
     def command(**kwargs):
         values = {n: kwargs.pop(n) for n in taken}
-        if isinstance(values.get("flash_attn"), FlashAttn):
-            values["flash_attn"] = values["flash_attn"].value
-        if values.get("hf_repo") is not None:  # -hf X is -m hf:X, for every command taking both
-            if values.get("model") is not None:
-                raise KvchatError(f"give -m {values['model']} or -hf {values['hf_repo']}, not both")
-            values["model"] = "hf:" + values["hf_repo"]
-        return func(settings=ChatSettings(**(fixed | values)), **kwargs)
+        return func(settings=settings_from(values, fixed), **kwargs)
 
     del command.__wrapped__  # typer must see the new signature, not the wrapped one
     params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
