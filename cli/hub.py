@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import re
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,6 +334,7 @@ def _is_network_error(exc: BaseException) -> bool:
     from huggingface_hub import errors as E
     if isinstance(exc, E.HfHubHTTPError):  # 5xx: the hub (or a proxy) is down
         return True
+    import socket  # the network's errors: imported with the hub client, not by every -m
     if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror)):
         return True
     return type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "h11")

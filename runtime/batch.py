@@ -82,7 +82,7 @@ class UBatch:
         if self.multi_seq:
             unq = sorted({x for s in seq_id for x in s})
         else:
-            unq = np.unique(self.seq0).tolist()
+            unq = sorted(set(self.seq0.tolist()))  # as np.unique, which imports numpy.ma
         self.seq_id_unq = unq
         self.n_seqs_unq = len(unq)
         self.n_outputs = int(np.count_nonzero(output))
@@ -186,7 +186,7 @@ class BatchAllocator:
         single = all(len(ss) == 1 for ss in seq_id)
         if single:
             seq0 = np.fromiter((ss[0] for ss in seq_id), dtype=np.int32, count=n)
-            for s in np.unique(seq0).tolist():
+            for s in sorted(set(seq0.tolist())):  # np.unique's order (np.unique imports numpy.ma)
                 p = self.pos[seq0 == s]
                 seq_positions[s] = p
         else:
@@ -199,7 +199,7 @@ class BatchAllocator:
             seq_positions = {s: np.asarray(v, dtype=np.int32) for s, v in seq_positions.items()}
         self.has_cpl = bool(cpl)
         for s, p in seq_positions.items():
-            self._seq_pos[s] = (int(p.min()), int(p.max()), int(np.unique(p).size))
+            self._seq_pos[s] = (int(p.min()), int(p.max()), len(set(p.tolist())))  # distinct positions
 
         self.seq_set = [frozenset(ss) for ss in seq_id]
         for i, st in enumerate(self.seq_set):

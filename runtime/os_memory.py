@@ -11,7 +11,7 @@ A fixed threshold keeps every large array in its own mapping, so freeing it free
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import os
 import sys
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
@@ -26,7 +26,7 @@ def _glibc():
         _libc = False
         if sys.platform.startswith("linux"):
             try:
-                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                lib = ctypes.CDLL(None)  # the process's own symbols: libc's (no ldconfig run)
                 _libc = lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else False
             except OSError:
                 pass
@@ -58,34 +58,75 @@ def release_library_pages(names=LIBRARIES) -> int:
     Why: LLVM (libllvmlite.so, 179 MB) is needed to link the cached kernels at start-up and then
     hardly ever again, but the pages its loader and linker touched stay mapped — ~35 MiB of the
     process's resident set for the whole run. Only mappings that are not writable and hold no
-    private (copy-on-write) page — per /proc/self/smaps — are released, so nothing but the
-    file's own bytes is dropped: a page read later faults back in from the page cache
-    (MADV_DONTNEED on a private file mapping). Relocated read-only data (RELRO) is private and
-    stays."""
+    private (copy-on-write) page are released, so nothing but the file's own bytes is dropped: a
+    page read later faults back in from the page cache (MADV_DONTNEED on a private file
+    mapping). Relocated read-only data (RELRO) is private and stays. The mappings come from
+    /proc/self/maps and their pages' kinds from /proc/self/pagemap (a few hundred KB for these
+    mappings; /proc/self/smaps, which walks every mapping of the process, took 5-20 ms), or from
+    smaps where pagemap cannot be read."""
     if not sys.platform.startswith("linux"):
         return 0
+    lib = _glibc()
+    if not lib or not hasattr(lib, "madvise"):
+        return 0
+    try:
+        ranges = _clean_ranges_pagemap(names)
+    except OSError:
+        ranges = _clean_ranges_smaps(names)
+    released = 0
+    for lo, hi, rss in ranges:
+        if rss and lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(_MADV_DONTNEED)) == 0:
+            released += rss
+    return released
+
+
+def _library_mapping(head: list, names) -> tuple | None:
+    """(lo, hi) of a maps / smaps header line's mapping when it is a named library's and not
+    writable."""
+    path = head[5] if len(head) > 5 else ""
+    if "w" in head[1] or not any(n in path.rsplit("/", 1)[-1] for n in names):
+        return None
+    lo, hi = (int(x, 16) for x in head[0].split("-"))
+    return lo, hi
+
+
+_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61  # /proc/PID/pagemap entry bits
+
+
+def _clean_ranges_pagemap(names) -> list:
+    """[(lo, hi, resident bytes)] of the named libraries' read-only mappings with no private page
+    (one resident or swapped out that is not the file's)."""
+    import numpy as np
+    with open("/proc/self/maps") as f:
+        mappings = [m for m in (_library_mapping(line.rstrip("\n").split(None, 5), names)
+                                for line in f) if m is not None]
+    page = os.sysconf("SC_PAGE_SIZE")
+    out = []
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        for lo, hi in mappings:
+            entries = np.frombuffer(os.pread(pagemap.fileno(), (hi - lo) // page * 8, lo // page * 8), np.uint64)
+            present = (entries & np.uint64(_PRESENT)) != 0
+            private = (present & ((entries & np.uint64(_FILE)) == 0)) | ((entries & np.uint64(_SWAPPED)) != 0)
+            if not private.any():
+                out.append((lo, hi, int(present.sum()) * page))
+    return out
+
+
+def _clean_ranges_smaps(names) -> list:
+    """The same from /proc/self/smaps (Rss and Anonymous per mapping); [] if it cannot be read."""
     try:
         with open("/proc/self/smaps") as f:
             text = f.read()
     except OSError:
-        return 0
+        return []
     ranges, current = [], None
     for line in text.splitlines():
         head = line.split(None, 5)
         if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's header line
-            path = head[5] if len(head) > 5 else ""
-            current = None
-            if "w" not in head[1] and any(n in path.rsplit("/", 1)[-1] for n in names):
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                current = [lo, hi, 0, 0]
+            mapping = _library_mapping(head, names)
+            current = None if mapping is None else [*mapping, 0, 0]
+            if current is not None:
                 ranges.append(current)
         elif current is not None and head[0] in ("Rss:", "Anonymous:"):
             current[2 if head[0] == "Rss:" else 3] = int(head[1]) << 10
-    lib, released = _glibc(), 0
-    if not lib or not hasattr(lib, "madvise"):
-        return 0
-    for lo, hi, rss, anon in ranges:
-        if rss and not anon:
-            if lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(_MADV_DONTNEED)) == 0:
-                released += rss
-    return released
+    return [(lo, hi, rss) for lo, hi, rss, anon in ranges if not anon]

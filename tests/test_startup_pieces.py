@@ -145,6 +145,25 @@ def test_llvms_clean_pages_leave_the_resident_set_and_every_kernel_still_runs():
     assert out.stdout.split() == ["True", "True", "True", "32"]  # released once, then nothing left
 
 
+PAGE_KINDS = """
+import numpy as np
+from kernels.matmul import QMatrix
+from runtime.os_memory import LIBRARIES, _clean_ranges_pagemap, _clean_ranges_smaps
+from tests.test_matmul import random_raw
+QMatrix(random_raw(2, 32, 64), 2, 64).matmul(np.ones((1, 64), np.float32))
+pagemap, smaps = _clean_ranges_pagemap(LIBRARIES), _clean_ranges_smaps(LIBRARIES)
+print(pagemap == smaps, len(pagemap) > 0, sum(r for _, _, r in pagemap) > 0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap and smaps")
+def test_pagemap_finds_the_same_clean_library_mappings_and_resident_bytes_as_smaps():
+    from tests.conftest import ROOT
+    out = subprocess.run([sys.executable, "-c", PAGE_KINDS], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["True", "True", "True"]
+
+
 @pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16])
 def test_dequantized_rows_are_the_same_alone_and_in_a_batch(t, monkeypatch):
     k = 256
@@ -217,13 +236,15 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
 
 LEAN_RUN = ("import atexit, sys\n"
             "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
-            "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj') if m in sys.modules)))\n"
+            "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj', 'typer', 'email', 'numpy.ma') if m in sys.modules)))\n"
             "from cli.app import main\nmain()\n")
 
 
-def test_a_plain_kvchat_run_imports_neither_rich_pydantic_yaml_nor_numbas_array_overloads(tiny_chat, tmp_path):
-    """stderr not a terminal and nothing to say: none of them is needed, and the answer is the one
-    a run that imports rich (FORCE_COLOR makes rich treat stderr as a terminal: spinners) gives."""
+def test_a_plain_kvchat_run_imports_none_of_the_modules_a_warm_start_does_not_need(tiny_chat, tmp_path):
+    """rich (stderr not a terminal and nothing to say), pydantic and typer (a plain command line),
+    yaml, numba's array overloads, importlib.metadata's email package (no numba extension is
+    installed), numpy.ma (no masked array exists): none is imported, and the answer is the one a
+    run that imports rich (FORCE_COLOR makes rich treat stderr as a terminal: spinners) gives."""
     from tests.conftest import ROOT
     args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "--seed", "3", "--temp", "0.9", "-c", "256"]
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
@@ -257,122 +278,87 @@ def test_the_renderer_makes_its_stderr_console_only_when_it_shows_something(monk
     assert forced._err_is_terminal() is True and forced.err.is_terminal is True
 
 
-# ---- `kvchat run` parsed without typer (cli/fast_args.py) ----------------------------------------
+# ---- numba's start-up (kernels/numba_start.py) ----------------------------------------------------
 
-FAST_VALUES = ["0", "-1", "1", "16", "007", "+3", " 3", "1_0", "1.5", "-2.25", ".5", "1e3", "nan", "inf", "",
-               "abc", "on", "OFF", "Auto", "oﬀ", "q8_0", "/tmp/x.txt", "rel/p", "-", "--help", "-p", "=x",
-               "99999999999999999999999", "0.95", "2048", "65"]
-
-
-def _run_lines():
-    """Command lines for `run`: every flag with every value, the bool spellings, and odd shapes."""
-    from cli.cmd_run import RUN_OPTIONS
-    from cli.options import OPTIONS
-    lines = [[], ["-p", "hi", "-n", "16"], ["-m", "smollm2", "-p", "hi", "-n", "16", "--seed", "1", "--temp", "0.7"],
-             ["-p", "a", "-p", "b"], ["-n", "3", "-n", "4"], ["--temp=0.5"], ["-n=5"], ["-pfoo"], ["-h"], ["--help"],
-             ["-p", "hi", "--"], ["-p", "hi", "extra"], ["-p"], ["--tem", "1"], ["-m", "a", "-hf", "b/c"],
-             ["-hf", "o/r:Q4_0", "-p", "x"], ["--no-context-shift", "--context-shift"], ["-kvu", "-no-kvu"],
-             ["-s", "-1"], ["-s", "18446744073709551616"], ["-np", "0"], ["--prompt-cache-max", "0"],
-             ["-fa", "ON", "-ctk", "q8_0", "-ctv", "q8_0"], ["-p", "-n", "-n", "2"]]
-    for o in RUN_OPTIONS + OPTIONS:
-        for flag in o.flags:
-            for spelling in flag.split("/"):
-                if o.type is bool:
-                    lines.append([spelling])
-                else:
-                    lines.extend([spelling, v] for v in FAST_VALUES)
-    return lines
+EXTENSION_RUN = """
+import sys, numpy as np
+import kernels
+from numba import njit
+from kernels.numba_start import extensions_may_be_declared
+@njit
+def total(x):
+    return x.sum()
+print(extensions_may_be_declared(), total(np.arange(4.0)), 'numpy.ma' in sys.modules)
+"""
 
 
-def _outcome(call):
-    try:
-        return ("ok", call())
-    except SystemExit as e:
-        return ("exit", e.code)
-    except Exception as e:  # noqa: BLE001 - compared between the two parsers
-        return ("error", type(e).__name__, str(e))
+def _fake_distribution(root, name, entry_points):
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
 
 
-def test_a_plain_run_line_gets_the_values_typer_gives_and_anything_else_goes_to_typer(monkeypatch):
-    import cli.cmd_run as cmd_run
-    from cli.app import make_app
-    from cli.fast_args import parse
-    from cli.options import OPTIONS, settings_from
-    monkeypatch.setenv("COLUMNS", "80")
-    monkeypatch.setattr(sys, "stderr", sys.stdout)
-    seen = []
-    monkeypatch.setattr(cmd_run, "run_command", lambda settings, **own: seen.append((settings, own)))
-    app = make_app("run")
-    fast_lines = 0
-    for line in _run_lines():
-        seen.clear()
-        typer_said = _outcome(lambda: app(args=["run", *line], prog_name="kvchat", standalone_mode=False))
-        values = parse(line, cmd_run.RUN_OPTIONS + OPTIONS)
-        if values is None:
-            continue  # typer parses it (typer_said is whatever it says, errors included)
-        fast_lines += 1
-        own = {o.name: values.pop(o.name) for o in cmd_run.RUN_OPTIONS}
-        fast_said = _outcome(lambda: settings_from(values))
-        if typer_said[0] == "ok":
-            assert fast_said == ("ok", seen[0][0]) and own == seen[0][1], line
-            assert [type(v) for v in own.values()] == [type(v) for v in seen[0][1].values()], line
-        else:
-            assert fast_said[0] == "error" and typer_said[2:] == fast_said[2:], (line, typer_said, fast_said)
-    assert fast_lines > 200
+def test_a_declared_numba_extension_still_initialises_and_an_undeclared_one_costs_no_scan(tmp_path):
+    from tests.conftest import ROOT
+    plain, extended = tmp_path / "plain", tmp_path / "extended"
+    _fake_distribution(plain, "tool", "[console_scripts]\ntool = tool:main\n")
+    _fake_distribution(extended, "ext", "[numba_extensions]\ninit = ext_init:init\n")
+    (extended / "ext_init.py").write_text("def init():\n    print('extension initialised')\n")
+    runs = {}
+    for name, root in (("plain", plain), ("extended", extended)):
+        env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+        runs[name] = subprocess.run([sys.executable, "-c", EXTENSION_RUN], env=env, capture_output=True,
+                                    text=True, check=True, cwd=tmp_path).stdout.split("\n")
+    assert runs["plain"][0] == "False 6.0 False"  # no scan, no numpy.ma for typing the array
+    assert runs["extended"][:2] == ["extension initialised", "True 6.0 False"]
 
 
-def test_the_usual_run_lines_are_parsed_without_typer():
-    from cli.cmd_run import RUN_OPTIONS
-    from cli.fast_args import parse
-    from cli.options import OPTIONS
-    for line in (["-m", "smollm2", "-p", "hi", "-n", "16"], ["-f", "q.txt", "--temp", "0", "-c", "2048"],
-                 ["-p", "hi", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-t", "2", "-s", "-1"],
-                 ["-np", "4", "--jsonl", "--no-prompt-cache", "--no-context-shift", "--session", "s.kvs"]):
-        assert parse(line, RUN_OPTIONS + OPTIONS) is not None, line
-    for line in (["--help"], ["-p", "hi", "--temp=1"], ["-np", "0"], ["-p", "a", "b"], ["--top-p", "2"]):
-        assert parse(line, RUN_OPTIONS + OPTIONS) is None, line
+def test_numba_reads_no_distribution_as_declaring_an_extension_where_the_cheap_check_finds_none():
+    """The check is a superset of numba's own scan in this environment (and exercised: no
+    extension is installed here, so kvchat's runs skip the scan)."""
+    from importlib import metadata
+
+    from kernels.numba_start import extensions_may_be_declared
+    declared = list(metadata.entry_points().select(group="numba_extensions"))
+    assert extensions_may_be_declared() or not declared
+    assert not declared and extensions_may_be_declared() is False
 
 
-TYPERLESS_RUN = ("import atexit, sys\n"
-                 "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
-                 "('typer', 'click', 'typer._click', 'pydantic') if m in sys.modules)))\n"
-                 "from cli.app import main\nmain()\n")
+TYPEOF = """
+import sys, numpy as np, numba
+if sys.argv[1] == "kvchat":
+    import kernels
+a = np.arange(24, dtype=np.float32).reshape(4, 6)
+ro = a.copy(); ro.flags.writeable = False
+cases = [a, a.T, a[:, ::2], ro, np.zeros(3, np.int8), np.zeros((2, 2), np.complex128), np.float16([1]),
+         np.zeros(0, np.uint64), np.array([True]), a.view(type("Sub", (np.ndarray,), {}))]
+print([str(numba.typeof(c)) for c in cases], 'numpy.ma' in sys.modules)
+import numpy.ma
+try:
+    numba.typeof(numpy.ma.masked_array([1, 2]))
+except Exception as e:
+    print(type(e).__name__, e)
+"""
 
 
-def test_kvchat_run_answers_without_importing_typer_and_says_the_same_as_typer(tiny_chat, tmp_path):
-    """The same answer bytes and exit code whether the line is parsed by cli/fast_args.py (typer
-    never imported) or by typer (an `=` spelling sends it there); errors keep typer's words."""
+def test_arrays_get_numbas_types_before_and_after_numpy_ma_is_imported():
     from tests.conftest import ROOT
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-
-    def kvchat(*args):
-        p = subprocess.run([sys.executable, "-c", TYPERLESS_RUN, "run", *args], env=env, capture_output=True,
-                           text=True, cwd=tmp_path, timeout=600)
-        *said, modules = p.stderr.strip().splitlines() or [""]
-        return p.returncode, p.stdout, said, modules
-
-    common = ["-m", str(tiny_chat), "-p", "hi", "-n", "6", "-c", "256", "--temp", "0.9"]
-    fast = kvchat(*common, "--seed", "3")
-    slow = kvchat(*common, "--seed=3")
-    assert fast[3] == "MODULES []" and "'typer'" in slow[3]
-    assert fast[:3] == slow[:3] and fast[0] == 0 and len(fast[1].strip()) > 0
-    refused = kvchat("-m", str(tiny_chat), "-p", "hi", "--top-p", "2")
-    assert refused[0] == 2 and refused[2] == ["error: Invalid value for '--top-p': must be within 0.0..1.0 "
-                                              "(got 2.0) (see `kvchat run --help`)"]
-    both = kvchat("-m", str(tiny_chat), "-hf", "o/r", "-p", "hi")
-    assert both[:3] == (1, "", [f"error: give -m {tiny_chat} or -hf o/r, not both"]) and both[3] == "MODULES []"
+    said = [subprocess.run([sys.executable, "-c", TYPEOF, who], env=env, capture_output=True, text=True,
+                           check=True, cwd=ROOT).stdout.splitlines() for who in ("numba", "kvchat")]
+    assert said[0][0].endswith("True") and said[1][0].endswith("False")  # numba's own imports numpy.ma
+    assert said[0][0][:-4] == said[1][0][:-5] and said[0][1:] == said[1][1:]
+    assert "MaskedArray" in said[1][1]
 
 
-@pytest.mark.parametrize("raised", [EOFError(), KeyboardInterrupt(), BrokenPipeError(32, "Broken pipe"),
-                                    SystemExit(130)])
-def test_a_run_without_typer_ends_as_a_typer_run_when_the_command_raises(monkeypatch, raised):
-    import cli.cmd_run as cmd_run
-    from tests.cli_inproc import kvchat
-
-    def command(settings, **own):
-        raise raised
-    monkeypatch.setattr(cmd_run, "run_command", command)
-    fast, typer_parsed = kvchat("run", "-p", "hi"), kvchat("run", "--prompt=hi")
-    assert (fast.returncode, fast.stdout, fast.stderr) == (typer_parsed.returncode, typer_parsed.stdout,
-                                                           typer_parsed.stderr)
-    assert fast.returncode in (1, 130)
+def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_next_process(tmp_path):
+    from tests.conftest import ROOT
+    (tmp_path / "late_probe.py").write_text(
+        "import kernels\nfrom numba import njit\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n")
+    code = ("import late_probe as p\nbefore = p.twice._cache._made is None\n"
+            "print(before, p.twice(21), p.twice._cache._made is not None, sum(p.twice.stats.cache_hits.values()))")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
+    assert runs == [["True", "42", "True", "0"], ["True", "42", "True", "1"]]  # compiled, then loaded

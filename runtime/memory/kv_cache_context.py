@@ -168,7 +168,7 @@ class KVCacheContext(MemoryContext):
         if self._start is None:
             mask, tok_strm = self.kq_mask(il)
             start = np.zeros(mask.shape[0], dtype=np.int64)
-            for strm in np.unique(tok_strm).tolist():
+            for strm in sorted(set(tok_strm.tolist())):  # np.unique would import numpy.ma
                 rows = np.flatnonzero(tok_strm == strm)
                 pos = self.kv.cells[strm].pos[:self.n_kv].astype(np.int64)
                 seen = np.where(mask[rows] == 0, pos[None, :], np.iinfo(np.int64).max)  # [rows, n_kv]
@@ -181,7 +181,7 @@ class KVCacheContext(MemoryContext):
         n_kv = self.n_kv
         mask = np.empty((ub.n_tokens, n_kv), dtype=np.float32)  # [n_tokens, n_kv]
         tok_strm = self._dst_strm.astype(np.int32)
-        for strm in np.unique(tok_strm).tolist():
+        for strm in sorted(set(tok_strm.tolist())):  # np.unique would import numpy.ma
             rows = np.flatnonzero(tok_strm == strm)
             cells = self.kv.cells[strm]
             fn = build_kq_mask_par if rows.size * n_kv >= PAR_MASK_MIN else build_kq_mask
