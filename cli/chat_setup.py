@@ -1,13 +1,15 @@
 """What `kvchat chat` and `kvchat run` share: from the flags to a live Conversation.
 
 open_engine = resolve the model name, load it, make a Context from the flags, warm the kernels
-up (numba compiles them on first use; the spinner says so), pick the chat template.
+up (numba compiles them on first use; the spinner says so; skipped when the kernels a warm-up
+loaded before are all still cached), pick the chat template.
 make_conversation = the Conversation on it, its notices worded by cli/wording.py. Also the
 Ctrl-C handling while an answer streams, the --session lock, and sampling settings taken
 from a resumed session. The REPL and both commands import this module; it imports neither.
 """
 from __future__ import annotations
 
+import os
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,10 +64,7 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
                           abort_callback=stop_event.is_set)
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
-    with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
-        from runtime.generate import warm_up
-        bos = getattr(model.vocab, "bos", None)
-        warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64 if first_run else 2)
+    warm_up_kernels(ctx, model, path, renderer, first_run)
     from runtime.os_memory import release_library_pages
     release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
     if settings.chat_template_file is not None:
@@ -75,6 +74,25 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
         template = ChatTemplate.from_gguf(model.gguf, model.vocab)
     identity = model_identity(path, getattr(model.gguf, "data_offset", None))
     return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
+
+
+def warm_up_kernels(ctx, model, path, renderer, first_run: bool) -> None:
+    """Decode a few tokens before the prompt so that kernels compile under a spinner — 64 on a
+    first run (the parallel twins too), 2 otherwise — unless the kernels a warm-up of this model
+    and context loaded before are all still in numba's cache (kernels/warm_set.py): then it
+    would only load them, which the prompt does anyway, and it is skipped."""
+    import os
+    from kernels import warm_set
+    st = os.stat(path)
+    name = warm_set.name_for(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, ctx.cparams,
+                             sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_")))
+    if not first_run and warm_set.covered(name):
+        return
+    with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
+        from runtime.generate import warm_up
+        bos = getattr(model.vocab, "bos", None)
+        warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64 if first_run else 2)
+    warm_set.record(name)
 
 
 def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event,

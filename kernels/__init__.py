@@ -52,3 +52,7 @@ lean_cache_loads()  # cached kernels load without numba's compiler registries (k
 numba_start.cheap_extension_scan()  # and the rest of kernels/numba_start.py
 numba_start.arrays_typed_without_numpy_ma()
 numba_start.dispatchers_made_cheaply()
+
+from kernels import warm_set  # noqa: E402
+
+warm_set.install()  # which kernels a warm-up loaded (the CLI skips a warm-up that cannot compile)

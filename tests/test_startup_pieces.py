@@ -211,6 +211,7 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
 
     import cli.chat_setup as setup
     import kernels.jit_cache
+    import kernels.warm_set
     import runtime.generate
     from cli.options import ChatSettings
     from cli.render import Renderer
@@ -224,6 +225,7 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
     warmed = []
     real_warm_up = runtime.generate.warm_up
     monkeypatch.setattr(kernels.jit_cache, "kernels_compiled", lambda: compiled)
+    monkeypatch.setattr(kernels.warm_set, "covered", lambda name: False)  # no warm-up recorded yet
     monkeypatch.setattr(runtime.generate, "warm_up",
                         lambda ctx, tok, n_prompt=2: warmed.append(n_prompt) or real_warm_up(ctx, tok, n_prompt=n_prompt))
     r = Recording(out=io.StringIO())
@@ -362,3 +364,49 @@ def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_n
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            check=True).stdout.split() for _ in range(2)]
     assert runs == [["True", "42", "True", "0"], ["True", "42", "True", "1"]]  # compiled, then loaded
+
+
+# ---- the warm-up skipped when it could only load kernels (kernels/warm_set.py) --------------------
+
+def test_a_warm_start_skips_the_warm_up_once_its_kernels_are_recorded_and_still_cached(tiny_chat, tmp_path,
+                                                                                     monkeypatch):
+    """First start: the warm-up runs and its kernels are recorded; the next start skips it and
+    answers the same bytes; a recorded kernel whose cache entry is gone brings the warm-up back."""
+    import pickle
+
+    import kernels.warm_set as warm_set
+    import runtime.generate
+    from tests.cli_inproc import kvchat
+    monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
+    warmed = []
+    real_warm_up = runtime.generate.warm_up
+    monkeypatch.setattr(runtime.generate, "warm_up", lambda *a, **k: warmed.append(1) or real_warm_up(*a, **k))
+    args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "-c", "256", "--seed", "5", "--temp", "0.8"]
+    first, second = kvchat(*args), kvchat(*args)
+    assert warmed == [1] and first.returncode == second.returncode == 0
+    assert first.stdout == second.stdout and len(first.stdout.strip()) > 0
+    (recorded,) = tmp_path.glob("*.pkl")
+    fmt, entries = pickle.loads(recorded.read_bytes())
+    kernels_recorded = {(m, q) for m, q, _ in entries}
+    assert ("kernels.matmul_int", "matmul_q_serial") in kernels_recorded and len(entries) >= 8
+    module, qualname, sig = entries[0]
+    recorded.write_bytes(pickle.dumps((fmt, entries + [(module, qualname, sig[:-1])])))  # never compiled
+    third = kvchat(*args)
+    assert warmed == [1, 1] and third.stdout == first.stdout
+    assert warm_set.covered(recorded.stem)  # the warm-up recorded the set as it is now
+
+
+def test_a_recorded_warm_up_is_not_trusted_when_a_kernels_index_is_stale(tmp_path, monkeypatch):
+    """numba's own index lookup decides: an index for other source (another stamp) holds nothing."""
+    import numpy as np
+
+    import kernels.warm_set as warm_set
+    from kernels.matmul import QMatrix
+    monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
+    QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
+    assert warm_set.record("probe") and warm_set.covered("probe")
+    from kernels.matmul_int import matmul_q_serial
+    cache_file = matmul_q_serial._cache._cache_file
+    monkeypatch.setattr(cache_file, "_source_stamp", ("another", "source"))
+    assert not warm_set.covered("probe")
+    assert not warm_set.covered("never-recorded")
