@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+_NO_I32 = np.zeros(0, np.int32)  # the empty fields of a cleared allocator (length 0: never written)
+_NO_BOOL = np.zeros(0, bool)
+
 
 class Batch:
     """A decode() input. tokens i32 [n]; pos i32 [n] or None (continue from memory);
@@ -47,12 +50,17 @@ class Batch:
 
     @classmethod
     def one_seq(cls, tokens, pos0: int, seq_id: int = 0, all_logits: bool = False) -> "Batch":
-        """Tokens of one sequence at positions pos0, pos0+1, ...; output for the last or all."""
-        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        n = toks.shape[0]
-        logits = np.ones(n, dtype=bool) if all_logits else None
-        return cls(toks, pos=np.arange(pos0, pos0 + n, dtype=np.int64),
-                   seq_ids=[[seq_id]] * n, logits=logits)
+        """Tokens of one sequence at positions pos0, pos0+1, ...; output for the last or all.
+        Built directly (every field already has its type and length): a generated token comes
+        through here once per step."""
+        b = cls.__new__(cls)
+        b.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)  # [n]
+        n = b.tokens.shape[0]
+        b.pos = np.arange(pos0, pos0 + n, dtype=np.int64)  # [n]
+        s = int(seq_id)
+        b.seq_ids = [[s] for _ in range(n)]
+        b.logits = np.ones(n, dtype=bool) if all_logits else None
+        return b
 
 
 class UBatch:
@@ -87,6 +95,23 @@ class UBatch:
         self.n_seqs_unq = len(unq)
         self.n_outputs = int(np.count_nonzero(output))
 
+    @classmethod
+    def one_token(cls, token, pos, seq, output, batch_idx):
+        """The UBatch of one token in one sequence (what __init__ builds for n = 1, without its
+        general passes): token, pos i32 [1], seq the token's sequence id, output bool [1],
+        batch_idx i32 [1]."""
+        ub = cls.__new__(cls)
+        ub.token, ub.pos, ub.output, ub.batch_idx = token, pos, output, batch_idx
+        ub.seq_id = [[seq]]
+        ub.n_tokens = ub.n_seqs = ub.n_seq_tokens = 1
+        ub.equal_seqs = False
+        ub.seq0 = np.array([seq], dtype=np.int32)
+        ub.multi_seq = False
+        ub.seq_id_unq = [seq]
+        ub.n_seqs_unq = 1
+        ub.n_outputs = int(bool(output[0]))
+        return ub
+
     def __repr__(self) -> str:
         return (f"UBatch(n_tokens={self.n_tokens}, n_seqs={self.n_seqs}, "
                 f"seqs={self.seq_id_unq}, pos={self.pos.tolist()[:8]}...)")
@@ -102,16 +127,16 @@ class BatchAllocator:
     def _clear(self):
         self.n_tokens = 0
         self.n_outputs = 0
-        self.token = np.zeros(0, np.int32)
-        self.pos = np.zeros(0, np.int32)
+        self.token = _NO_I32
+        self.pos = _NO_I32
         self.seq_id: list[list[int]] = []
         self.seq_set: list[frozenset] = []
         self.seq_set_map: dict[frozenset, list[int]] = {}
-        self.output = np.zeros(0, bool)
+        self.output = _NO_BOOL
         self.has_cpl = False
         self._seq_pos: dict[int, tuple[int, int, int]] = {}  # seq -> (min, max, n distinct)
         self.out_ids: list[int] = []
-        self.used = np.zeros(0, bool)
+        self.used = _NO_BOOL
         self.n_used = 0
         self.seq_id_unq: list[int] = []
 
@@ -129,6 +154,13 @@ class BatchAllocator:
         n = batch.n_tokens
         if n == 0:
             return self._fail("n_tokens == 0")
+        if n == 1 and (batch.seq_ids is None or len(batch.seq_ids[0]) == 1):
+            return self._init_one(batch, n_vocab, n_seq_max, memory, output_all)
+        return self._init_batch(batch, n_vocab, n_seq_max, memory, output_all)
+
+    def _init_batch(self, batch: Batch, n_vocab: int, n_seq_max: int, memory, output_all: bool) -> bool:
+        """init() of any batch (the general pass)."""
+        n = batch.n_tokens
         toks = batch.tokens
         bad = np.flatnonzero((toks < 0) | (toks >= n_vocab))
         if bad.size:
@@ -250,6 +282,43 @@ class BatchAllocator:
         self.split_reset()
         return True
 
+    def _init_one(self, batch: Batch, n_vocab: int, n_seq_max: int, memory, output_all: bool) -> bool:
+        """init() of a one-token batch in one sequence (a generated token): the same checks in
+        the same order, with the same messages and the same state afterwards, on Python scalars
+        (the general pass spends ~40 numpy calls on sets of one)."""
+        t = int(batch.tokens[0])
+        if t < 0 or t >= n_vocab:
+            return self._fail(f"invalid token[0] = {t} (n_vocab = {n_vocab})")
+        s = 0 if batch.seq_ids is None else batch.seq_ids[0][0]
+        if batch.seq_ids is not None and (s < 0 or s >= n_seq_max):
+            return self._fail(f"invalid seq_id[0] = {s} >= n_seq_max {n_seq_max}")
+        p0 = memory.seq_pos_max(s) if memory is not None else -1
+        if batch.pos is None:
+            p = p0 + 1 if memory is not None else 0
+        else:
+            p = int(batch.pos[0])
+            if p < 0 or p > np.iinfo(np.int32).max - 1:
+                return self._fail("batch positions must be in [0, 2^31-1)")
+        out = True if (batch.logits is None or output_all) else bool(batch.logits[0])
+        self.n_tokens = 1
+        self.token = np.array([t], dtype=np.int32)
+        self.pos = np.array([p], dtype=np.int32)
+        self.seq_id = [[s]]
+        self.output = np.array([out])
+        self.n_outputs = int(out)
+        self._seq_pos[s] = (p, p, 1)
+        st = frozenset((s,))
+        self.seq_set = [st]
+        self.seq_set_map[st] = [0]
+        self.seq_id_unq = [s]
+        if p0 >= 0 and p != p0 + 1:
+            return self._fail(
+                f"the tokens of sequence {s} in the input batch have inconsistent sequence "
+                f"positions: the last position stored in memory for sequence {s} is X = {p0}, "
+                f"the batch starts at Y = {p}; it is required that Y = X + 1")
+        self.split_reset()
+        return True
+
     # ---- queries ---------------------------------------------------------------------------
 
     def get_n_tokens(self) -> int:
@@ -282,6 +351,15 @@ class BatchAllocator:
 
     def split_simple(self, n_ubatch: int) -> UBatch | None:
         """The next run of up to n_ubatch consecutive unused tokens; None when done."""
+        if self.n_tokens == 1:  # a generated token: no scan, no general UBatch pass
+            if self.used[0]:
+                return None
+            self.used[0] = True
+            self.n_used = 1
+            idxs = np.zeros(1, dtype=np.int32)
+            if self.output[0]:
+                self.out_ids.append(0)
+            return UBatch.one_token(self.token, self.pos, self.seq_id[0][0], self.output, idxs)
         i0 = self._first_unused()
         if i0 >= self.n_tokens:
             return None

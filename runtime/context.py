@@ -26,6 +26,10 @@ from runtime.memory.interface import MemoryStatus
 log = logging.getLogger(__name__)
 
 STATE_SEQ_MAGIC = 0xAF143CD8  # llama.cpp's io_magic at the head of a sequence state blob
+_ROW0 = np.zeros(1, dtype=np.int64)  # out_row of a one-token batch with its output (read only)
+_NO_ROW = np.full(1, -1, dtype=np.int64)  # ... and without
+_ROW0.flags.writeable = False
+_NO_ROW.flags.writeable = False
 
 
 class DecodeAborted(Exception):
@@ -132,8 +136,11 @@ class Context:
         n_out = balloc.get_n_outputs()
         if self._logits.shape[0] < n_out:
             self._logits = np.empty((n_out, self.n_vocab), dtype=np.float32)
-        out_row = np.cumsum(balloc.output) - 1  # batch index -> output row
-        out_row[~balloc.output] = -1
+        if balloc.n_tokens == 1:  # a generated token: its row 0, or none
+            out_row = _ROW0 if n_out else _NO_ROW
+        else:
+            out_row = np.cumsum(balloc.output) - 1  # batch index -> output row
+            out_row[~balloc.output] = -1
         self._n_outputs = 0  # outputs are invalid until the call succeeds
 
         code = 0
@@ -144,7 +151,9 @@ class Context:
                 if self.abort_callback is not None and self.abort_callback():
                     raise DecodeAborted()
                 logits = self.launch.forward(self.model, ub, mctx)
-                if ub.n_outputs:
+                if ub.n_tokens == 1 and ub.n_outputs:
+                    self._logits[out_row[ub.batch_idx[0]]] = logits[0]
+                elif ub.n_outputs:
                     rows = out_row[ub.batch_idx[ub.output]]
                     self._logits[rows] = logits[:ub.n_outputs]
                 if not mctx.next():

@@ -296,18 +296,21 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
         journal.clear()
 
     def prepare(self, ubatches) -> list[SlotInfo] | None:
-        """find_slot for every ubatch as if the earlier ones were placed; memory unchanged."""
+        """find_slot for every ubatch as if the earlier ones were placed; memory unchanged.
+        The last ubatch is not placed: no later search depends on it (a generated token's
+        ubatch is found without a place-and-undo)."""
         res: list[SlotInfo] = []
         journal: list = []
         ok = True
         try:
-            for ub in ubatches:
+            for i, ub in enumerate(ubatches):
                 sinfo = self.find_slot(ub)
                 if sinfo is None:
                     ok = False
                     break
                 res.append(sinfo)
-                self.apply_ubatch(sinfo, ub, journal)
+                if i + 1 < len(ubatches):
+                    self.apply_ubatch(sinfo, ub, journal)
         finally:
             self.undo(journal)
         return res if ok else None
