@@ -52,6 +52,7 @@ lean_cache_loads()  # cached kernels load without numba's compiler registries (k
 numba_start.cheap_extension_scan()  # and the rest of kernels/numba_start.py
 numba_start.arrays_typed_without_numpy_ma()
 numba_start.dispatchers_made_cheaply()
+numba_start.llvm_lock_events_when_listened()
 
 from kernels import warm_set  # noqa: E402
 

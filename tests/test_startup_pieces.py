@@ -354,6 +354,25 @@ def test_arrays_get_numbas_types_before_and_after_numpy_ma_is_imported():
     assert "MaskedArray" in said[1][1]
 
 
+def test_llvm_lock_events_reach_a_listener_and_are_not_made_without_one(monkeypatch):
+    import llvmlite.binding as ll
+    from numba.core import event
+
+    import kernels  # noqa: F401 (installs kernels/numba_start.py)
+    made = []
+    real_start = event.start_event
+    monkeypatch.setattr(event, "start_event", lambda kind, data=None: made.append(kind) or real_start(kind, data))
+    ll.get_process_triple()  # an llvmlite call: the lock is taken
+    assert made == []
+    with event.install_timer("numba:llvm_lock", lambda seconds: made.append(seconds)):
+        ll.get_process_triple()
+        ll.get_host_cpu_name()
+    *kinds, seconds = made
+    assert len(kinds) >= 2 and set(kinds) == {"numba:llvm_lock"} and seconds > 0  # the timer timed them
+    ll.get_process_triple()
+    assert len(made) == len(kinds) + 1  # none once the timer went
+
+
 def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_next_process(tmp_path):
     from tests.conftest import ROOT
     (tmp_path / "late_probe.py").write_text(
