@@ -19,8 +19,9 @@ offset in the data), then the data, 64-byte aligned, each array 64-byte aligned.
 does not check out is not used (and is rebuilt by this load); the arrays' bytes themselves are
 not re-hashed at load (that would read them all, the cost this cache removes).
 
-Writes are atomic (a temporary file in the same directory, fsync, os.replace); any failure (a
-read-only directory, a full disk) only logs at debug level and the load keeps its in-memory pack.
+Writes go through runtime.memory.state.atomic_write (a temporary file in the same directory,
+fsync, rename; the temp removed on any failure); an OS error (a read-only directory, a full
+disk) only logs at debug level and the load keeps its in-memory pack.
 Writing a pack removes the model's packs under older keys, packs of model files that no longer
 exist and temporaries of dead processes, so the directory stays bounded.
 ``KVCHAT_WEIGHT_CACHE=0`` turns the cache off.
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.memory.state import pid_alive
+from runtime.memory.state import TMP_TAG, atomic_write, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -201,21 +202,16 @@ class PackStore:
         """Write the pack file if this load repacked anything; never raises for an OS error."""
         if not self.missed and self._entries:
             return
-        tmp = self.directory / f".{self.path.name}.{os.getpid()}.tmp"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._write(tmp)
-            os.replace(tmp, self.path)
+            atomic_write(self.path, writer=self._write)  # removes its temp on any failure, Ctrl-C too
         except OSError as e:
             log.debug("weight cache: cannot write %s: %s", self.path, e)
-            _unlink(tmp)
             return
-        except BaseException:  # interrupted: never leave a file with the final name half-written
-            _unlink(tmp)
-            raise
         sweep(self.directory, keep=self.path)
 
-    def _write(self, tmp: Path) -> None:
+    def _write(self, f) -> None:
+        """The pack into the open (seekable, binary) file f: prefix, table, then each array at its offset."""
         tensors, order, off = {}, [], 0
         for name, (t, k, m, (kind, arrays)) in self._recorded.items():
             specs = []
@@ -227,14 +223,11 @@ class PackStore:
             tensors[name] = {"t": t, "k": k, "m": m, "kind": kind, "arrays": specs}
         raw = _dump({"key": self.key, "files": self.files, "data": off, "tensors": tensors})
         base = _data_start(len(raw))
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + len(raw).to_bytes(8, "little") + hashlib.sha256(raw).digest() + raw)
-            for o, a in order:
-                f.seek(base + o)
-                f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-            f.truncate(base + off)
-            f.flush()
-            os.fsync(f.fileno())
+        f.write(MAGIC + len(raw).to_bytes(8, "little") + hashlib.sha256(raw).digest() + raw)
+        for o, a in order:
+            f.seek(base + o)
+            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+        f.truncate(base + off)
 
 
 def _data_start(table_len: int) -> int:
@@ -264,6 +257,20 @@ def _populate(mm: mmap.mmap) -> None:
             pass
 
 
+def _temp_pid(name: str) -> int | None:
+    """The writer's pid of a temporary pack (atomic_write's ".NAME.kvchat-tmp-PID-XXXX"; session 7
+    wrote ".NAME.PID.tmp"), -1 if it names none, None for any other file."""
+    if not name.startswith("."):
+        return None
+    if TMP_TAG in name:
+        pid = name.split(TMP_TAG, 1)[1].split("-", 1)[0]
+    elif name.endswith(".tmp"):
+        pid = name.rsplit(".", 2)[-2]
+    else:
+        return None
+    return int(pid) if pid.isdigit() else -1
+
+
 def sweep(directory: Path | None = None, keep: Path | None = None) -> int:
     """Remove packs of model files that no longer exist (or changed: another key for the same
     model), and temporaries of writers that died; bytes freed. Never raises for an OS error."""
@@ -278,9 +285,8 @@ def sweep(directory: Path | None = None, keep: Path | None = None) -> int:
         return 0
     for name in names:
         p = directory / name
-        if name.startswith(".") and name.endswith(".tmp"):
-            parts = name.rsplit(".", 2)
-            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
+        pid = _temp_pid(name)
+        if pid is not None:
             try:
                 old = time.time() - p.stat().st_mtime > _STALE_TMP_S
             except OSError:

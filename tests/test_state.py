@@ -263,3 +263,51 @@ def test_atomic_write(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         atomic_write(p, b"three")
     assert p.read_bytes() == b"two" and os.listdir(tmp_path) == ["s.bin"]
+
+
+def test_atomic_write_with_a_writer_gives_exactly_what_it_wrote_seeks_included(tmp_path):
+    p = tmp_path / "pack.bin"
+    p.write_bytes(b"old")
+    os.chmod(p, 0o640)
+
+    def writer(f):
+        f.write(b"head")
+        f.seek(10)
+        f.write(b"tail")
+        f.seek(2)
+        f.write(b"XY")
+        f.truncate(16)
+
+    atomic_write(p, writer=writer)
+    assert p.read_bytes() == b"heXY" + b"\0" * 6 + b"tail" + b"\0" * 2
+    assert os.stat(p).st_mode & 0o777 == 0o640 and os.listdir(tmp_path) == ["pack.bin"]
+
+
+@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), KeyboardInterrupt(), ValueError("bug")])
+def test_a_failing_writer_leaves_the_old_file_and_no_temp(tmp_path, exc):
+    p = tmp_path / "pack.bin"
+    p.write_bytes(b"old content")
+    seen = []
+
+    def writer(f):
+        f.write(b"half of the new content")
+        f.flush()
+        seen.extend(n for n in os.listdir(tmp_path) if n != "pack.bin")  # the temp exists meanwhile
+        raise exc
+
+    with pytest.raises(type(exc)):
+        atomic_write(p, writer=writer)
+    assert len(seen) == 1 and seen[0].startswith(".pack.bin.kvchat-tmp-")
+    assert p.read_bytes() == b"old content" and os.listdir(tmp_path) == ["pack.bin"]
+    with pytest.raises(type(exc)):
+        atomic_write(tmp_path / "new.bin", writer=writer)
+    assert os.listdir(tmp_path) == ["pack.bin"]  # a failed first write creates nothing
+
+
+def test_atomic_write_takes_data_or_a_writer_not_both(tmp_path):
+    p = tmp_path / "f"
+    with pytest.raises(TypeError):
+        atomic_write(p)
+    with pytest.raises(TypeError):
+        atomic_write(p, b"x", writer=lambda f: f.write(b"y"))
+    assert os.listdir(tmp_path) == []

@@ -17,6 +17,7 @@ from kernels.qlayout import FORMATS
 from runtime.batch import Batch
 from runtime.context import Context
 from runtime.cparams import ContextParams
+from runtime.memory.state import TMP_TAG
 from runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 from tests.test_matmul import random_raw
@@ -196,8 +197,8 @@ def test_a_full_disk_or_an_interrupted_write_leaves_no_file_behind(tmp_path, cac
     real_write = wc.PackStore._write
 
     def fails(exc):
-        def write(self, tmp):
-            real_write(self, tmp)  # the whole temporary file exists, then the failure
+        def write(self, f):
+            real_write(self, f)  # the whole temporary file is written, then the failure
             raise exc
         return write
 
@@ -219,13 +220,15 @@ def test_temporaries_of_dead_writers_and_packs_of_deleted_models_are_swept(tmp_p
     b = write_tiny_model(tmp_path / "b.gguf", weight_type=GGMLType.Q8_0, seed=2)
     Model.load(a)
     pack_a = _one_pack(cache)
-    dead = cache / f".{pack_a.name}.999999999.tmp"  # no such pid
+    dead = cache / f".{pack_a.name}{TMP_TAG}999999999-x1y2z3"  # atomic_write's name, no such pid
     dead.write_bytes(b"half")
-    mine = cache / f".{pack_a.name}.{os.getpid()}.tmp"
+    legacy = cache / f".{pack_a.name}.999999998.tmp"  # session 7's temporary name
+    legacy.write_bytes(b"half")
+    mine = cache / f".{pack_a.name}{TMP_TAG}{os.getpid()}-a1b2c3"
     mine.write_bytes(b"busy")
     a.unlink()
     Model.load(b)  # writing b's pack sweeps
-    assert not pack_a.exists() and not dead.exists() and mine.exists()
+    assert not pack_a.exists() and not dead.exists() and not legacy.exists() and mine.exists()
     assert len([n for n in _packs(cache) if n.endswith(wc.SUFFIX)]) == 1
 
 

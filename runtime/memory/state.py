@@ -13,6 +13,7 @@ import stat
 import struct
 import tempfile
 import time
+from typing import BinaryIO, Callable
 
 import numpy as np
 
@@ -106,13 +107,20 @@ TMP_TAG = ".kvchat-tmp-"  # temp files are ".NAME.kvchat-tmp-PID-XXXXXXXX" besid
 STALE_LEGACY_SECONDS = 3600  # ".tmp-*" files of older kvchat versions: removed after an hour
 
 
-def atomic_write(path, data: bytes) -> None:
+def atomic_write(path, data: bytes | None = None, *, writer: Callable[[BinaryIO], None] | None = None) -> None:
     """Write a file so readers see the old or the new content, never half: temp file in the
     same directory, fsync, rename over the target, fsync the directory.
+
+    The content is `data`, or whatever `writer(f)` writes to the open temp file f (binary,
+    seekable: a large file written piece by piece, never held whole in memory). On any failure,
+    an OSError or a KeyboardInterrupt included, the temp file is removed, the target is left as
+    it was and the exception propagates.
 
     A symlink is written through: the temp file goes next to the link's final target and is
     renamed over it, so the link stays a link. The file keeps its mode (a new one gets the
     umask's). Temp files that a killed save left behind (their pid is gone) are removed first."""
+    if (data is None) == (writer is None):
+        raise TypeError("atomic_write: give either data or writer")
     path = os.path.realpath(os.fspath(path))
     d, name = os.path.split(path)
     remove_stale_temps(path)
@@ -124,7 +132,10 @@ def atomic_write(path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
-            f.write(data)
+            if writer is None:
+                f.write(data)
+            else:
+                writer(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
