@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kernels.ggml_types import GGMLType
+from kernels.ggml_types import GGMLType, row_bytes
 from kernels.matmul import QMatrix, release_file_pages
 from runtime.arch import get_arch, is_supported, unsupported_message
 from runtime.errors import ModelFileError
@@ -135,6 +135,34 @@ def _qmatrix(gf: GGUFFile, name: str, packs=None) -> QMatrix:
     return qm
 
 
+class TokenRows:
+    """The token embedding of a model whose output matrix is its own (output.weight in the file).
+
+    Only get_rows reads it, a few rows a token, so it is not repacked for the matmul kernels: its
+    rows stay in the file's mapping, resident only while looked up. Repacking it would hold a
+    copy no kernel reads (a 7B-shaped q4_K model with a 49152-token vocabulary: 111 MiB) and
+    write it to the weight cache. A tied model's embedding is its head: a QMatrix, packed."""
+
+    get_rows = QMatrix.get_rows  # reads raw, m, t, k only
+
+    def __init__(self, raw: np.ndarray, t: int, k: int):
+        self.raw, self.t, self.k, self.m = raw, int(t), int(k), int(raw.shape[0])
+        self.nbytes = self.m * row_bytes(self.t, self.k)
+
+    def __repr__(self) -> str:
+        return f"TokenRows({GGMLType(self.t).name}, m={self.m}, k={self.k})"
+
+
+def _token_rows(gf: GGUFFile, name: str) -> TokenRows | None:
+    ti = gf.tensors.get(name)
+    if ti is None:
+        return None
+    t, k = int(ti.ggml_type), int(ti.shape[0])
+    if ti.data.ndim != 2 or ti.data.shape[1] != row_bytes(t, k):
+        gf.fail(name, f"rows of {ti.data.shape[-1]} bytes, {GGMLType(t).name} x {k} needs {row_bytes(t, k)}")
+    return TokenRows(ti.data, t, k)
+
+
 def _vector(gf: GGUFFile, name: str) -> np.ndarray | None:
     """A small f32 (or f16) 1-D weight as a private f32 array; None if the file has none."""
     ti = gf.tensors.get(name)
@@ -215,8 +243,15 @@ def load_weights(gf: GGUFFile, hp: HParams, arch) -> Weights:
     (runtime/weight_cache.py) when it holds them, else repacked and then written to it."""
     schema = arch.tensors(hp)
     packs = open_store(gf)
-    w = Weights(**load_group(gf, schema.model, packs=packs),
+    model_specs = dict(schema.model)
+    embd = None
+    out_spec = model_specs.get("output")
+    if "tok_embd" in model_specs and out_spec is not None and out_spec.name in gf.tensors:
+        embd = _token_rows(gf, model_specs.pop("tok_embd").name)  # its own head: only looked up
+    w = Weights(**load_group(gf, model_specs, packs=packs),
                 layers=[Layer(**load_group(gf, specs, arch.fusions, packs)) for specs in schema.layers])
+    if embd is not None:
+        w.tok_embd = embd
     if getattr(w, "output", None) is None:
         w.output = w.tok_embd  # tied head
     if packs is not None:

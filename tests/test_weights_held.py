@@ -76,3 +76,47 @@ def test_model_file_pages_leave_the_resident_set_once_the_weights_are_repacked(g
         assert _resident_pages(raw) * 4096 <= 3 * (2 << 20)
     finally:
         model.close()
+
+
+def _untied_and_tied(tmp_path):
+    from tests.gguf_factory import write_tiny_model
+    kw = dict(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, weight_type=GGMLType.Q8_0)
+    return (write_tiny_model(tmp_path / "untied.gguf", tied=False, **kw),
+            write_tiny_model(tmp_path / "tied.gguf", tied=True, **kw))
+
+
+def test_an_embedding_with_its_own_head_is_looked_up_in_the_file_and_not_repacked(tmp_path, monkeypatch):
+    """Only get_rows reads token_embd when output.weight exists: no packed copy is held or cached
+    (a 7B-shaped q4_K model: 111 MiB), and its rows are the file's, dequantized exactly."""
+    import gguf
+
+    from runtime.model import Model, TokenRows
+    from runtime.weight_cache import _read_table, packs_dir
+
+    monkeypatch.setenv("KVCHAT_CACHE", str(tmp_path / "kv"))
+    monkeypatch.setenv("KVCHAT_WEIGHT_CACHE", "1")
+    untied, tied = _untied_and_tied(tmp_path)
+    model = Model.load(untied)
+    try:
+        embd, out = model.weights.tok_embd, model.weights.output
+        assert isinstance(embd, TokenRows) and not hasattr(embd, "packed_nbytes")
+        assert isinstance(out, QMatrix) and out is not embd
+        ti = model.gguf.tensors["token_embd.weight"]
+        assert embd.raw is ti.data and (embd.m, embd.k, embd.t) == (model.hparams.n_vocab, 64, GGMLType.Q8_0)
+        ids = np.array([0, 7, model.hparams.n_vocab - 1, 7], np.int32)
+        want = gguf.quants.dequantize(np.asarray(ti.data)[ids], gguf.GGMLQuantizationType.Q8_0)
+        np.testing.assert_array_equal(embd.get_rows(ids), want.reshape(4, 64))
+        with pytest.raises(IndexError):
+            embd.get_rows(np.array([model.hparams.n_vocab], np.int32))
+    finally:
+        model.close()
+    (pack,) = packs_dir().iterdir()
+    with open(pack, "rb") as f:
+        names = set(_read_table(f, pack.stat().st_size)["tensors"])
+    assert "output.weight" in names and "token_embd.weight" not in names
+
+    model = Model.load(tied)  # a tied embedding is also the head: one packed QMatrix
+    try:
+        assert isinstance(model.weights.tok_embd, QMatrix) and model.weights.output is model.weights.tok_embd
+    finally:
+        model.close()
