@@ -1,11 +1,12 @@
 """One-token decode: its time, the time outside the matmuls, and a grouped profile.
 
 Usage: python benchmarks/decode_overhead.py MODEL [--stub-matmul] [--profile] [-n 64]
-  --stub-matmul  QMatrix.matmul returns zeros: what is left is the per-layer work around the
+  --stub-matmul  QMatrix.matmul returns fixed random values: what is left is the per-layer work around the
                  matmuls (norms, RoPE, KV writes, attention, Python, numba dispatch)
   --profile      cProfile tottime per token, grouped by what the time is spent on
 Prints ms/token (wall and CPU, medians of 7 runs of n tokens). On a shared machine compare two
-trees by running this alternately in each (PYTHONPATH=tree), and trust the CPU column.
+trees by running this alternately in each (PYTHONPATH=tree: that tree's code is measured, whichever
+tree this file is in), and trust the CPU column.
 """
 import argparse
 import cProfile
@@ -14,7 +15,8 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=tree picks the tree measured, not this file's
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 GROUPS = [("matmul kernels (numba)", ("matmul_q_serial", "matmul_q", "matmul_blocks")),
@@ -47,8 +49,15 @@ def main():
     from runtime.model import Model
     m = Model.load(resolve_model(a.model))
     ctx = Context(m, ContextParams(n_ctx=max(512, a.n + 1)))
-    if a.stub_matmul:
-        km.QMatrix.matmul = lambda self, x: np.zeros((x.shape[0], self.m), np.float32)
+    if a.stub_matmul:  # fixed normal values, not zeros: an activation of 0 can take a short path
+        outs = {}
+
+        def stub(self, x):
+            key = (x.shape[0], self.m)
+            if key not in outs:
+                outs[key] = np.random.default_rng(self.m).standard_normal(key).astype(np.float32)
+            return outs[key].copy()
+        km.QMatrix.matmul = stub
     rng = np.random.default_rng(0)
 
     def run():

@@ -80,8 +80,11 @@ def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, t
     cmd = [sys.executable, "-c", "from cli.app import main; main()", "bench", "-m", str(model), "-p", str(p),
            "-n", str(n), "-d", str(d), "-r", str(reps), "-t", str(threads), "-ctk", cache, "-ctv", cache,
            "-fa", "on", "--json"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {})}
+    # python -c puts its working directory first on sys.path, ahead of PYTHONPATH: run each
+    # variant from its own tree, or every variant would import this script's tree
+    tree = env.get("PYTHONPATH", "").split(os.pathsep)[0] or ROOT
+    out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, check=True, env=env)
     rows = _json_tail(out.stdout)
     return float(rows[-1]["avg_ts"])
 
