@@ -1,8 +1,8 @@
 """What `kvchat chat` and `kvchat run` share: from the flags to a live Conversation.
 
 open_engine = resolve the model name, load it, make a Context from the flags, warm the kernels
-up (numba compiles them on first use; the spinner says so; skipped when the kernels a warm-up
-loaded before are all still cached), pick the chat template.
+up (numba compiles them on first use; the spinner says so; `run` skips it when the kernels a
+warm-up loaded before are all still cached), pick the chat template.
 make_conversation = the Conversation on it, its notices worded by cli/wording.py. Also the
 Ctrl-C handling while an answer streams, the --session lock, and sampling settings taken
 from a resumed session. The REPL and both commands import this module; it imports neither.
@@ -42,8 +42,11 @@ AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /al
 
 
 def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_max: int = 1,
-                kv_unified: bool = True) -> Engine:
-    """Model + Context + template from the flags; KvchatError (one line) for bad input."""
+                kv_unified: bool = True, skip_cached_warm_up: bool = False) -> Engine:
+    """Model + Context + template from the flags; KvchatError (one line) for bad input.
+    skip_cached_warm_up (`run`): no warm-up when it would only load cached kernels — the
+    prompt loads them next anyway; the chat keeps it, as it runs while the user reads the prompt
+    and would otherwise land in the first answer."""
     from cli.models import resolve_model
     from cli.session import cache_config, model_identity
     from runtime.text.chat_template import ChatTemplate
@@ -64,7 +67,7 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
                           abort_callback=stop_event.is_set)
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
-    warm_up_kernels(ctx, model, path, renderer, first_run)
+    warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
     from runtime.os_memory import release_library_pages
     release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
     if settings.chat_template_file is not None:
@@ -76,17 +79,17 @@ def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_ma
     return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
 
 
-def warm_up_kernels(ctx, model, path, renderer, first_run: bool) -> None:
+def warm_up_kernels(ctx, model, path, renderer, first_run: bool, skip_if_cached: bool = False) -> None:
     """Decode a few tokens before the prompt so that kernels compile under a spinner — 64 on a
-    first run (the parallel twins too), 2 otherwise — unless the kernels a warm-up of this model
-    and context loaded before are all still in numba's cache (kernels/warm_set.py): then it
-    would only load them, which the prompt does anyway, and it is skipped."""
+    first run (the parallel twins too), 2 otherwise. With skip_if_cached, not when the kernels a
+    warm-up of this model and context loaded before are all still in numba's cache
+    (kernels/warm_set.py): then it would only load them, which the prompt does anyway."""
     import os
     from kernels import warm_set
     st = os.stat(path)
     name = warm_set.name_for(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, ctx.cparams,
                              sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_")))
-    if not first_run and warm_set.covered(name):
+    if skip_if_cached and not first_run and warm_set.covered(name):
         return
     with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
         from runtime.generate import warm_up

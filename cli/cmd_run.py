@@ -89,7 +89,7 @@ def run_command(settings: ChatSettings, *, prompt, file, raw, parallel, prompts_
     renderer.on_out_lost = stop.set  # nobody reads the answer any more: stop generating it
     engine = open_engine(settings, renderer, stop,
                          n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
-                         kv_unified=kv_unified)
+                         kv_unified=kv_unified, skip_cached_warm_up=True)
     raw = raw or not engine.has_template
     conv = make_conversation(engine, settings, renderer, stop, raw=raw)
     if prompts_file is not None or parallel > 1 or jsonl:

@@ -387,10 +387,10 @@ def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_n
 
 # ---- the warm-up skipped when it could only load kernels (kernels/warm_set.py) --------------------
 
-def test_a_warm_start_skips_the_warm_up_once_its_kernels_are_recorded_and_still_cached(tiny_chat, tmp_path,
-                                                                                     monkeypatch):
-    """First start: the warm-up runs and its kernels are recorded; the next start skips it and
-    answers the same bytes; a recorded kernel whose cache entry is gone brings the warm-up back."""
+def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_cached(tiny_chat, tmp_path,
+                                                                                   monkeypatch):
+    """First `run`: the warm-up runs and its kernels are recorded; the next skips it and answers
+    the same bytes (the chat keeps it); a recorded kernel without a cache entry brings it back."""
     import pickle
 
     import kernels.warm_set as warm_set
@@ -404,6 +404,16 @@ def test_a_warm_start_skips_the_warm_up_once_its_kernels_are_recorded_and_still_
     first, second = kvchat(*args), kvchat(*args)
     assert warmed == [1] and first.returncode == second.returncode == 0
     assert first.stdout == second.stdout and len(first.stdout.strip()) > 0
+    import io
+    import threading
+
+    from cli.chat_setup import open_engine
+    from cli.options import ChatSettings
+    from cli.render import Renderer
+    open_engine(ChatSettings(model=str(tiny_chat), ctx_size=256), Renderer(out=io.StringIO()), threading.Event())
+    assert warmed == [1, 1]  # the chat warms up while its user reads the prompt, cached or not
+    warmed.clear()
+    warmed.append(1)
     (recorded,) = tmp_path.glob("*.pkl")
     fmt, entries = pickle.loads(recorded.read_bytes())
     kernels_recorded = {(m, q) for m, q, _ in entries}
