@@ -106,6 +106,14 @@ def test_an_embedding_with_its_own_head_is_looked_up_in_the_file_and_not_repacke
         ids = np.array([0, 7, model.hparams.n_vocab - 1, 7], np.int32)
         want = gguf.quants.dequantize(np.asarray(ti.data)[ids], gguf.GGMLQuantizationType.Q8_0)
         np.testing.assert_array_equal(embd.get_rows(ids), want.reshape(4, 64))
+        assert _resident_pages(ti.data) == 0  # a prompt's looked-up rows: file pages released again
+        one = np.array([9], np.int32)
+        embd_row_9 = gguf.quants.dequantize(np.asarray(ti.data)[9:10], gguf.GGMLQuantizationType.Q8_0).reshape(1, 64)
+        for _ in range(TokenRows.RELEASE_EVERY - 1):  # generated tokens: released every RELEASE_EVERY
+            np.testing.assert_array_equal(embd.get_rows(one), embd_row_9)
+        assert _resident_pages(ti.data) > 0
+        embd.get_rows(one)
+        assert _resident_pages(ti.data) == 0
         with pytest.raises(IndexError):
             embd.get_rows(np.array([model.hparams.n_vocab], np.int32))
     finally:
