@@ -47,23 +47,39 @@ def _read(path: Path):
     return name, kind, (obj, bitcode)
 
 
-def _write(path: Path, state) -> None:
-    """Atomically (a reader sees the whole file or none); older NRT files in the folder go."""
+def dump_atomically(path: Path, obj, prefix: str) -> bool:
+    """Pickle obj to path atomically (a reader sees the whole file or none): a temp file named
+    prefix*.tmp beside it, renamed over it; False, and no temp left, on an OSError. For the
+    kernels' own cache files (this one, kernels/warm_set.py): kernels/ sits below runtime/, so it
+    cannot use runtime.memory.state.atomic_write."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=PREFIX, suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o644)  # as numba writes its cache files
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return False
+    return True
+
+
+def _write(path: Path, state) -> None:
+    """Atomically (dump_atomically); older NRT files in the folder go."""
+    if not dump_atomically(path, state, PREFIX):
+        return
+    try:
         for old in path.parent.glob(PREFIX + "*" + SUFFIX):
             if old != path:
                 old.unlink(missing_ok=True)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass
+        pass
 
 
 def initialize(ctx) -> str:

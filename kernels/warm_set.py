@@ -21,7 +21,6 @@ import hashlib
 import importlib
 import os
 import pickle
-import tempfile
 
 PREFIX = "kvchat-warm-"
 SUFFIX = ".pkl"
@@ -94,22 +93,8 @@ def record(name: str) -> bool:
         entries.append((module, qualname, sig))
     if not entries:
         return False
-    path = _path(name)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=PREFIX, suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump((FORMAT, entries), f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        return False
-    return True
+    from kernels.nrt_cache import dump_atomically
+    return dump_atomically(_path(name), (FORMAT, entries), PREFIX)
 
 
 def covered(name: str) -> bool:

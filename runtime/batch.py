@@ -21,6 +21,14 @@ _NO_I32 = np.zeros(0, np.int32)  # the empty fields of a cleared allocator (leng
 _NO_BOOL = np.zeros(0, bool)
 
 
+def _position_gap(seq: int, p_mem: int, p_batch: int) -> str:
+    """init()'s refusal of a batch whose sequence does not continue at memory's last position + 1
+    (both passes, general and one-token, word it alike)."""
+    return (f"the tokens of sequence {seq} in the input batch have inconsistent sequence "
+            f"positions: the last position stored in memory for sequence {seq} is X = {p_mem}, "
+            f"the batch starts at Y = {p_batch}; it is required that Y = X + 1")
+
+
 class Batch:
     """A decode() input. tokens i32 [n]; pos i32 [n] or None (continue from memory);
     seq_ids: None (all seq 0), one int per token, or one list of ints per token;
@@ -243,10 +251,7 @@ class BatchAllocator:
             if memory is not None:
                 p0 = memory.seq_pos_max(s)
                 if p0 >= 0 and pmin != p0 + 1:
-                    return self._fail(
-                        f"the tokens of sequence {s} in the input batch have inconsistent sequence "
-                        f"positions: the last position stored in memory for sequence {s} is X = {p0}, "
-                        f"the batch starts at Y = {pmin}; it is required that Y = X + 1")
+                    return self._fail(_position_gap(s, p0, pmin))
             if pmax - pmin + 1 > ndist:
                 return self._fail(f"sequence {s} positions are not continuous")
 
@@ -312,10 +317,7 @@ class BatchAllocator:
         self.seq_set_map[st] = [0]
         self.seq_id_unq = [s]
         if p0 >= 0 and p != p0 + 1:
-            return self._fail(
-                f"the tokens of sequence {s} in the input batch have inconsistent sequence "
-                f"positions: the last position stored in memory for sequence {s} is X = {p0}, "
-                f"the batch starts at Y = {p}; it is required that Y = X + 1")
+            return self._fail(_position_gap(s, p0, p))
         self.split_reset()
         return True
 
