@@ -24,8 +24,8 @@ N_HEAD, N_HEAD_KV, HEAD_DIM, N_LAYER = 9, 3, 64, 30
 
 def make_case(type_name: str, n_tokens: int, depth: int, seed: int = 0):
     """Random cache rows of the given type and a causal mask; n_kv padded to 256 like the cache."""
-    from kernels.ggml_types import GGMLType
-    from kernels.quants import quantize
+    from kvchat.kernels.ggml_types import GGMLType
+    from kvchat.kernels.quants import quantize
 
     rng = np.random.default_rng(seed)
     t = int(GGMLType[type_name.upper()])
@@ -42,7 +42,7 @@ def make_case(type_name: str, n_tokens: int, depth: int, seed: int = 0):
 
 
 def time_case(case, reps: int, n_threads: int):
-    from kernels.attention import attention
+    from kvchat.kernels.attention import attention
 
     q, k, t, v, mask, ts = case
     attention(q, k, t, v, t, mask, ts, N_HEAD_KV, 0.125, n_threads=n_threads)  # compile / warm up

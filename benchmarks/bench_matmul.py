@@ -32,8 +32,8 @@ MODELS = {
 
 
 def load(path: Path):
-    from kernels.matmul import QMatrix
-    from runtime.gguf_file import GGUFFile
+    from kvchat.kernels.matmul import QMatrix
+    from kvchat.runtime.gguf.file import GGUFFile
 
     gf = GGUFFile(path)
     mats = []
@@ -48,7 +48,7 @@ def bench(mats, n: int, reps: int):
     """-> wall s per call set (mean), process s (mean), best wall s, flops, {type: (best wall, best cpu, flops)}."""
     import numpy as np
 
-    from kernels.ggml_types import GGMLType
+    from kvchat.kernels.ggml_types import GGMLType
 
     rng = np.random.default_rng(0)
     xs = {k: rng.standard_normal((n, k)).astype(np.float32) for k in {q.k for _, q in mats}}
@@ -105,7 +105,7 @@ def main() -> None:
     t0 = time.perf_counter()
     import numpy as np
 
-    from kernels.matmul import QMatrix
+    from kvchat.kernels.matmul import QMatrix
 
     if args.threads:
         import numba

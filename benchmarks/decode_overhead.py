@@ -41,12 +41,12 @@ def main():
     ap.add_argument("--stub-matmul", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
-    import kernels.matmul as km
-    from cli.models import resolve_model
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.generate import generate
-    from runtime.model import Model
+    import kvchat.kernels.matmul as km
+    from kvchat.cli.sources.models import resolve_model
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.generate import generate
+    from kvchat.runtime.model import Model
     m = Model.load(resolve_model(a.model))
     ctx = Context(m, ContextParams(n_ctx=max(512, a.n + 1)))
     if a.stub_matmul:  # fixed normal values, not zeros: an activation of 0 can take a short path

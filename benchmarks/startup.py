@@ -5,7 +5,7 @@ Side by side (each round runs every command once, in turn; medians over rounds):
     python benchmarks/startup.py --tree /work/main --tree . \\
         --llama-completion BIN -r 5 -- run -m smollm2 -p hi -n 16
 
-  Each --tree runs `python -c "from cli.app import main; main()" ARGS...` with PYTHONPATH=TREE
+  Each --tree runs `python -c "from kvchat.cli.app import main; main()" ARGS...` with PYTHONPATH=TREE
   and stdout on a pipe; "first byte" is when the first answer byte arrives on the pipe, "exit"
   when the process ends. llama-completion runs with `-m FILE -p PROMPT -n N -no-cnv -t 2` (the
   model file and -p/-n taken from ARGS); it echoes the prompt before decoding it, so its "first
@@ -32,19 +32,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (module, attribute) wrapped in --phases mode; classes as "Class.method". Rows print in this order.
 PHASES = [
-    ("cli.models", "resolve_model", "resolve -m", None),
-    ("kernels.jit_cache", "kernels_compiled", "numba cache probe", None),
-    ("runtime.gguf_split", "open_gguf", "GGUF parse (open_gguf)", "runtime.model"),
-    ("runtime.text.vocab", "Vocab.from_gguf", "vocabulary (Vocab.from_gguf)", None),
-    ("runtime.model", "load_weights", "weights (load_weights)", None),
-    ("runtime.os_memory", "release_library_pages", "release_library_pages", "runtime.model"),
-    ("runtime.context", "Context.__init__", "Context()", None),
-    ("runtime.generate", "warm_up", "warm-up", None),
-    ("runtime.text.chat_template", "ChatTemplate.from_gguf", "chat template", None),
-    ("cli.session", "model_identity", "model identity", None),
-    ("cli.run_prompt_cache", "warm", "prompt cache", None),
-    ("runtime.conversation", "Conversation.render", "render the prompt", None),
-    ("runtime.conversation", "Conversation.prefill", "prompt decode (prefill)", None),
+    ("kvchat.cli.sources.models", "resolve_model", "resolve -m", None),
+    ("kvchat.kernels.jit_cache", "kernels_compiled", "numba cache probe", None),
+    ("kvchat.runtime.gguf.split", "open_gguf", "GGUF parse (open_gguf)", "kvchat.runtime.model"),
+    ("kvchat.runtime.text.vocab", "Vocab.from_gguf", "vocabulary (Vocab.from_gguf)", None),
+    ("kvchat.runtime.model", "load_weights", "weights (load_weights)", None),
+    ("kvchat.runtime.weights.os_memory", "release_library_pages", "release_library_pages", "kvchat.runtime.model"),
+    ("kvchat.runtime.context", "Context.__init__", "Context()", None),
+    ("kvchat.runtime.generate", "warm_up", "warm-up", None),
+    ("kvchat.runtime.text.chat_template", "ChatTemplate.from_gguf", "chat template", None),
+    ("kvchat.cli.session.session", "model_identity", "model identity", None),
+    ("kvchat.cli.commands.run_prompt_cache", "warm", "prompt cache", None),
+    ("kvchat.runtime.chat.conversation", "Conversation.render", "render the prompt", None),
+    ("kvchat.runtime.chat.conversation", "Conversation.prefill", "prompt decode (prefill)", None),
 ]
 
 
@@ -86,7 +86,7 @@ def _arg(args: list[str], *names: str, default=None):
 
 def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
     sys.path.insert(0, os.path.dirname(HERE))
-    from cli.models import resolve_model
+    from kvchat.cli.sources.models import resolve_model
     from rich.console import Console
     path = resolve_model(_arg(args, "-m", "--model", default="smollm2"), Console(stderr=True))
     prompt = _arg(args, "-p", "--prompt", default="hi")
@@ -97,7 +97,7 @@ def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
 def side_by_side(opts, args: list[str]) -> None:
     runs = []  # (label, cmd, env, skip, cwd): `python -c` puts its working directory first on
     for tree in opts.tree:  # sys.path, so each tree runs from its own directory
-        runs.append((f"kvchat {tree}", [sys.executable, "-c", "from cli.app import main; main()", *args],
+        runs.append((f"kvchat {tree}", [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args],
                      _clean_env(tree), b"", os.path.abspath(tree)))
     if opts.llama_completion:
         cmd, echo = llama_cmd(opts.llama_completion, args)
@@ -146,9 +146,9 @@ def child_phases(args: list[str]) -> None:
     t_start = time.time() - spawn  # the interpreter's start, up to this line
     t0 = time.perf_counter()
     marks: dict = {}
-    import cli.app  # noqa: F401
-    marks["import cli.app"] = time.perf_counter() - t0
-    from cli.render import Renderer
+    import kvchat.cli.app  # noqa: F401
+    marks["import kvchat.cli.app"] = time.perf_counter() - t0
+    from kvchat.cli.chat.render import Renderer
     first = {}
     piece = Renderer.piece
 
@@ -161,7 +161,7 @@ def child_phases(args: list[str]) -> None:
     for module, attr, label, also in PHASES:
         _wrap(marks, module, attr, label, also)
     try:
-        cli.app.main(args)
+        kvchat.cli.app.main(args)
     except SystemExit as e:
         if e.code:
             raise

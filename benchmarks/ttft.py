@@ -5,10 +5,10 @@ Usage: python benchmarks/ttft.py MODEL.gguf  (set NUMBA_CACHE_DIR to an empty di
 import time; t0 = time.perf_counter()
 import sys; sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.abspath(__file__))))
 import numpy as np
-from runtime.model import Model
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.batch import Batch
+from kvchat.runtime.model import Model
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.batch import Batch
 m = Model.load(sys.argv[1]); t1 = time.perf_counter()
 ctx = Context(m, ContextParams(n_ctx=4096))
 toks = m.vocab.tokenize("The capital of France is", add_special=True)

@@ -77,7 +77,7 @@ def start_busy(n: int) -> list[subprocess.Popen]:
 def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int,
                env: dict | None = None) -> float:
     p, n, d = test
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", "bench", "-m", str(model), "-p", str(p),
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "bench", "-m", str(model), "-p", str(p),
            "-n", str(n), "-d", str(d), "-r", str(reps), "-t", str(threads), "-ctk", cache, "-ctv", cache,
            "-fa", "on", "--json"]
     env = {**os.environ, **(env or {})}

@@ -1,7 +1,7 @@
 """The `kvchat` console script: one typer app, one module per command.
 
 Each `cli/cmd_*.py` exposes `register(app)`; this file only wires them together and turns
-user-facing errors (runtime.errors.KvchatError) into one line on stderr and exit code 1.
+user-facing errors (kvchat.runtime.errors.KvchatError) into one line on stderr and exit code 1.
 A plain `kvchat run` line (known flags, values typer would read the same way) is parsed by
 cli/fast_args.py and typer is not imported at all; every other line goes through typer.
 """
@@ -10,14 +10,14 @@ import logging
 import os
 import sys
 
-from runtime.errors import KvchatError
+from kvchat.runtime.errors import KvchatError
 
 # command name -> the module whose register(app) adds it, in `kvchat --help` order
 COMMANDS = {
-    "chat": "cli.cmd_chat", "run": "cli.cmd_run", "pull": "cli.cmd_pull", "list": "cli.cmd_list",
-    "rm": "cli.cmd_rm", "info": "cli.cmd_info", "tokenize": "cli.cmd_tokenize",
-    "perplexity": "cli.cmd_perplexity", "bench": "cli.cmd_bench", "bench-batched": "cli.cmd_bench_batched",
-    "session": "cli.cmd_session", "kv-sweep": "cli.cmd_kv_sweep", "logprobs": "cli.cmd_logprobs",
+    "chat": "kvchat.cli.commands.chat", "run": "kvchat.cli.commands.run", "pull": "kvchat.cli.commands.pull", "list": "kvchat.cli.commands.list",
+    "rm": "kvchat.cli.commands.rm", "info": "kvchat.cli.commands.info", "tokenize": "kvchat.cli.commands.tokenize",
+    "perplexity": "kvchat.cli.commands.perplexity", "bench": "kvchat.cli.commands.bench", "bench-batched": "kvchat.cli.commands.bench_batched",
+    "session": "kvchat.cli.commands.session", "kv-sweep": "kvchat.cli.commands.kv_sweep", "logprobs": "kvchat.cli.commands.logprobs",
 }
 
 
@@ -28,7 +28,7 @@ def make_app(only: str | None = None):
     Values are converted without pydantic where typer's result is known (cli/fast_params.py)."""
     import typer
 
-    from cli import fast_params
+    from kvchat.cli import fast_params
     fast_params.install()
     application = typer.Typer(
         name="kvchat",
@@ -47,7 +47,7 @@ def make_app(only: str | None = None):
 
 
 def __getattr__(name: str):
-    """`cli.app.app`: the app with every command (built on first use; tests drive it)."""
+    """`kvchat.cli.app.app`: the app with every command (built on first use; tests drive it)."""
     if name == "app":
         globals()["app"] = application = make_app()
         return application
@@ -81,8 +81,9 @@ def run_without_typer(args: list[str]):
     """`kvchat run ...` parsed by cli/fast_args.py and run; NotImplemented when typer must parse it."""
     if args[0] != "run":
         return NotImplemented
-    from cli import cmd_run, fast_args
-    from cli.options import OPTIONS, settings_from
+    from kvchat.cli.commands import run as cmd_run
+    from kvchat.cli import fast_args
+    from kvchat.cli.options import OPTIONS, settings_from
     values = fast_args.parse(args[1:], cmd_run.RUN_OPTIONS + OPTIONS)
     if values is None:
         return NotImplemented
@@ -94,7 +95,7 @@ def run_with_typer(args: list[str]):
     """The typer app's answer to `kvchat ARGS`; usage errors become one line (exit 2)."""
     import typer
 
-    from cli.fast_args import click_module
+    from kvchat.cli.fast_args import click_module
     click_exc = click_module("exceptions")
     application = make_app(args[0]) if args[0] in COMMANDS else globals().get("app") or __getattr__("app")
     try:
@@ -121,13 +122,13 @@ def main(argv=None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]
-    from cli.fast_args import EndOfInput
+    from kvchat.cli.fast_args import EndOfInput
     try:
         rc = run_without_typer(args)
         if rc is NotImplemented:
             rc = run_with_typer(args)
     except KvchatError as e:
-        from cli.wording import error_text
+        from kvchat.cli.wording import error_text
         print(f"error: {error_text(e)}", file=sys.stderr)
         sys.exit(1)
     except (EndOfInput, KeyboardInterrupt):

@@ -11,7 +11,7 @@ typer would spell differently or refuse. So a refusal's wording and exit code st
 tests/test_startup_pieces.py checks that both parsers give the same values on a corpus of lines.
 
 `invoke(command)` runs the command the way typer's main does for an exception it handles itself
-(Ctrl-C: exit 130; end of input: "\\n" on stderr, then cli.app's "interrupted"; a closed pipe:
+(Ctrl-C: exit 130; end of input: "\\n" on stderr, then kvchat.cli.app's "interrupted"; a closed pipe:
 exit 1), so a fast-parsed run ends exactly as a typer-parsed one.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from cli.fast_params import _FLOAT, _INT
-from cli.options import FlashAttn, Option, check_value
+from kvchat.cli.fast_params import _FLOAT, _INT
+from kvchat.cli.options import FlashAttn, Option, check_value
 
 _VALUE = object()  # the flag takes the next argument as its value
 COMPLETION_VAR = "_KVCHAT_COMPLETE"  # typer's shell completion answers when this is set
@@ -39,7 +39,7 @@ def click_module(name: str):
 
 
 class EndOfInput(Exception):
-    """typer's Abort for an EOFError: cli.app says "interrupted", exit 130."""
+    """typer's Abort for an EOFError: kvchat.cli.app says "interrupted", exit 130."""
 
 
 def spellings(options: list[Option]) -> dict:

@@ -5,7 +5,7 @@ the range check, and — for what can change mid-chat — where `/set` applies i
 - `with_settings(...)` appends the flags to a typer command (all of them for chat/run; a subset
   such as `CACHE_FLAGS` with other defaults for bench, perplexity, logprobs) and hands the command
   one `ChatSettings` instead of thirty arguments;
-- the REPL's `/set` (names, parsing, listing) and the `/set` line of `/help` (cli/repl.py).
+- the REPL's `/set` (names, parsing, listing) and the `/set` line of `/help` (cli/chat/repl.py).
 A value is refused by the same check whether it comes from a flag (usage error, exit 2) or from
 `/set` (an error line, the chat goes on): `check_value(option, value)`.
 """
@@ -19,8 +19,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
-from runtime.errors import KvchatError
-from runtime.sampling import SamplingParams
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.sampling import SamplingParams
 
 PANEL_MODEL = "Model"
 PANEL_CONTEXT = "Context and KV cache"
@@ -74,7 +74,7 @@ class ChatSettings:
 
     def context_params(self, **override):
         """The runtime's ContextParams from the context / cache flags."""
-        from runtime.cparams import ContextParams
+        from kvchat.runtime.cparams import ContextParams
         values = dict(n_ctx=self.ctx_size, n_batch=self.batch_size, n_ubatch=self.ubatch_size,
                       type_k=self.cache_type_k, type_v=self.cache_type_v, flash_attn=self.flash_attn,
                       swa_full=self.swa_full, n_threads=self.threads)

@@ -1,13 +1,13 @@
 """What the engine reports, in words for people: events, stop reasons, and hints on errors.
 
-runtime/ reports facts as data (runtime.conversation's ContextShifted / ContextFull events, a
+runtime/ reports facts as data (kvchat.runtime.chat.conversation's ContextShifted / ContextFull events, a
 StopReason in the turn's stats, PromptTooLong with its numbers); this module is the one place
 that turns them into sentences, and the only one that knows which flags and slash commands a
 user can reach for.
 """
 from __future__ import annotations
 
-from runtime.conversation_events import ContextFull, ContextShifted, FullCause, PromptTooLong, StopReason
+from kvchat.runtime.chat.events import ContextFull, ContextShifted, FullCause, PromptTooLong, StopReason
 
 _FULL_WHY = {
     FullCause.SHIFT_OFF: "context shift is off",

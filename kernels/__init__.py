@@ -41,12 +41,12 @@ def _import_numba_without_yaml() -> None:
         del sys.modules["yaml"]
 
 
-from kernels import numba_start  # noqa: E402
+from kvchat.kernels import numba_start  # noqa: E402
 
 numba_start.lazy_metadata()  # importlib.metadata runs when numba's extension scan needs it
 _import_numba_without_yaml()
 
-from kernels.jit_cache import lean_cache_loads  # noqa: E402 (numba's threading env is set above)
+from kvchat.kernels.jit_cache import lean_cache_loads  # noqa: E402 (numba's threading env is set above)
 
 lean_cache_loads()  # cached kernels load without numba's compiler registries (kernels/jit_cache.py)
 numba_start.cheap_extension_scan()  # and the rest of kernels/numba_start.py
@@ -54,6 +54,6 @@ numba_start.arrays_typed_without_numpy_ma()
 numba_start.dispatchers_made_cheaply()
 numba_start.llvm_lock_events_when_listened()
 
-from kernels import warm_set  # noqa: E402
+from kvchat.kernels import warm_set  # noqa: E402
 
 warm_set.install()  # which kernels a warm-up loaded (the CLI skips a warm-up that cannot compile)

@@ -19,9 +19,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kernels import parallel
-from kernels.gelu_table import geglu_row, gelu_table
-from kernels.ggml_math import silu_ggml
+from kvchat.kernels import parallel
+from kvchat.kernels.gelu_table import geglu_row, gelu_table
+from kvchat.kernels.ggml_math import silu_ggml
 
 _NO_TABLE = np.zeros(1, dtype=np.float32)  # the table argument of the SiLU loops (never read)
 

@@ -47,8 +47,8 @@ bf16 for a bf16 K on every path, f16 for an f16 K only on its one-row path.
 import numpy as np
 from numba import njit, prange
 
-from kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
-from kernels.attention_tiles import (
+from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
+from kvchat.kernels.attention_tiles import (
     KT,
     NEG_INF,
     exp_le0,
@@ -61,10 +61,10 @@ from kernels.attention_tiles import (
     tile_pv,
     tile_pv1,
 )
-from kernels import parallel
-from kernels.ggml_types import GGMLType, type_info
-from kernels.quants import dequantize, quantize
-from kernels.simd import LANES
+from kvchat.kernels import parallel
+from kvchat.kernels.ggml_types import GGMLType, type_info
+from kvchat.kernels.quants import dequantize, quantize
+from kvchat.kernels.simd import LANES
 
 _F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
 PREFETCH = 2  # tiles ahead that _chunk asks the cache rows of

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kernels.attention_tiles import (
+from kvchat.kernels.attention_tiles import (
     KT,
     NEG_INF,
     dequant_cache_row,
@@ -22,8 +22,8 @@ from kernels.attention_tiles import (
     tile_live,
     tile_scores,
 )
-from kernels.ggml_types import GGMLType
-from kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
 
 _F32 = int(GGMLType.F32)
 

@@ -11,8 +11,8 @@ import math
 import numpy as np
 from numba import njit
 
-from kernels.ggml_types import GGMLType
-from kernels.quants import (
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.quants import (
     dequant_row_bf16,
     dequant_row_f32,
     dequant_row_iq4_nl,
@@ -22,8 +22,8 @@ from kernels.quants import (
     dequant_row_q5_1,
     dequant_row_q8_0,
 )
-from kernels.quants_fp import bits_to_f32, f32_to_bits
-from kernels.simd import (
+from kvchat.kernels.quants_fp import bits_to_f32, f32_to_bits
+from kvchat.kernels.simd import (
     LANES,
     prefetch,
     vadd,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from kernels.simd_int import ISA_NAMES, Isa
+from kvchat.kernels.simd_int import ISA_NAMES, Isa
 
 
 def host_features() -> set[str]:

@@ -19,8 +19,8 @@ parallel.RMS_NORM_PAR_MIN_ROWS rows, as kernels/norm.py.
 import numpy as np
 from numba import njit, prange
 
-from kernels import parallel
-from kernels.norm import rms_norm_row
+from kvchat.kernels import parallel
+from kvchat.kernels.norm import rms_norm_row
 
 
 @njit(cache=True, inline="always")

@@ -17,8 +17,8 @@ import math
 import numpy as np
 from numba import njit
 
-from kernels.ggml_math import fma32
-from kernels.quants_fp import bits_to_f32, f16_to_f32, f32_to_bits, f32_to_f16
+from kvchat.kernels.ggml_math import fma32
+from kvchat.kernels.quants_fp import bits_to_f32, f16_to_f32, f32_to_bits, f32_to_f16
 
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_COEF_A = np.float32(0.044715)

@@ -36,7 +36,7 @@ import struct
 def kernels_compiled() -> bool:
     """True when numba's cache holds a compiled version of the hot-path kernels for this source."""
     try:
-        from kernels.matmul_int import matmul_q_serial
+        from kvchat.kernels.matmul_int import matmul_q_serial
         cache_file = matmul_q_serial._cache._cache_file  # numba's IndexDataCacheFile
         return bool(cache_file._load_index())
     except Exception:  # another numba layout, an unreadable cache dir: assume warm, stay quiet
@@ -115,7 +115,7 @@ def init_nrt(target_context) -> None:
     own rtsys.initialize if that fails for any reason."""
     from numba.core.runtime import nrt
     try:
-        from kernels.nrt_cache import initialize
+        from kvchat.kernels.nrt_cache import initialize
         initialize(target_context)
     except Exception:
         nrt.rtsys.initialize(target_context)

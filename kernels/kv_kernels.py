@@ -6,7 +6,7 @@ loops over explicit arrays, one launch per layer per ubatch whatever the token c
 import numpy as np
 from numba import njit, prange
 
-from kernels.quants import quant_row_any
+from kvchat.kernels.quants import quant_row_any
 
 
 @njit(cache=True)

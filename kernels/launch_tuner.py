@@ -16,7 +16,7 @@ a parallel step can cost 3x a serial one, so a probe should cost one such step. 
 loaded machine step times cross the drift bound by chance, so each such probe that keeps the arm
 doubles the steps the next one must wait (`drift_gap`, up to `max_period`); a flip resets it.
 
-The arms differ only in `kernels.parallel.MATMUL_PAR_MIN_MACS` during the step (SERIAL: the
+The arms differ only in `kvchat.kernels.parallel.MATMUL_PAR_MIN_MACS` during the step (SERIAL: the
 configured threshold; PARALLEL: `PARALLEL_ARM_MACS`). Serial and parallel matmul kernels give
 bit-identical rows (tests/test_launch_tuner.py), so the choice changes speed, never tokens.
 Only one-token ubatches are tuned (generation); prompt ubatches keep the configured threshold.
@@ -30,7 +30,7 @@ import statistics
 import time
 from collections import deque
 
-from kernels import parallel
+from kvchat.kernels import parallel
 
 SERIAL, PARALLEL = 0, 1
 ARM_NAMES = ("serial", "parallel")

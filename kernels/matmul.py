@@ -21,14 +21,14 @@ import sys
 import numba
 import numpy as np
 
-from kernels.cpu import ISA
-from kernels.ggml_types import GGMLType, row_bytes
-from kernels.matmul_int import matmul_q, matmul_q_serial
-from kernels import parallel
-from kernels.matmul_kernels import matmul_blocks
-from kernels.qlayout import FORMATS, Packed, repack_int
-from kernels.quants import dequantize
-from kernels.repack import padded_k, repack
+from kvchat.kernels.cpu import ISA
+from kvchat.kernels.ggml_types import GGMLType, row_bytes
+from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
+from kvchat.kernels import parallel
+from kvchat.kernels.matmul_kernels import matmul_blocks
+from kvchat.kernels.qlayout import FORMATS, Packed, repack_int
+from kvchat.kernels.quants import dequantize
+from kvchat.kernels.repack import padded_k, repack
 
 FLOAT_TYPES = (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16))
 
@@ -85,7 +85,7 @@ class QMatrix:
     raw: u8 [m, row_bytes] (a read-only view on the model's mmap is fine: its pages are
     released from the resident set as they are repacked, and only get_rows reads rows of it
     again). packed: (kind, arrays) as ``packing()`` gives them for these rows, e.g. mapped from
-    the disk cache of runtime/weight_cache.py: used as they are, so raw is never read (it may be
+    the disk cache of runtime/weights/cache.py: used as they are, so raw is never read (it may be
     None, then m gives the number of rows). Attributes: m, k, t, kind (packed layout), fmt (the
     integer kernel's QFormat, None for float weights), nbytes (bytes in the file), packed_nbytes.
     """

@@ -31,11 +31,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
-from kernels.qlayout import ACT_Q8_K, R, QFormatType
-from kernels.quant_act import quantize_row_q8
-from kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
-from kernels.simd_int import bhi, blo, bload, bplane, bstore, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
+from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
+from kvchat.kernels.qlayout import ACT_Q8_K, R, QFormatType
+from kvchat.kernels.quant_act import quantize_row_q8
+from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
+from kvchat.kernels.simd_int import bhi, blo, bload, bplane, bstore, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
 
 
 
@@ -364,8 +364,8 @@ def _quantize_rows(x, act, parallel):
 
 @njit(parallel=True, cache=True)
 def matmul_q(isa, fmt, q, d, m, sc, mn, x, y, token_chunk, n_runs):
-    """y f32 [n, m] = x f32 [n, k] (C-contiguous) @ W.T for W packed by kernels.qlayout.repack_int.
-    isa: kernels.simd_int.Isa (the instruction path), fmt: the weight's QFormat. The (row group,
+    """y f32 [n, m] = x f32 [n, k] (C-contiguous) @ W.T for W packed by kvchat.kernels.qlayout.repack_int.
+    isa: kvchat.kernels.simd_int.Isa (the instruction path), fmt: the weight's QFormat. The (row group,
     token chunk) items are cut into n_runs runs, one prange iteration each; how they are cut
     never changes a result."""
     xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), True)

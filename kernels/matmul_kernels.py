@@ -32,8 +32,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kernels.repack import R
-from kernels.simd import vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
+from kvchat.kernels.repack import R
+from kvchat.kernels.simd import vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
 
 
 def _pair(q, base, j, h):

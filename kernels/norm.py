@@ -17,7 +17,7 @@ the order per loop nest), the scaling is plain IEEE arithmetic. It costs about 1
 import numpy as np
 from numba import njit, prange
 
-from kernels import parallel
+from kvchat.kernels import parallel
 
 
 

@@ -51,7 +51,7 @@ def dump_atomically(path: Path, obj, prefix: str) -> bool:
     """Pickle obj to path atomically (a reader sees the whole file or none): a temp file named
     prefix*.tmp beside it, renamed over it; False, and no temp left, on an OSError. For the
     kernels' own cache files (this one, kernels/warm_set.py): kernels/ sits below runtime/, so it
-    cannot use runtime.memory.state.atomic_write."""
+    cannot use kvchat.runtime.memory.state.atomic_write."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@ Only for caches that store K and V as plain rows without a rotation: a transpose
 import numpy as np
 from numba import njit, prange
 
-from kernels import parallel
-from kernels.quants import quant_row_any
-from kernels.rope import _prep_token
+from kvchat.kernels import parallel
+from kvchat.kernels.quants import quant_row_any
+from kvchat.kernels.rope import _prep_token
 
 
 @njit(cache=True, inline="always")

@@ -40,11 +40,11 @@ import numpy as np
 from numba import types
 from numba.extending import NativeValue, models, register_model, typeof_impl, unbox
 
-from kernels.ggml_types import GGMLType, type_info
+from kvchat.kernels.ggml_types import GGMLType, type_info
 
 R = 32  # rows interleaved per group: 2 x 16 i32 lanes
 # Bump when the packed bytes of the same file rows change. Packs cached on disk are keyed on it
-# and on a digest of this module, qlayout_pack.py and repack.py (runtime/weight_cache.py).
+# and on a digest of this module, qlayout_pack.py and repack.py (runtime/weights/cache.py).
 LAYOUT_VERSION = 1
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -160,7 +160,7 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
     The arrays are allocated once and filled REPACK_ROWS rows at a time by one compiled pass
     (kernels/qlayout_pack.py: each byte written once, no temporaries); ``done(rows)`` is called
     after each slice of raw has been read (the caller releases those file pages, kernels/matmul.py)."""
-    from kernels.qlayout_pack import pack_rows
+    from kvchat.kernels.qlayout_pack import pack_rows
 
     t = GGMLType(t)
     fmt = FORMATS.get(t)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.ggml_types import GGMLType
+from kvchat.kernels.ggml_types import GGMLType
 
 R = 32  # rows interleaved per group (kernels/qlayout.R)
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0),

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kernels.quants_fp import f16_to_f32, f32_to_f16
-from kernels.qlayout import ACT_Q8_1, ACT_Q8_K
+from kvchat.kernels.quants_fp import f16_to_f32, f32_to_f16
+from kvchat.kernels.qlayout import ACT_Q8_1, ACT_Q8_K
 
 
 @njit(cache=True, inline="always")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml_types import GGMLType
+from kvchat.kernels.ggml_types import GGMLType
 
 R = 32  # rows interleaved per group: 32 f32 lanes = 4 AVX2 / 2 AVX-512 registers
 
@@ -116,7 +116,7 @@ def padded_k(t: int, k: int) -> int:
 
 
 def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """raw u8 [m, row_bytes] of type t -> (kind, (q, d, mn)) for kernels.matmul_kernels.matmul_blocks."""
+    """raw u8 [m, row_bytes] of type t -> (kind, (q, d, mn)) for kvchat.kernels.matmul_kernels.matmul_blocks."""
     m = raw.shape[0]
     t = GGMLType(t)
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):

@@ -17,9 +17,9 @@ kernels/attention.py). The cost is nil: a few hundred values per token next to c
 import numpy as np
 from numba import njit, prange
 
-from kernels import parallel
-from kernels.ggml_math import fma32
-from kernels.norm import rms_norm_row
+from kvchat.kernels import parallel
+from kvchat.kernels.ggml_math import fma32
+from kvchat.kernels.norm import rms_norm_row
 
 
 

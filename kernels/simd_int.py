@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model, typeof_impl, unbox, NativeValue
 
-from kernels.simd import F32Vec, f32vec
+from kvchat.kernels.simd import F32Vec, f32vec
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _VB = ir.VectorType(_I8, 64)

@@ -1,6 +1,6 @@
 """The kernels a warm-up loaded, so that a later start can tell that none of them would compile.
 
-The CLI decodes a couple of tokens before the prompt (runtime.generate.warm_up) so that a kernel
+The CLI decodes a couple of tokens before the prompt (kvchat.runtime.generate.warm_up) so that a kernel
 whose numba cache entry is missing or stale compiles under its "warming up kernels" spinner,
 not silently inside the answer. On a warm cache those decodes only load kernels, which the
 prompt and the answer load anyway: ~0.08 s of a warm start spent before the first token for
@@ -65,7 +65,7 @@ def name_for(*parts) -> str:
 
 
 def _path(name: str):
-    from kernels.nrt_cache import cache_dir
+    from kvchat.kernels.nrt_cache import cache_dir
     return cache_dir() / f"{PREFIX}{name}{SUFFIX}"
 
 
@@ -93,7 +93,7 @@ def record(name: str) -> bool:
         entries.append((module, qualname, sig))
     if not entries:
         return False
-    from kernels.nrt_cache import dump_atomically
+    from kvchat.kernels.nrt_cache import dump_atomically
     return dump_atomically(_path(name), (FORMAT, entries), PREFIX)
 
 

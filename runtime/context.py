@@ -17,11 +17,11 @@ import logging
 
 import numpy as np
 
-from kernels.launch_tuner import LaunchTuner
-from runtime.batch import Batch, BatchAllocator
-from runtime.cparams import ContextParams, resolve_cparams
-from runtime.arch import create_memory
-from runtime.memory.interface import MemoryStatus
+from kvchat.kernels.launch_tuner import LaunchTuner
+from kvchat.runtime.batch import Batch, BatchAllocator
+from kvchat.runtime.cparams import ContextParams, resolve_cparams
+from kvchat.runtime.arch import create_memory
+from kvchat.runtime.memory.interface import MemoryStatus
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class Context:
 
     def state_get_data(self) -> bytes:
         """The whole memory state: model arch, then every stream's cells and K/V rows."""
-        from runtime.memory.state import StateWriter
+        from kvchat.runtime.memory.state import StateWriter
         io = StateWriter()
         io.write_string(str(self.hparams.arch))
         self.memory.state_write(io, -1)
@@ -226,7 +226,7 @@ class Context:
 
     def state_set_data(self, blob: bytes) -> int:
         """Restore a state_get_data blob; bytes read, or 0 if refused (memory unchanged)."""
-        from runtime.memory.state import StateError, StateReader
+        from kvchat.runtime.memory.state import StateError, StateReader
         io = StateReader(blob)
         try:
             arch = io.read_string()
@@ -243,7 +243,7 @@ class Context:
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """One sequence's state (its SWA-visible cells and their K/V rows)."""
-        from runtime.memory.state import StateWriter
+        from kvchat.runtime.memory.state import StateWriter
         io = StateWriter()
         io.write_u32(STATE_SEQ_MAGIC)
         io.write_i32(seq_id)
@@ -252,7 +252,7 @@ class Context:
 
     def state_seq_set_data(self, blob: bytes, seq_id: int) -> int:
         """Restore a sequence state into seq_id; bytes read, or 0 if refused (memory unchanged)."""
-        from runtime.memory.state import StateError, StateReader
+        from kvchat.runtime.memory.state import StateError, StateReader
         io = StateReader(blob)
         try:
             if not 0 <= seq_id < self.cparams.n_seq_max:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kernels.ggml_types import KV_CACHE_TYPES, TYPES, GGMLType, cache_type_by_name, type_info
-from runtime.errors import CParamsError
+from kvchat.kernels.ggml_types import KV_CACHE_TYPES, TYPES, GGMLType, cache_type_by_name, type_info
+from kvchat.runtime.errors import CParamsError
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def kv_cache_bytes(cp: CParams, hparams) -> tuple[int, int]:
     Full-attention layers hold n_ctx cells (all streams together); sliding-window layers of an
     iSWA model only their window (pad256(min(n_ctx_seq, n_swa * n_seq + n_ubatch)) per stream)
     unless --swa-full. Mirrors the sizes runtime/memory/kv_cache*.py allocates."""
-    from kernels.ggml_types import row_bytes
+    from kvchat.kernels.ggml_types import row_bytes
     n_layer = int(getattr(hparams, "n_layer", 0) or 0)
     if not n_layer or not hasattr(hparams, "n_embd_k_gqa"):
         return 0, 0

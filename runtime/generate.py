@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from runtime.errors import KvchatError
+from kvchat.runtime.errors import KvchatError
 
 
 class StopReason(str, Enum):
@@ -55,7 +55,7 @@ class DecodeError(KvchatError):
 
 
 def _one_seq_batch(tokens, pos0, seq_id, all_logits=False):
-    from runtime.batch import Batch
+    from kvchat.runtime.batch import Batch
     return Batch.one_seq(tokens, pos0, seq_id, all_logits=all_logits)
 
 
@@ -95,7 +95,7 @@ def decode_pieces(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="
             idx = np.nonzero(want)[0].astype(np.int64) + i
             if not want.any():
                 want[-1] = True  # a decode computes at least one output; not yielded
-            from runtime.batch import Batch
+            from kvchat.runtime.batch import Batch
             batch = Batch(piece, pos=np.arange(pos0 + i, pos0 + i + piece.size, dtype=np.int64),
                           seq_ids=[seq] * int(piece.size), logits=want)
         elif outputs == "all":

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.ggml_types import TYPES, type_name
-from runtime.arch import get_arch, is_supported, unsupported_message
-from runtime.gguf_file import GGUFFile, GGUFValueType
+from kvchat.kernels.ggml_types import TYPES, type_name
+from kvchat.runtime.arch import get_arch, is_supported, unsupported_message
+from kvchat.runtime.gguf.file import GGUFFile, GGUFValueType
 
 ROPE_SCALING_TYPES = ("none", "linear")  # the kernels implement no yarn
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -108,7 +108,7 @@ class HParams:
         return self.rope_factors_short
 
     def rope_args(self, il: int, n_ctx_seq: int) -> dict:
-        """Keyword arguments of kernels.rope for layer il: n_rot (0 for a NoPE layer), freq_base,
+        """Keyword arguments of kvchat.kernels.rope for layer il: n_rot (0 for a NoPE layer), freq_base,
         freq_scale, freq_factors, attn_factor."""
         return dict(n_rot=self.n_rot if self.has_rope(il) else 0, freq_base=self.rope_base(il),
                     freq_scale=self.rope_scale(il), freq_factors=self.rope_factors(il, n_ctx_seq),

@@ -6,7 +6,7 @@ Weights stay in their GGUF block formats (QMatrix on the mmap'd rows). Projectio
 same input and share a format are fused at load as the arch declares (Q|K|V into one matrix,
 gate|up into one), so each layer issues fewer, larger matmul launches; that copies rows, it
 never dequantizes them. The packed layouts are cached on disk per model file
-(runtime/weight_cache.py): a warm start maps them and does not read the packed tensors' rows.
+(runtime/weights/cache.py): a warm start maps them and does not read the packed tensors' rows.
 """
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kernels.ggml_types import GGMLType, row_bytes
-from kernels.matmul import QMatrix, release_file_pages
-from runtime.arch import get_arch, is_supported, unsupported_message
-from runtime.errors import ModelFileError
-from runtime.gguf_file import GGUFFile
-from runtime.gguf_split import open_gguf
-from runtime.hparams import HParams
-from runtime.os_memory import map_large_allocations, release_library_pages, trim_heap
-from runtime.weight_cache import open_store
+from kvchat.kernels.ggml_types import GGMLType, row_bytes
+from kvchat.kernels.matmul import QMatrix, release_file_pages
+from kvchat.runtime.arch import get_arch, is_supported, unsupported_message
+from kvchat.runtime.errors import ModelFileError
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.gguf.split import open_gguf
+from kvchat.runtime.hparams import HParams
+from kvchat.runtime.weights.os_memory import map_large_allocations, release_library_pages, trim_heap
+from kvchat.runtime.weights.cache import open_store
 
 
 # llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
@@ -61,14 +61,14 @@ class Model:
         self.hparams = hparams
         self.vocab = vocab
         self.weights = weights
-        self.arch = arch  # runtime.arch.<name>.ARCH: schema, forward, create_memory
+        self.arch = arch  # kvchat.runtime.arch.<name>.ARCH: schema, forward, create_memory
 
     @classmethod
     def load(cls, path) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it."""
-        from runtime.text.vocab import Vocab
+        from kvchat.runtime.text.vocab import Vocab
 
-        map_large_allocations()  # freed load temporaries leave the resident set (runtime/os_memory.py)
+        map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
         gf = open_gguf(path)  # a split model's parts open as one file
         try:
             if not is_supported(gf.arch):
@@ -253,7 +253,7 @@ def load_group(gf: GGUFFile, specs: dict, fusions=(), packs=None) -> dict:
 
 def load_weights(gf: GGUFFile, hp: HParams, arch) -> Weights:
     """The arch's schema loaded from gf: packed matrices mapped from the weight cache
-    (runtime/weight_cache.py) when it holds them, else repacked and then written to it."""
+    (runtime/weights/cache.py) when it holds them, else repacked and then written to it."""
     schema = arch.tensors(hp)
     packs = open_store(gf)
     model_specs = dict(schema.model)

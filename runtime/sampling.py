@@ -131,7 +131,7 @@ def check_logits(logits: np.ndarray) -> None:
 
     -inf alone is fine (masked tokens, --ignore-eos); the rest only comes from damaged weights,
     and sampling it would pick token 0 forever or fail deep inside argmax."""
-    from runtime.errors import ModelOutputError
+    from kvchat.runtime.errors import ModelOutputError
     x = np.asarray(logits)
     if x.size and np.isfinite(x).all():
         return

@@ -3,7 +3,7 @@
 
 The settings are the references' (n_ctx 2048, n_batch 2048, n_ubatch 512, F32 K/V cache, flash
 attention off, add_special and parse_special on). What is checked, as issue 9 binds it:
-- `kvchat logprobs` (cli/cmd_logprobs.py, in-process): at every position of every reference
+- `kvchat logprobs` (cli/commands/logprobs.py, in-process): at every position of every reference
   prompt, |our log-prob - llama.cpp's| over llama.cpp's top-10 tokens, and the top-1 wherever
   llama.cpp's 1st-2nd margin exceeds 1e-3;
 - the long prompt in one batch, in 7-token ubatches and token by token: bit-identical logits;
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.model import Model
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.model import Model
 from tests.conftest import REFERENCE_DIR
 
 TINY = REFERENCE_DIR / "tiny"
@@ -72,8 +72,8 @@ def compare_entry(entry: dict, ours: list) -> tuple[float, list[int]]:
 
 def logprobs_cli(name: str, prompt: str, tmp_path: Path, top: int = 64) -> dict:
     """`kvchat logprobs` with the references' settings on `prompt`, parsed."""
-    from cli.cmd_logprobs import run_logprobs
-    from cli.options import ChatSettings
+    from kvchat.cli.commands.logprobs import run_logprobs
+    from kvchat.cli.options import ChatSettings
 
     f = tmp_path / "prompt.txt"
     f.write_text(prompt, encoding="utf-8")
@@ -142,14 +142,14 @@ def check_chat_and_run_q8(name: str, tmp_path: Path, capsys, monkeypatch) -> Non
     `kvchat chat` (piped input)."""
     import io
 
-    from cli.app import main
+    from kvchat.cli.app import main
     from tests.gguf_factory import quantized_copy
 
     q8 = quantized_copy(model_path(name), tmp_path / f"{name}-q8_0.gguf")
     m = Model.load(q8)
     try:
         assert m.ftype_name == "Q8_0"
-        from runtime.text.chat_template import ChatTemplate
+        from kvchat.runtime.text.chat_template import ChatTemplate
         text = ChatTemplate.from_gguf(m.gguf, m.vocab).render([{"role": "user", "content": "Once upon a time"}])
         prompt = m.vocab.tokenize(text, add_special=True, parse_special=True)
         want = m.vocab.detokenize(greedy_ids(m, prompt, 8))

@@ -1,4 +1,4 @@
-"""`kvchat ARGS` run in the test process: cli.app.main with its stdin, stdout, stderr, environment
+"""`kvchat ARGS` run in the test process: kvchat.cli.app.main with its stdin, stdout, stderr, environment
 and working directory swapped for the call, and the exit handlers it registers (the session
 locks' release) run when it returns, as at the end of a process. The kernels are compiled once
 for the whole test session, which is what makes the CLI contract tests cheap; the tests about
@@ -23,7 +23,7 @@ def kvchat(*args, input=None, env=None, cwd=None, text=True, stdin_errors="surro
     Python decodes argv); `input` (str or bytes) is stdin, whose text layer decodes with
     stdin_errors ("strict" is what PYTHONIOENCODING=utf-8:strict gives a process); `env` entries
     are set for the call; text=False gives stdout/stderr as bytes, as subprocess.run does."""
-    from cli.app import main
+    from kvchat.cli.app import main
     argv = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
     data = input.encode("utf-8", "surrogateescape") if isinstance(input, str) else (input or b"")
     stdin, stdout, stderr = _stream(data, stdin_errors), _stream(), _stream()

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 REFERENCE_DIR = ROOT.parent / "shared" / "reference"
-# The packed-weights cache (runtime/weight_cache.py) is off for the suite, subprocesses included: the tests'
+# The packed-weights cache (runtime/weights/cache.py) is off for the suite, subprocesses included: the tests'
 # temporary models would otherwise fill the user's $KVCHAT_CACHE/packed. tests/test_weight_cache.py turns
 # it on in a temporary KVCHAT_CACHE.
 os.environ.setdefault("KVCHAT_WEIGHT_CACHE", "0")
@@ -64,7 +64,7 @@ def tiny_chat(tmp_path_factory) -> Path:
 
 
 def _model(name):
-    from cli.models import resolve_model
+    from kvchat.cli.sources.models import resolve_model
     return resolve_model(name)
 
 

@@ -3,8 +3,8 @@
     from tests.gguf_factory import write_tiny_model
     path = write_tiny_model(tmp_path / "m.gguf", arch="gemma3", weight_type=GGMLType.Q8_0)
 
-The file is a complete model of the given architecture: every tensor runtime.hparams expects
-(shapes taken from `runtime.hparams.expected_tensors`, so the two cannot drift apart), random
+The file is a complete model of the given architecture: every tensor kvchat.runtime.hparams expects
+(shapes taken from `kvchat.runtime.hparams.expected_tensors`, so the two cannot drift apart), random
 weights scaled 1/sqrt(fan_in) so activations stay O(1), a small vocabulary Vocab can load, and a
 ChatML chat template. Vocabularies:
 - "bpe" (default for llama/qwen2/qwen3; tokenizer.ggml.model "gpt2"): ids 0..2 are
@@ -34,9 +34,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-from kernels.ggml_types import GGMLType
-from runtime.arch import ARCHS, get_arch
-from runtime.hparams import HParams, expected_tensors
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import ARCHS, get_arch
+from kvchat.runtime.hparams import HParams, expected_tensors
 
 CHATML = (
     "{% for message in messages %}"

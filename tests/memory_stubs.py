@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.memory.attn_rotation import rotate
+from kvchat.runtime.memory.attn_rotation import rotate
 
-from kernels.quants import dequantize
-from kernels.rope import rope_inplace
-from runtime.hparams import HParams
+from kvchat.kernels.quants import dequantize
+from kvchat.kernels.rope import rope_inplace
+from kvchat.runtime.hparams import HParams
 
 
 def make_hparams(n_layer=2, n_head_kv=2, head_dim=32, n_vocab=64, n_ctx_train=4096, n_swa=0,

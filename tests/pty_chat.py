@@ -42,7 +42,7 @@ class Chat:
         e.pop("PROMPT_TOOLKIT_NO_CPR", None)
         e.pop("KVCHAT_DEBUG", None)
         e.update(env or {})
-        self.child = pexpect.spawn(sys.executable, ["-c", "from cli.app import main; main()", "chat",
+        self.child = pexpect.spawn(sys.executable, ["-c", "from kvchat.cli.app import main; main()", "chat",
                                                     "-m", str(model), "-c", "256", "--temp", "0", *args],
                                    env=e, encoding="utf-8", codec_errors="replace", timeout=TIMEOUT,
                                    dimensions=(50, 200), cwd=str(cwd))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml_types import GGMLType
-from kernels.qlayout import EMPTY_I8, EMPTY_U16, FORMATS, IQ4_NL_VALUES, R, Packed, QFormat
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.qlayout import EMPTY_I8, EMPTY_U16, FORMATS, IQ4_NL_VALUES, R, Packed, QFormat
 
 def _f16_bits(b: np.ndarray) -> np.ndarray:
     """Two bytes (last axis) -> the u16 f16 bit pattern."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
-from kernels.ggml_types import GGMLType
-from kernels.qlayout import ACT_Q8_1, ACT_Q8_K, FORMATS
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.qlayout import ACT_Q8_1, ACT_Q8_K, FORMATS
 
 
 def quantize_act(x: np.ndarray, act: int):

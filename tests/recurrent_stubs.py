@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.conv import conv_with_state
-from kernels.ssm_scan import scan
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.hparams import HParams
-from runtime.memory.hybrid import MemoryHybrid
-from runtime.memory.recurrent import MemoryRecurrent
+from kvchat.kernels.conv import conv_with_state
+from kvchat.kernels.ssm_scan import scan
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.hparams import HParams
+from kvchat.runtime.memory.hybrid import MemoryHybrid
+from kvchat.runtime.memory.recurrent import MemoryRecurrent
 
 from memory_stubs import roped_k, v_rows
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels.act import geglu, glu_fused
-from kernels.gelu_table import gelu_table
+from kvchat.kernels.act import geglu, glu_fused
+from kvchat.kernels.gelu_table import gelu_table
 
 _HALVES = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)  # [65536] every half
 _READ = np.abs(_HALVES) < 10  # the entries ggml reads (|x| >= 10 and NaN saturate first)

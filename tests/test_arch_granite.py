@@ -13,7 +13,7 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 
 
 def _granite(tmp_path, name, **meta):
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
     from tests.gguf_factory import write_tiny_model
     keys = {"granite.logit_scale": 1.0}
     keys.update({f"granite.{k}": v for k, v in meta.items()})
@@ -36,8 +36,8 @@ def test_the_multipliers_are_read_and_applied(tmp_path):
 
 
 def test_logit_scale_is_required(tmp_path):
-    from runtime.errors import ModelFileError
+    from kvchat.runtime.errors import ModelFileError
     from tests.gguf_factory import write_tiny_model
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
     with pytest.raises(ModelFileError, match=r"granite.logit_scale.*missing"):
         Model.load(write_tiny_model(tmp_path / "x.gguf", arch="granite", n_layer=2))

@@ -15,7 +15,7 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 # ---- factory variants --------------------------------------------------------------------
 
 def _model(tmp_path, name, factors=None, **kw):
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
     from tests.gguf_factory import write_tiny_model
     extra = {} if factors is None else {"rope_freqs.weight": np.asarray(factors, np.float32)}
     return Model.load(write_tiny_model(tmp_path / name, arch="llama", n_layer=2, extra_tensors=extra,
@@ -27,9 +27,9 @@ def _logits(model, tokens, pos0=0):
 
 
 def _at(model, tokens, pos0):
-    from runtime.batch import Batch
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
+    from kvchat.runtime.batch import Batch
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
     ctx = Context(model, ContextParams(**arch_refs.REF_PARAMS))
     assert ctx.decode(Batch.one_seq(tokens, pos0, all_logits=True)) == 0
     return ctx.get_logits().copy()
@@ -48,9 +48,9 @@ def test_unit_rope_freqs_change_nothing_and_real_ones_do(tmp_path):
 
 def test_context_shift_re_ropes_keys_with_the_factors(tmp_path):
     """Keys shifted by +9 in the cache give the logits of a fresh decode at the new positions."""
-    from runtime.batch import Batch
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
+    from kvchat.runtime.batch import Batch
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
     m = _model(tmp_path, "s.gguf", factors=[1, 1, 1, 1, 3.29, 32, 32, 32])
     ctx = Context(m, ContextParams(**arch_refs.REF_PARAMS))
     assert ctx.decode(Batch.one_seq(TOKENS, 0)) == 0
@@ -62,6 +62,6 @@ def test_context_shift_re_ropes_keys_with_the_factors(tmp_path):
 
 
 def test_rope_freqs_of_the_wrong_size_is_a_one_line_error(tmp_path):
-    from runtime.errors import ModelFileError
+    from kvchat.runtime.errors import ModelFileError
     with pytest.raises(ModelFileError, match=r"rope_freqs.weight.*shape \[8\]"):
         _model(tmp_path, "bad.gguf", factors=np.ones(5))

@@ -15,10 +15,10 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 def test_the_context_size_picks_the_longrope_factor_set():
     """Long factors iff n_ctx_seq > original_context_length (1024): -c 512 and -c 1024 run the
     short set (same logits), -c 2048 the long one."""
-    from runtime.batch import Batch
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.model import Model
+    from kvchat.runtime.batch import Batch
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.model import Model
     m = Model.load(arch_refs.model_path(NAME))
     hp = m.hparams
     assert hp.rope_factors(0, 1024) is hp.rope_factors_short and hp.rope_factors(0, 1280) is hp.rope_factors_long
@@ -44,8 +44,8 @@ def _phi3(tmp_path, name, fused=True, **kw):
 
 
 def test_fused_or_separate_qkv_load_and_neither_is_a_one_line_error(tmp_path):
-    from runtime.errors import ModelFileError
-    from runtime.model import Model
+    from kvchat.runtime.errors import ModelFileError
+    from kvchat.runtime.model import Model
     for fused in (True, False):
         m = Model.load(_phi3(tmp_path, f"p{fused}.gguf", fused=fused))
         L = m.weights.layers[0]

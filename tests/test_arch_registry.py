@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.arch import ARCHS, create_memory, get_arch
-from runtime.arch.base import Arch, Schema
-from runtime.cparams import ContextParams, resolve_cparams
-from runtime.gguf_file import GGUFFile
-from runtime.hparams import HParams, expected_tensors
-from runtime.model import Model
+from kvchat.runtime.arch import ARCHS, create_memory, get_arch
+from kvchat.runtime.arch.base import Arch, Schema
+from kvchat.runtime.cparams import ContextParams, resolve_cparams
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.hparams import HParams, expected_tensors
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 
 
 def test_every_fourth_layer_has_no_rope(tmp_path):
-    from runtime.gguf_file import GGUFFile
-    from runtime.hparams import HParams
+    from kvchat.runtime.gguf.file import GGUFFile
+    from kvchat.runtime.hparams import HParams
     from tests.gguf_factory import write_tiny_model
     hp = HParams.from_gguf(GGUFFile(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=8)))
     assert [il for il in range(8) if not hp.has_rope(il)] == [3, 7]
@@ -23,10 +23,10 @@ def test_every_fourth_layer_has_no_rope(tmp_path):
 def test_context_shift_leaves_nope_keys_and_matches_a_fresh_decode(tmp_path):
     """Shift by +11: logits of the next token equal a fresh decode at the shifted positions
     (the NoPE layer's keys are position-free, so re-roping them would break this)."""
-    from runtime.batch import Batch
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.model import Model
+    from kvchat.runtime.batch import Batch
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.model import Model
     from tests.gguf_factory import write_tiny_model
     m = Model.load(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=4))
     tokens = list(range(5, 41))

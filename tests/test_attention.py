@@ -9,9 +9,9 @@ import gguf.quants as gq
 import numpy as np
 import pytest
 
-from kernels import parallel
-from kernels.attention import attention, round_q_to_vec_dot_type
-from kernels.ggml_types import GGMLType
+from kvchat.kernels import parallel
+from kvchat.kernels.attention import attention, round_q_to_vec_dot_type
+from kvchat.kernels.ggml_types import GGMLType
 
 CACHE_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 
@@ -144,7 +144,7 @@ def test_q_rounding_follows_ggml_vec_dot_type(type_k):
 
 
 def test_fast_f16_row_is_exact_for_every_half():
-    from kernels.attention_tiles import _f16_row_fast
+    from kvchat.kernels.attention_tiles import _f16_row_fast
     h = np.arange(65536, dtype=np.uint16)
     got = np.empty(65536, dtype=np.float32)
     _f16_row_fast(h.view(np.uint8), got)
@@ -157,7 +157,7 @@ def test_fast_f16_row_is_exact_for_every_half():
 
 def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1):
     """Run the flash kernel with groups of cpu chunks as units (split) or each unit walking all chunks."""
-    from kernels.attention import _NO_PARTIALS, _flash_attn_par, _flash_attn_ser, _partials, _values_per_bytes
+    from kvchat.kernels.attention import _NO_PARTIALS, _flash_attn_par, _flash_attn_ser, _partials, _values_per_bytes
     n_tokens, n_head = q.shape[:2]
     dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
@@ -221,7 +221,7 @@ def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, sp
     """Few queries and several chunks: groups of chunks become the units, about four per thread,
     every chunk in exactly one group; otherwise (prompts, one thread, a single chunk) every unit
     walks all chunks."""
-    from kernels.attention import CHUNK, flash_plan
+    from kvchat.kernels.attention import CHUNK, flash_plan
     tb, got_split, cpu = flash_plan(n_tokens, 3, n_kv, 1, n_threads)
     n_ch = -(-n_kv // CHUNK)
     assert (tb, got_split) == (min(32, n_tokens), split)
@@ -234,7 +234,7 @@ def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, sp
 
 def test_attention_splits_long_decode_and_matches_reference():
     """Through the public entry: one token over 1200 cells with 2 threads takes the split path."""
-    from kernels.attention import flash_plan
+    from kvchat.kernels.attention import flash_plan
     assert flash_plan(1, 3, 1200, 1, 2)[1]
     q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q8_0", 1, 9, 3, 64, 1200, 1280, 1, seed=19)
     got = attention(q, kraw[:, :1200], GGMLType.Q8_0, vraw[:, :1200], GGMLType.Q8_0, mask, ts, 3, 0.125,
@@ -246,7 +246,7 @@ def test_attention_splits_long_decode_and_matches_reference():
 def test_fast_exp_matches_numpy_and_maps_minus_inf_to_zero():
     from numba import njit
 
-    from kernels.attention_tiles import exp_le0
+    from kvchat.kernels.attention_tiles import exp_le0
 
     @njit
     def run(x, y):
@@ -339,7 +339,7 @@ def test_sliding_window_rows_and_other_companions_are_invariant(flash, monkeypat
     visible in the last, partial tile matches as well. GQA 8 heads over 2."""
     import numba
 
-    import kernels.attention as ka
+    import kvchat.kernels.attention as ka
     n_max, n_kv = 64, 433
     q, k, _, v, _, _, ts = _setup("f16", "f16", n_max, 8, 2, 64, n_kv, 512, 1, seed=29)
     if not flash:
@@ -371,7 +371,7 @@ def test_two_streams_rows_are_invariant(monkeypatch):
     """Two streams (token blocks of one token): rows match the rows computed alone."""
     import numba
 
-    import kernels.attention as ka
+    import kvchat.kernels.attention as ka
     q, k, _, v, _, mask, ts = _setup("q8_0", "q8_0", 16, 9, 3, 64, 600, 600, n_stream=2, seed=31)
     alone = np.stack([_alone(q, k, GGMLType.Q8_0, v, GGMLType.Q8_0, mask, ts, 3, True, i) for i in range(16)])
     n_threads0 = numba.get_num_threads()
@@ -450,7 +450,7 @@ def test_vhsum16_lanes_are_the_bits_of_sixteen_separate_vhsums():
     tree vhsum computes on its own, including rounding of values of wildly different sizes."""
     from numba import njit
 
-    from kernels.simd import vhsum, vhsum16, vload, vstore
+    from kvchat.kernels.simd import vhsum, vhsum16, vload, vstore
 
     @njit(cache=False)
     def both(x, side, alone):  # x [16 * 16] f32 -> side [16], alone [16]
@@ -474,8 +474,8 @@ def test_vector_exp_is_the_scalar_exp_bit_for_bit():
     float32 in [-100, 0] with a stride of 97 bit patterns, plus -inf, NaN and the clamp edge."""
     from numba import njit
 
-    from kernels.attention_tiles import exp_le0
-    from kernels.simd import vexp_le0, vload, vstore
+    from kvchat.kernels.attention_tiles import exp_le0
+    from kvchat.kernels.simd import vexp_le0, vload, vstore
 
     @njit(cache=False)
     def both(x, vec, sca):  # x [n] f32, n a multiple of 16

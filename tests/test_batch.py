@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from runtime.batch import Batch, BatchAllocator
+from kvchat.runtime.batch import Batch, BatchAllocator
 
 
 class FakeMemory:

@@ -4,7 +4,7 @@ and the error message the general pass gives, for valid and invalid batches alik
 import numpy as np
 import pytest
 
-from runtime.batch import Batch, BatchAllocator, UBatch
+from kvchat.runtime.batch import Batch, BatchAllocator, UBatch
 from tests.test_batch import FakeMemory
 
 MEM = FakeMemory({0: (0, 9), 1: (3, 5)})

@@ -1,17 +1,17 @@
-"""Chat branches and alternatives on sequences of one cache (runtime/branches.py), tiny qwen3:
+"""Chat branches and alternatives on sequences of one cache (runtime/chat/branches.py), tiny qwen3:
 a fork shares every cell (nothing decoded), each branch continues as a solo conversation would,
 dropping a branch frees exactly its own cells, a context shift never moves shared cells, and
 /alts + /pick keep one answer's cells."""
 import numpy as np
 import pytest
 
-from runtime.branches import BranchConversation, Branches
-from runtime.context import Context
-from runtime.conversation import ContextFull, ConversationConfig, FullCause
-from runtime.cparams import ContextParams
-from runtime.errors import KvchatError
-from runtime.model import Model
-from runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.chat.branches import BranchConversation, Branches
+from kvchat.runtime.context import Context
+from kvchat.runtime.chat.conversation import ContextFull, ConversationConfig, FullCause
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.model import Model
+from kvchat.runtime.sampling import Sampler, SamplingParams
 from tests.gguf_factory import write_tiny_model
 
 

@@ -6,10 +6,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from runtime.text.chat_template import CHATML_TEMPLATE, ChatTemplate
-from runtime.errors import ChatTemplateError
-from runtime.gguf_file import GGUFFile
-from runtime.text.vocab import Vocab
+from kvchat.runtime.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+from kvchat.runtime.errors import ChatTemplateError
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.text.vocab import Vocab
 
 USER = [{"role": "user", "content": "What is a KV cache in a transformer?"}]
 
@@ -124,7 +124,7 @@ def test_chatml_fallback_text():
 
 @pytest.mark.real_model
 def test_cli_tokenize(smollm2_path, gemma3_path, reference_dir):
-    from cli.app import app
+    from kvchat.cli.app import app
     runner = CliRunner()
     res = runner.invoke(app, ["tokenize", "-m", str(smollm2_path), "--parse-special",
                               "<|im_start|>user\nhi<|im_end|>"])

@@ -3,8 +3,8 @@ import json
 
 from typer.testing import CliRunner
 
-from cli.app import app
-from kernels.ggml_types import GGMLType
+from kvchat.cli.app import app
+from kvchat.kernels.ggml_types import GGMLType
 from tests.gguf_factory import write_tiny_model
 
 
@@ -39,6 +39,6 @@ def test_bench_table_in_llama_bench_form(tmp_path):
 
 
 def test_model_label_uses_the_files_ftype_name(smollm2_path, gemma3_path):
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
     assert Model.load(smollm2_path).ftype_name == "Q4_1"
     assert Model.load(gemma3_path).ftype_name == "Q4_K - Medium"

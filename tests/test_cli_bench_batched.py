@@ -3,8 +3,8 @@ import json
 
 from typer.testing import CliRunner
 
-from cli.app import app
-from cli.cmd_bench_batched import n_kv_required
+from kvchat.cli.app import app
+from kvchat.cli.commands.bench_batched import n_kv_required
 from tests.gguf_factory import write_tiny_model
 
 

@@ -49,14 +49,14 @@ def test_two_turns_regen_save_resume(chat_factory, tmp_path):
     assert 0 < n_new <= 20, "resuming must not re-process the saved conversation"
     assert resumed.exit() == 0
     # --session saved after the turn: the file grew by the new exchange
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     data = read_session(session)
     assert [m["role"] for m in data.messages][-2:] == ["user", "assistant"]
     assert data.messages[-2]["content"] == "Say my name once more."
 
 
 def test_corrupted_and_mismatched_sessions_leave_live_chat_intact(chat_factory, tmp_path):
-    from cli.session import decode_session, encode_session
+    from kvchat.cli.session.session import decode_session, encode_session
     chat = chat_factory("-n", "16")
     chat.say("My name is Zoltan. Please remember it.")
     good = tmp_path / "good.kvs"
@@ -109,7 +109,7 @@ def test_ctrl_c_stops_answer_then_next_turn(chat_factory):
 
 
 def test_multiline_input_and_history(chat_factory, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     chat = chat_factory("-n", "4")
     chat.say('"""')  # opens a block: the next lines belong to one message
     chat.say("Line one.")

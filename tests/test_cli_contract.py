@@ -1,6 +1,6 @@
 """The CLI contract of `kvchat run` / `kvchat chat` on a tiny ChatML model (no real model needed):
 stdout carries only the answer, errors are one line with a clear exit code, sessions resume
-without re-processing, Ctrl-C stops an answer. Most calls run `cli.app.main` in this process
+without re-processing, Ctrl-C stops an answer. Most calls run `kvchat.cli.app.main` in this process
 (tests/cli_inproc.py: the kernels are compiled once); the one about a signal runs a real process.
 tests/test_cli_run.py holds the contract tests that run on both this model and SmolLM2 (the
 `any_model` ones: stdout-only answers, corrupt and resumed sessions) and SmolLM2's agreement
@@ -26,11 +26,11 @@ def own_cache(tmp_path, monkeypatch):
 
 def greedy_text(model_path, prompt_ids, n):
     """What the engine itself answers, greedily: the reference the CLI must print."""
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.generate import generate
-    from runtime.model import Model
-    from runtime.text.vocab import StreamDecoder
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.generate import generate
+    from kvchat.runtime.model import Model
+    from kvchat.runtime.text.vocab import StreamDecoder
     m = Model.load(model_path)
     ctx = Context(m, ContextParams(n_ctx=256))
     dec = StreamDecoder(m.vocab)
@@ -40,7 +40,7 @@ def greedy_text(model_path, prompt_ids, n):
 
 
 def test_raw_answer_is_exactly_the_engines_greedy_continuation(tiny_chat):
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
     ids = Model.load(tiny_chat).vocab.tokenize("hello world", add_special=True)
     r = kvchat("run", "-m", tiny_chat, "--raw", "--temp", "0", "-n", "12", "-c", "256", "-p", "hello world")
     assert r.returncode == 0, r.stderr
@@ -92,7 +92,7 @@ def test_piped_chat_answers_each_line_and_refuses_bad_set_values(tiny_chat):
 
 def test_ctrl_c_stops_a_run_with_exit_130_and_keeps_what_was_said(tiny_chat):
     """--ignore-eos with a context that shifts forever: only Ctrl-C ends it."""
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", "run", "-m", str(tiny_chat), "-c", "256",
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "run", "-m", str(tiny_chat), "-c", "256",
            "-n", "-1", "--ignore-eos", "-p", "go on"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))

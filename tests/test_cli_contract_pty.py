@@ -17,7 +17,7 @@ def chat_factory(tiny_chat, tmp_path):
 
 
 def test_turns_regen_sessions_and_refused_loads(chat_factory, tmp_path):
-    from cli.session import decode_session, encode_session, read_session
+    from kvchat.cli.session.session import decode_session, encode_session, read_session
     chat = chat_factory("-n", "12")
     chat.say("My name is Zoltan.")
     first = chat.ctx_used

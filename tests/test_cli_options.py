@@ -6,13 +6,13 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from cli.options import BY_NAME, LIVE, LIVE_BY_KEY, OPTIONS, ChatSettings, parse_value
-from cli.render import Renderer
-from cli.repl import COMMANDS, Repl
-from runtime.conversation import ConversationConfig
-from runtime.errors import KvchatError
-from runtime.sampling import SamplingParams
+from kvchat.cli.app import app
+from kvchat.cli.options import BY_NAME, LIVE, LIVE_BY_KEY, OPTIONS, ChatSettings, parse_value
+from kvchat.cli.chat.render import Renderer
+from kvchat.cli.chat.repl import COMMANDS, Repl
+from kvchat.runtime.chat.conversation import ConversationConfig
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.sampling import SamplingParams
 from tests.test_conversation import make
 
 # issue 10's list, and a few neighbours

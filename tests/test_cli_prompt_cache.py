@@ -4,7 +4,7 @@ warning; --no-prompt-cache leaves the directory alone; the size limit holds."""
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from kvchat.cli.app import app
 from tests.gguf_factory import write_tiny_model
 
 

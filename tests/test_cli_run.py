@@ -35,8 +35,8 @@ def smollm2_reference(greedy, prompt, kv_type="f16"):
 
 
 def prefix_text(smollm2_path, ids):
-    from runtime.gguf_file import GGUFFile
-    from runtime.text.vocab import Vocab
+    from kvchat.runtime.gguf.file import GGUFFile
+    from kvchat.runtime.text.vocab import Vocab
     gf = GGUFFile(smollm2_path)
     try:
         return Vocab.from_gguf(gf).detokenize(ids)
@@ -61,10 +61,10 @@ def test_greedy_chat_answer_matches_llama_cpp(smollm2_path, greedy):
     So the true checks are: the answer's first token is llama.cpp's; the CLI's answer is the
     engine's greedy decode of that prompt; and along llama.cpp's own f16 answer (teacher-forced)
     our top-1 is llama.cpp's at every token where its margin exceeds 0.55."""
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.generate import decode_tokens
-    from runtime.model import Model
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.generate import decode_tokens
+    from kvchat.runtime.model import Model
 
     r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "24", "-c", "256",
                "-p", "What is a KV cache in a transformer?")
@@ -175,7 +175,7 @@ def test_run_with_session_continues_the_conversation(any_model, tmp_path):
     """`kvchat run --session F` saves after the answer and resumes on the next call: the
     follow-up sees the first exchange and only its own new tokens are decoded."""
     smollm2_path = any_model
-    from cli.session import decode_session
+    from kvchat.cli.session.session import decode_session
     sess = tmp_path / "s.kvs"
     r1 = kvchat("run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
                 "-p", "My name is Ada.")

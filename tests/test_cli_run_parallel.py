@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from kvchat.cli.app import app
 from tests.gguf_factory import write_tiny_model
 
 

@@ -7,11 +7,11 @@ import re
 import pytest
 from rich.console import Console
 
-from cli.cmd_info import kv_bytes_per_token, show_info, weight_types
-from kernels.ggml_types import GGMLType
-from runtime.errors import ModelFileError
-from runtime.gguf_file import GGUFFile
-from runtime.hparams import HParams
+from kvchat.cli.commands.info import kv_bytes_per_token, show_info, weight_types
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.errors import ModelFileError
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.hparams import HParams
 from tests.gguf_factory import write_tiny_model
 
 
@@ -81,7 +81,7 @@ def test_info_unsupported_arch_describes_then_fails(tmp_path):
 
 
 def test_info_cli_errors_are_one_line(tmp_path, capsys):
-    from cli.app import main
+    from kvchat.cli.app import main
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\0\0\0" + b"\xff" * 16)
     with pytest.raises(SystemExit) as ei:

@@ -4,9 +4,9 @@ import time
 import numpy as np
 import pytest
 
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
 
 from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cli.wording import event_text
-from runtime.conversation import (Conversation, ConversationConfig, Interrupted, PromptTooLong,
+from kvchat.cli.wording import event_text
+from kvchat.runtime.chat.conversation import (Conversation, ConversationConfig, Interrupted, PromptTooLong,
                                   common_prefix)
-from runtime.errors import KvchatError, SessionError
-from runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.errors import KvchatError, SessionError
+from kvchat.runtime.sampling import Sampler, SamplingParams
 
 V = 40  # vocabulary: 0 = end of turn, 1..39 = characters
 

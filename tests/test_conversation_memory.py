@@ -4,8 +4,8 @@ both mean "decode the prompt whole" — never an answer from a cache that does n
 import numpy as np
 import pytest
 
-from runtime.conversation import Conversation, ConversationConfig
-from runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+from kvchat.runtime.sampling import Sampler, SamplingParams
 from tests.test_conversation import FakeMemory, consistent, make, tok
 
 
@@ -68,14 +68,14 @@ def test_repair_empties_a_sequence_it_cannot_cut():
 
 @pytest.fixture(scope="module")
 def gemma3(tiny_model):
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
     return Model.load(tiny_model("gemma3", n_swa=8, n_ctx_train=2048))
 
 
 def real_conv(model, n_predict=100):
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.text.chat_template import ChatTemplate
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.text.chat_template import ChatTemplate
     ctx = Context(model, ContextParams(n_ctx=1024, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32",
                                        flash_attn="off"))
     return Conversation(ctx, model.vocab, ChatTemplate.from_gguf(model.gguf, model.vocab),

@@ -1,9 +1,9 @@
 """ContextParams -> CParams resolution, as llama_context's constructor does it."""
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.cparams import QUANT_V_NEEDS_FA, ContextParams, resolve_cparams
-from runtime.errors import CParamsError, KvchatError
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.cparams import QUANT_V_NEEDS_FA, ContextParams, resolve_cparams
+from kvchat.runtime.errors import CParamsError, KvchatError
 
 from memory_stubs import make_hparams
 

@@ -15,8 +15,8 @@ FAST_VALUES = ["0", "-1", "1", "16", "007", "+3", " 3", "1_0", "1.5", "-2.25", "
 
 def _run_lines():
     """Command lines for `run`: every flag with every value, the bool spellings, and odd shapes."""
-    from cli.cmd_run import RUN_OPTIONS
-    from cli.options import OPTIONS
+    from kvchat.cli.commands.run import RUN_OPTIONS
+    from kvchat.cli.options import OPTIONS
     lines = [[], ["-p", "hi", "-n", "16"], ["-m", "smollm2", "-p", "hi", "-n", "16", "--seed", "1", "--temp", "0.7"],
              ["-p", "a", "-p", "b"], ["-n", "3", "-n", "4"], ["--temp=0.5"], ["-n=5"], ["-pfoo"], ["-h"], ["--help"],
              ["-p", "hi", "--"], ["-p", "hi", "extra"], ["-p"], ["--tem", "1"], ["-m", "a", "-hf", "b/c"],
@@ -43,10 +43,10 @@ def _outcome(call):
 
 
 def test_a_plain_run_line_gets_the_values_typer_gives_and_anything_else_goes_to_typer(monkeypatch):
-    import cli.cmd_run as cmd_run
-    from cli.app import make_app
-    from cli.fast_args import parse
-    from cli.options import OPTIONS, settings_from
+    import kvchat.cli.commands.run as cmd_run
+    from kvchat.cli.app import make_app
+    from kvchat.cli.fast_args import parse
+    from kvchat.cli.options import OPTIONS, settings_from
     monkeypatch.setenv("COLUMNS", "80")
     monkeypatch.setattr(sys, "stderr", sys.stdout)
     seen = []
@@ -71,9 +71,9 @@ def test_a_plain_run_line_gets_the_values_typer_gives_and_anything_else_goes_to_
 
 
 def test_the_usual_run_lines_are_parsed_without_typer():
-    from cli.cmd_run import RUN_OPTIONS
-    from cli.fast_args import parse
-    from cli.options import OPTIONS
+    from kvchat.cli.commands.run import RUN_OPTIONS
+    from kvchat.cli.fast_args import parse
+    from kvchat.cli.options import OPTIONS
     for line in (["-m", "smollm2", "-p", "hi", "-n", "16"], ["-f", "q.txt", "--temp", "0", "-c", "2048"],
                  ["-p", "hi", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-t", "2", "-s", "-1"],
                  ["-np", "4", "--jsonl", "--no-prompt-cache", "--no-context-shift", "--session", "s.kvs"]):
@@ -85,7 +85,7 @@ def test_the_usual_run_lines_are_parsed_without_typer():
 TYPERLESS_RUN = ("import atexit, sys\n"
                  "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
                  "('typer', 'click', 'typer._click', 'pydantic') if m in sys.modules)))\n"
-                 "from cli.app import main\nmain()\n")
+                 "from kvchat.cli.app import main\nmain()\n")
 
 
 def test_kvchat_run_answers_without_importing_typer_and_says_the_same_as_typer(tiny_chat, tmp_path):
@@ -115,7 +115,7 @@ def test_kvchat_run_answers_without_importing_typer_and_says_the_same_as_typer(t
 @pytest.mark.parametrize("raised", [EOFError(), KeyboardInterrupt(), BrokenPipeError(32, "Broken pipe"),
                                     SystemExit(130)])
 def test_a_run_without_typer_ends_as_a_typer_run_when_the_command_raises(monkeypatch, raised):
-    import cli.cmd_run as cmd_run
+    import kvchat.cli.commands.run as cmd_run
     from tests.cli_inproc import kvchat
 
     def command(settings, **own):

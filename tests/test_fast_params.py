@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import typer
 
-from cli import fast_params
-from cli.app import COMMANDS, make_app
+from kvchat.cli import fast_params
+from kvchat.cli.app import COMMANDS, make_app
 
 VALUES = ["0", "-0", "1", "-1", "7", "007", "+3", " 3", "3 ", "3_0", "1.5", "1.0", "-2.25", ".5", "5.",
           "1e3", "1e400", "nan", "inf", "-inf", "abc", "", "０", "99999999999999999999999",
@@ -79,7 +79,7 @@ def test_fast_values_skip_typer_adapter_and_odd_ones_use_it():
 def test_kvchat_run_parses_its_flags_without_importing_pydantic(tmp_path):
     """A whole `kvchat run` with typed flags (ints, floats, a choice, a path) up to its first
     user error never imports pydantic; the error line and exit code are the usual ones."""
-    code = ("import sys\nfrom cli.app import main\n"
+    code = ("import sys\nfrom kvchat.cli.app import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    print('exit', e.code, 'pydantic' in sys.modules)\n")
     prompt = tmp_path / "p.txt"

@@ -20,10 +20,10 @@ import numba
 import numpy as np
 import pytest
 
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.model import Model
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
 

@@ -22,13 +22,13 @@ import gguf
 import numpy as np
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.gguf_file import GGUFFile
-from runtime.hparams import HParams
-from runtime.model import Model
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.hparams import HParams
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
 
@@ -45,7 +45,7 @@ def _w(gf, name):
 def _mm(gf, x, name):
     """x @ W.T as ggml computes it: for a block-quantized W the activations are first rounded to
     its vec_dot type (q8_0 / q8_1 / q8_K, tests/qref.py), then multiplied exactly (float64)."""
-    from kernels.qlayout import FORMATS
+    from kvchat.kernels.qlayout import FORMATS
     from tests.qref import dequantized_act
 
     t = int(gf.tensors[name].ggml_type)
@@ -185,7 +185,7 @@ def test_only_flagged_outputs_are_computed(tmp_path):
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    from runtime.errors import ModelFileError
+    from kvchat.runtime.errors import ModelFileError
     path = write_tiny_model(tmp_path / "m.gguf", arch="llama",
                             metadata={"general.architecture": "rwkv6"})
     with pytest.raises(ModelFileError, match=r"rwkv6.*supported.*llama.*qwen2.*qwen3.*gemma3"):
@@ -236,7 +236,7 @@ def test_real_model_logits_match_llama_cpp(name, request, reference_dir):
 
 def test_hadamard_rotation_of_quantized_caches(tmp_path, monkeypatch):
     """Quantized K/V are stored Hadamard-rotated as llama.cpp does: same math, smaller error."""
-    from runtime.memory import attn_rotation, kv_cache
+    from kvchat.runtime.memory import attn_rotation, kv_cache
     h = attn_rotation.hadamard(64)
     np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
     assert attn_rotation.rotation_sizes(_hp(64, 64), GGMLType.Q4_0, GGMLType.Q4_0) == (64, 64)
@@ -261,7 +261,7 @@ def _hp(dk, dv):
 def test_q_is_rounded_like_ggml_for_quantized_and_bf16_keys():
     """ggml's K·Q converts Q to K's vec_dot type (q8_0/q8_1 blocks for quantized K, bf16 for
     bf16 K); f32/f16 K leave Q alone. Checked against gguf-py's own round trip."""
-    from runtime.arch.blocks import round_q_like_ggml
+    from kvchat.runtime.arch.blocks import round_q_like_ggml
     q = np.random.default_rng(3).standard_normal((5, 4 * 64)).astype(np.float32) * 3  # [n, heads*dk]
     for t in (GGMLType.F32, GGMLType.F16):
         assert round_q_like_ggml(q, t) is q

@@ -4,9 +4,9 @@ twins), and close to a float64 reference."""
 import numpy as np
 import pytest
 
-from kernels import parallel
-from kernels.fused_norm import add_rms_norm, norm_add_rms_norm
-from kernels.norm import rms_norm
+from kvchat.kernels import parallel
+from kvchat.kernels.fused_norm import add_rms_norm, norm_add_rms_norm
+from kvchat.kernels.norm import rms_norm
 
 D = 576
 EPS = 1e-5

@@ -4,11 +4,11 @@ import threading
 import numpy as np
 import pytest
 
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.generate import (DecodeError, Interrupted, StopReason, decode_tokens, generate,
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.generate import (DecodeError, Interrupted, StopReason, decode_tokens, generate,
                               log_softmax_at, warm_up)
-from runtime.model import Model
+from kvchat.runtime.model import Model
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_on_logits_streams_each_piece_instead_of_keeping_them(model):
 def test_decode_pieces_yields_only_the_masked_outputs(model):
     """perplexity's use: only positions 25..38 scored; the first piece (0..15) has none and
     yields nothing, the rows equal those of an all-logits decode bit for bit."""
-    from runtime.generate import decode_pieces
+    from kvchat.runtime.generate import decode_pieces
     whole = decode_tokens(make_ctx(model), IDS, 0, logits="all")
     mask = np.zeros(40, dtype=bool)
     mask[25:39] = True

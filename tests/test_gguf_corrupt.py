@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as GVT
 
-from kernels.ggml_types import GGMLType
-from runtime.errors import ModelFileError
-from runtime.gguf_file import GGUFFile, GGUFValueType as VT
-from runtime.hparams import HParams
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.errors import ModelFileError
+from kvchat.runtime.gguf.file import GGUFFile, GGUFValueType as VT
+from kvchat.runtime.hparams import HParams
 from tests.gguf_factory import write_tiny_model
 
 

@@ -9,11 +9,11 @@ import gguf
 import numpy as np
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.gguf_file import GGUFFile
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.gguf.file import GGUFFile
 from tests.gguf_factory import write_tiny_model
 from tests.test_gguf_corrupt import ARCH, gguf_bytes, kv_arr, s, tinfo
-from runtime.gguf_file import GGUFValueType as VT
+from kvchat.runtime.gguf.file import GGUFValueType as VT
 
 
 def assert_same_as_reader(gf: GGUFFile, reader: gguf.GGUFReader, check_all_data: bool):

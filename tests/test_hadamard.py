@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from kernels.hadamard import fwht_chunks
-from runtime.memory.attn_rotation import hadamard, rotate
+from kvchat.kernels.hadamard import fwht_chunks
+from kvchat.runtime.memory.attn_rotation import hadamard, rotate
 
 
 @pytest.mark.parametrize("n,d", [(64, 64), (64, 192), (128, 256), (256, 256), (64, 576)])

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.gguf_file import GGUFFile
-from runtime.hparams import HParams, expected_tensors
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.hparams import HParams, expected_tensors
 from tests.gguf_factory import write_tiny_model
 
 

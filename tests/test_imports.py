@@ -25,7 +25,7 @@ def module_files() -> dict[str, Path]:
             parts = list(rel.parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            out[".".join(parts)] = path
+            out[".".join(["kvchat"] + parts)] = path
     return out
 
 
@@ -96,9 +96,9 @@ def find_cycle(graph):
 def test_the_graph_sees_the_imports_it_should():
     """A guard on the parser itself: known edges of the tree are found."""
     graph = import_graph()
-    assert "runtime.context" in graph["cli.chat_setup"]
-    assert "runtime.generate" in graph["runtime.conversation"]
-    assert "kernels.ggml_types" in graph["cli.session"]
+    assert "kvchat.runtime.context" in graph["kvchat.cli.chat.setup"]
+    assert "kvchat.runtime.generate" in graph["kvchat.runtime.chat.conversation"]
+    assert "kvchat.kernels.ggml_types" in graph["kvchat.cli.session.session"]
     assert len(graph) > 60
 
 
@@ -108,7 +108,7 @@ def test_no_module_imports_upward():
     wrong = []
     for module, edges in graph.items():
         for target, line in edges.items():
-            if LAYER[target.split(".")[0]] > LAYER[module.split(".")[0]]:
+            if LAYER[target.split(".")[1]] > LAYER[module.split(".")[1]]:
                 wrong.append(f"{files[module].relative_to(ROOT)}:{line} imports {target}")
     assert not wrong, "upward imports (allowed: cli -> runtime -> kernels):\n" + "\n".join(wrong)
 
@@ -126,9 +126,9 @@ def test_find_cycle_finds_one():
 
 def test_lazy_relative_and_package_imports_are_edges(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from runtime import conversation\n    from . import blocks\n"
-                   "    from runtime.memory import create_thing\n    import kernels.rope\n", encoding="utf-8")
-    files = {"runtime.conversation", "runtime.arch.blocks", "runtime.arch.m", "runtime.memory",
-             "kernels.rope"}
-    assert imports_of(src, "runtime.arch.m", files) == {
-        "runtime.conversation": 2, "runtime.arch.blocks": 3, "runtime.memory": 4, "kernels.rope": 5}
+    src.write_text("def f():\n    from kvchat.runtime.chat import conversation\n    from . import blocks\n"
+                   "    from kvchat.runtime.memory import create_thing\n    import kvchat.kernels.rope\n", encoding="utf-8")
+    files = {"kvchat.runtime.chat.conversation", "kvchat.runtime.arch.blocks", "kvchat.runtime.arch.m", "kvchat.runtime.memory",
+             "kvchat.kernels.rope"}
+    assert imports_of(src, "kvchat.runtime.arch.m", files) == {
+        "kvchat.runtime.chat.conversation": 2, "kvchat.runtime.arch.blocks": 3, "kvchat.runtime.memory": 4, "kvchat.kernels.rope": 5}

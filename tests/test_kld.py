@@ -1,4 +1,4 @@
-"""llama-perplexity's logits base file and KL-divergence statistics (runtime/kld.py,
+"""llama-perplexity's logits base file and KL-divergence statistics (runtime/eval/kld.py,
 kernels/logprob.py): byte layout, 16-bit log-prob rows against a float64 log-softmax, the KLD /
 Δp / same-top definitions against numpy, the CLI's two passes on a tiny model, and (where a
 llama.cpp build exists) files exchanged with llama-perplexity."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from kernels.logprob import kld_rows, nll_rows, quantize_log_prob_rows, row_words
-from runtime.errors import KvchatError
-from runtime.kld import KLDStats, LogitsFile, LogitsFileWriter, n_scored
+from kvchat.cli.app import app
+from kvchat.kernels.logprob import kld_rows, nll_rows, quantize_log_prob_rows, row_words
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.eval.kld import KLDStats, LogitsFile, LogitsFileWriter, n_scored
 from tests.gguf_factory import write_tiny_model
 
 

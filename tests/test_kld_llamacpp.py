@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from kvchat.cli.app import app
 
 
 def _candidates() -> list[Path]:

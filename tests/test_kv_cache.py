@@ -2,16 +2,16 @@
 K-shift, sequence ops, stream copies and compaction - checked cell by cell."""
 import numpy as np
 
-from runtime.memory.attn_rotation import rotate
+from kvchat.runtime.memory.attn_rotation import rotate
 import pytest
 
-from kernels.ggml_types import GGMLType, row_bytes
-from kernels.quants import dequantize, quantize
-from runtime.batch import Batch, BatchAllocator
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.memory.kv_cache import KVCache
-from runtime.memory.interface import MemoryOpError, MemoryStatus
+from kvchat.kernels.ggml_types import GGMLType, row_bytes
+from kvchat.kernels.quants import dequantize, quantize
+from kvchat.runtime.batch import Batch, BatchAllocator
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.interface import MemoryOpError, MemoryStatus
 
 from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams, roped_k
 

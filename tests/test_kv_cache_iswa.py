@@ -3,13 +3,13 @@ masked cells, and operations reaching both caches."""
 import numpy as np
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.batch import Batch, BatchAllocator
-from runtime.context import Context
-from runtime.cparams import ContextParams, resolve_cparams
-from runtime.memory.kv_cache import KVCache
-from runtime.memory.kv_cache_iswa import KVCacheISWA
-from runtime.arch import create_memory
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.batch import Batch, BatchAllocator
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams, resolve_cparams
+from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
+from kvchat.runtime.arch import create_memory
 
 from memory_stubs import StubModel, make_hparams
 

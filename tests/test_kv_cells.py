@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from runtime.memory.kv_cells import KVCells, KVCellsError, PosMultiset
+from kvchat.runtime.memory.kv_cells import KVCells, KVCellsError, PosMultiset
 
 
 def filled(size=8, n_seq=3):

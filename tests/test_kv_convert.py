@@ -5,14 +5,14 @@ conversion changes nothing; rotations are undone and redone; iSWA caches convert
 import numpy as np
 import pytest
 
-from kernels.ggml_types import cache_type_by_name
-from kernels.quants import dequantize
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.memory.interface import MemoryOpError
-from runtime.memory.kv_convert import convert_context_cache_types, kv_caches_of
-from runtime.model import Model
+from kvchat.kernels.ggml_types import cache_type_by_name
+from kvchat.kernels.quants import dequantize
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.memory.interface import MemoryOpError
+from kvchat.runtime.memory.kv_convert import convert_context_cache_types, kv_caches_of
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
 
@@ -122,10 +122,10 @@ def _chat(path, fa="on", tmp=None):
 
     from rich.console import Console
 
-    from cli.chat_setup import make_conversation, open_engine
-    from cli.options import ChatSettings
-    from cli.render import Renderer
-    from cli.repl import Repl
+    from kvchat.cli.chat.setup import make_conversation, open_engine
+    from kvchat.cli.options import ChatSettings
+    from kvchat.cli.chat.render import Renderer
+    from kvchat.cli.chat.repl import Repl
     settings = ChatSettings(model=str(path), ctx_size=256, temp=0.0, n_predict=5, flash_attn=fa)
     buf = io.StringIO()
     r = Renderer(out=io.StringIO(), err=Console(file=buf, width=200))
@@ -136,7 +136,7 @@ def _chat(path, fa="on", tmp=None):
 
 
 def test_set_cache_type_in_the_chat_converts_and_the_conversation_goes_on(tmp_path):
-    from runtime.errors import KvchatError
+    from kvchat.runtime.errors import KvchatError
     path = write_tiny_model(tmp_path / "chat.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
                             n_head_kv=2, n_ff=96)
     repl, conv, engine, buf = _chat(path)

@@ -1,4 +1,4 @@
-"""The needle probe (runtime/kv_needle.py): prompts of the asked length with the needle at its
+"""The needle probe (runtime/eval/kv_needle.py): prompts of the asked length with the needle at its
 depth, the teacher-forced score against a plain all-logits decode, and `kv-sweep --needle`."""
 import json
 
@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime.errors import KvchatError
-from runtime.generate import decode_tokens
-from runtime.kv_needle import NEEDLE, QUESTION, needle_cases, run_needle, score_case
-from runtime.kv_sweep import SweepConfig
-from runtime.model import Model
-from runtime.perplexity import make_context
+from kvchat.cli.app import app
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.generate import decode_tokens
+from kvchat.runtime.eval.kv_needle import NEEDLE, QUESTION, needle_cases, run_needle, score_case
+from kvchat.runtime.eval.kv_sweep import SweepConfig
+from kvchat.runtime.model import Model
+from kvchat.runtime.eval.perplexity import make_context
 from tests.gguf_factory import write_tiny_model
 
 

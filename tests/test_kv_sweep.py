@@ -1,4 +1,4 @@
-"""kv-sweep (runtime/kv_sweep*.py, cli/cmd_kv_sweep.py) on tiny models: the lockstep numbers
+"""kv-sweep (runtime/kv_sweep*.py, cli/commands/kv_sweep.py) on tiny models: the lockstep numbers
 equal the two-pass --kl-divergence route, the configuration grid, KV footprints with sliding
 windows, paired intervals, and the JSON / CSV / PNG outputs and one-line flag errors."""
 import csv
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime.errors import KvchatError
-from runtime.kld import KLDStats, LogitsFile
-from runtime.kv_sweep import SweepConfig, kv_footprint, paired_difference, run_sweep, sweep_configs
-from runtime.kv_sweep_report import mark_pareto
-from runtime.model import Model
-from runtime.perplexity import compute_perplexity
+from kvchat.cli.app import app
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.eval.kld import KLDStats, LogitsFile
+from kvchat.runtime.eval.kv_sweep import SweepConfig, kv_footprint, paired_difference, run_sweep, sweep_configs
+from kvchat.cli.reports.kv_sweep_report import mark_pareto
+from kvchat.runtime.model import Model
+from kvchat.runtime.eval.perplexity import compute_perplexity
 from tests.gguf_factory import write_tiny_model
 
 
@@ -171,7 +171,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(tiny, monkeypatch):
 
 
 def test_run_line_reports_cpu_time_and_load_and_omits_an_unknown_load():
-    from cli.cmd_kv_sweep import _run_line
+    from kvchat.cli.commands.kv_sweep import _run_line
     run = dict(seconds=212.4, cpu_seconds=390.2, load_average=dict(start=[0.42, 1, 1], end=[2.1, 1, 1]))
     assert _run_line(run) == "kv-sweep: 212 s, 390 s of CPU, load average 0.4 -> 2.1"
     run["load_average"] = dict(start=None, end=None)

@@ -3,14 +3,14 @@ never changes a token or a logit (tiny quantized models, both arms' kernels real
 import numpy as np
 import pytest
 
-import kernels.matmul as km
-from kernels import parallel
-from kernels.ggml_types import GGMLType
-from kernels.launch_tuner import PARALLEL, SERIAL, LaunchTuner
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.generate import decode_tokens, generate
-from runtime.model import Model
+import kvchat.kernels.matmul as km
+from kvchat.kernels import parallel
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.launch_tuner import PARALLEL, SERIAL, LaunchTuner
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.generate import decode_tokens, generate
+from kvchat.runtime.model import Model
 
 S, P = SERIAL, PARALLEL
 

@@ -9,14 +9,14 @@ from tests import arch_refs
 
 
 def run(capsys, *args):
-    from cli.app import main
+    from kvchat.cli.app import main
     with pytest.raises(SystemExit) as ei:
         main(["logprobs", *map(str, args)])
     return ei.value.code, capsys.readouterr()
 
 
 def ok(capsys, *args):
-    from cli.app import main
+    from kvchat.cli.app import main
     main(["logprobs", *map(str, args)])
     return json.loads(capsys.readouterr().out)
 
@@ -52,7 +52,7 @@ def test_without_parse_special_the_markers_are_text(tmp_path, capsys):
 
 
 def test_top_logprobs_are_a_log_softmax():
-    from cli.cmd_logprobs import top_logprobs
+    from kvchat.cli.commands.logprobs import top_logprobs
     logits = np.array([[0.0, 1.0, 1.0, -2.0], [3.0, 0.0, 0.0, 0.0]], np.float32)
     rows = top_logprobs(logits, 3)
     assert [t for t, _ in rows[0]] == [1, 2, 0]  # ties by id

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from runtime.model import Model
+from kvchat.runtime.model import Model
 from tests.arch_refs import greedy_ids
 from tests.cli_inproc import kvchat
 from tests.gguf_factory import write_tiny_model

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
-from kernels.ggml_types import GGMLType, row_bytes, type_info
-from kernels.matmul import QMatrix
+from kvchat.kernels.ggml_types import GGMLType, row_bytes, type_info
+from kvchat.kernels.matmul import QMatrix
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -112,8 +112,8 @@ def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
     """Work items are (32-row group, token chunk) pairs, the last of each partial, cut into runs
     of consecutive items for the threads. Chunk size and runs decide only which item computes
     an element, never its value (float layout here; the integer kernel in test_matmul_int)."""
-    import kernels.matmul as mm
-    from kernels.matmul_kernels import matmul_blocks
+    import kvchat.kernels.matmul as mm
+    from kvchat.kernels.matmul_kernels import matmul_blocks
 
     raw = random_raw(GGMLType.F16, 32 * 5 + 3, 64, seed=4)
     qm = QMatrix(raw, GGMLType.F16, 64)
@@ -143,7 +143,7 @@ def test_bad_input_is_rejected():
 
 def _real_tensors(path):
     """One 2-D tensor per weight type of a real model: name -> (raw rows, type, k)."""
-    from runtime.gguf_file import GGUFFile
+    from kvchat.runtime.gguf.file import GGUFFile
 
     gf = GGUFFile(path)
     picked = {}
@@ -175,7 +175,7 @@ def test_f16_scale_decode_is_exact_for_every_half():
     """The kernels widen f16 block scales with simd.vload on u16 bits: all 65536 of them, bit for bit."""
     from numba import njit
 
-    from kernels.simd import vload, vstore
+    from kvchat.kernels.simd import vload, vstore
 
     @njit(cache=False)
     def widen(a, out):

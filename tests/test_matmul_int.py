@@ -14,13 +14,13 @@ import numba
 import numpy as np
 import pytest
 
-from kernels.cpu import select_isa, supported_isas
-from kernels.ggml_types import GGMLType, type_info
-from kernels.matmul import QMatrix
-from kernels.matmul_int import matmul_q, matmul_q_serial
-from kernels.matmul_int import quantize_activations as quantize_rows
-from kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
-from kernels.simd_int import Isa
+from kvchat.kernels.cpu import select_isa, supported_isas
+from kvchat.kernels.ggml_types import GGMLType, type_info
+from kvchat.kernels.matmul import QMatrix
+from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
+from kvchat.kernels.matmul_int import quantize_activations as quantize_rows
+from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
+from kvchat.kernels.simd_int import Isa
 from tests.qref import int_matmul_reference, quantize_act
 from tests.test_matmul import random_raw
 
@@ -141,7 +141,7 @@ def test_forced_path_is_used_by_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    code = "from kernels.cpu import ISA; print(ISA.name)"
+    code = "from kvchat.kernels.cpu import ISA; print(ISA.name)"
     env = dict(os.environ, KVCHAT_ISA="portable")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "portable"

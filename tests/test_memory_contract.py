@@ -5,15 +5,15 @@ import inspect
 
 import numpy as np
 
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.memory.interface import AttentionMemoryContext, Memory, MemoryContext
-from runtime.memory.kv_cache import KVCache
-from runtime.memory.kv_cache_context import KVCacheContext
-from runtime.memory.kv_cache_iswa import KVCacheISWA, KVCacheISWAContext
-from runtime.memory.hybrid import HybridContext, MemoryHybrid
-from runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.memory.interface import AttentionMemoryContext, Memory, MemoryContext
+from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.kv_cache_context import KVCacheContext
+from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA, KVCacheISWAContext
+from kvchat.runtime.memory.hybrid import HybridContext, MemoryHybrid
+from kvchat.runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
 
 from memory_stubs import StubModel, make_hparams
 

@@ -12,9 +12,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.batch import Batch, BatchAllocator
-from runtime.context import Context
-from runtime.cparams import ContextParams
+from kvchat.runtime.batch import Batch, BatchAllocator
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
 
 from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 

@@ -4,8 +4,8 @@ seq_cp independence, refused partial seq_rm, checkpoints."""
 import numpy as np
 import pytest
 
-from runtime.batch import Batch
-from runtime.memory.interface import AttentionMemoryContext, RecurrentMemoryContext
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.memory.interface import AttentionMemoryContext, RecurrentMemoryContext
 
 from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 

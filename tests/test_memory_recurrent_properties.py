@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.batch import Batch
+from kvchat.runtime.batch import Batch
 
 from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 

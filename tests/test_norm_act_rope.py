@@ -3,9 +3,9 @@ batch invariance: a row computed in a batch is bit-identical to the row computed
 import numpy as np
 import pytest
 
-from kernels.act import geglu, glu_fused, softmax, swiglu
-from kernels.norm import rms_norm
-from kernels.rope import prepare_qkv, rope_inplace
+from kvchat.kernels.act import geglu, glu_fused, softmax, swiglu
+from kvchat.kernels.norm import rms_norm
+from kvchat.kernels.rope import prepare_qkv, rope_inplace
 from tests.ggml_order import rms_norm_reference, rope_reference, silu_reference
 
 
@@ -237,14 +237,14 @@ def test_row_kernels_are_compiled_without_fast_math():
     may pick a summation order or an FMA per loop nest — and per compile (a helper inlined fresh
     or linked from numba's cache) — so identical source rounded differently in the serial and
     the parallel twin. Keep every kernel of these modules free of it."""
-    import kernels.act
-    import kernels.attention
-    import kernels.attention_tiles
-    import kernels.norm
-    import kernels.rope
+    import kvchat.kernels.act
+    import kvchat.kernels.attention
+    import kvchat.kernels.attention_tiles
+    import kvchat.kernels.norm
+    import kvchat.kernels.rope
     from numba.core.registry import CPUDispatcher
     found = 0
-    for mod in (kernels.act, kernels.attention, kernels.attention_tiles, kernels.norm, kernels.rope):
+    for mod in (kvchat.kernels.act, kvchat.kernels.attention, kvchat.kernels.attention_tiles, kvchat.kernels.norm, kvchat.kernels.rope):
         for name, f in vars(mod).items():
             if isinstance(f, CPUDispatcher) and f.py_func.__module__ == mod.__name__:
                 found += 1

@@ -10,8 +10,8 @@ from tests.conftest import ROOT
 # a cached kernel that needs the NRT (it allocates and returns an array), called in a new process
 SCRIPT = """
 import numpy as np
-import kernels
-import kernels.nrt_cache as nc
+import kvchat.kernels
+import kvchat.kernels.nrt_cache as nc
 hows = []
 real = nc.initialize
 nc.initialize = lambda ctx: hows.append(real(ctx)) or hows[-1]

@@ -1,16 +1,16 @@
-"""Many sequences in one Context (runtime/parallel.py) on a tiny random qwen3: alternatives of
+"""Many sequences in one Context (runtime/serving/parallel.py) on a tiny random qwen3: alternatives of
 one prompt (llama-batched) and continuous batching of many (llama-parallel) give, sequence by
 sequence, the answer a solo Conversation gives; the shared prompt is decoded once; finished
 sequences free their cells; a short newcomer produces before a long one's prefill is done."""
 import numpy as np
 import pytest
 
-from runtime.conversation import Conversation, ConversationConfig
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.model import Model
-from runtime.parallel import ParallelRunner, Request, alternatives
-from runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.model import Model
+from kvchat.runtime.serving.parallel import ParallelRunner, Request, alternatives
+from kvchat.runtime.sampling import Sampler, SamplingParams
 from tests.gguf_factory import write_tiny_model
 
 PROMPT = "hello world, this is a test of many sequences"

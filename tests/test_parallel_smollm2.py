@@ -49,13 +49,13 @@ def test_sampled_alternatives_equal_runs_with_seed_s_plus_i_with_a_stream_per_se
 
 
 def test_sixteen_prompts_on_four_sequences_give_the_solo_greedy_answers(smollm2_path):
-    from runtime.conversation import Conversation, ConversationConfig
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.model import Model
-    from runtime.parallel import ParallelRunner, Request
-    from runtime.sampling import Sampler, SamplingParams
-    from runtime.text.chat_template import ChatTemplate
+    from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.model import Model
+    from kvchat.runtime.serving.parallel import ParallelRunner, Request
+    from kvchat.runtime.sampling import Sampler, SamplingParams
+    from kvchat.runtime.text.chat_template import ChatTemplate
 
     model = Model.load(smollm2_path)
     template = ChatTemplate.from_gguf(model.gguf, model.vocab)

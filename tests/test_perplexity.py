@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
-from runtime.perplexity import compute_perplexity
-from runtime.model import Model
+from kvchat.cli.app import app
+from kvchat.runtime.eval.perplexity import compute_perplexity
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 from tests.test_forward_logits import reference_forward
 

@@ -1,15 +1,15 @@
-"""The persistent prefix cache (runtime/prompt_cache.py) on tiny models: a second process-like
+"""The persistent prefix cache (runtime/serving/prompt_cache.py) on tiny models: a second process-like
 run restores the longest cached prefix and decodes only the rest, with the same cells, rows and
 logits as the first; iSWA caches come back exact; corrupt or foreign entries are ignored with
 one warning and deleted; the directory never exceeds its size limit."""
 import numpy as np
 import pytest
 
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.generate import decode_tokens
-from runtime.model import Model
-from runtime.prompt_cache import BLOCK, PromptCache, cache_salt, prefill
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.generate import decode_tokens
+from kvchat.runtime.model import Model
+from kvchat.runtime.serving.prompt_cache import BLOCK, PromptCache, cache_salt, prefill
 from tests.gguf_factory import write_tiny_model
 
 
@@ -104,7 +104,7 @@ def test_another_configuration_does_not_see_the_entries(llama, tmp_path):
 def test_a_damaged_entry_is_ignored_with_one_warning_and_deleted(llama, tmp_path, damage):
     ids = tokens(500, seed=6)
     run(llama, ids, make_cache(tmp_path, llama))
-    from runtime.prompt_cache import block_keys
+    from kvchat.runtime.serving.prompt_cache import block_keys
     keys = block_keys(make_cache(tmp_path, llama).salt, ids, 3)
     victim = tmp_path / "pc" / f"{keys[1]}.kvpc"
     blob = victim.read_bytes()

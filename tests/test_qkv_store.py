@@ -5,11 +5,11 @@ inside a batch)."""
 import numpy as np
 import pytest
 
-from kernels import parallel
-from kernels.ggml_types import GGMLType, row_bytes
-from kernels.kv_kernels import scatter_rows
-from kernels.qkv_store import prepare_qkv_store
-from kernels.rope import prepare_qkv_planned, rope_plan
+from kvchat.kernels import parallel
+from kvchat.kernels.ggml_types import GGMLType, row_bytes
+from kvchat.kernels.kv_kernels import scatter_rows
+from kvchat.kernels.qkv_store import prepare_qkv_store
+from kvchat.kernels.rope import prepare_qkv_planned, rope_plan
 
 N_HEAD, N_HEAD_KV, DK = 6, 2, 64
 KV_SIZE = 64

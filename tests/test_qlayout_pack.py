@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kernels import qlayout
-from kernels.qlayout import FORMATS, repack_int
+from kvchat.kernels import qlayout
+from kvchat.kernels.qlayout import FORMATS, repack_int
 from tests.qlayout_numpy import repack_reference
 from tests.test_matmul import random_raw
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from kernels import quants as Q
-from kernels.ggml_types import (
+from kvchat.kernels import quants as Q
+from kvchat.kernels.ggml_types import (
     KV_CACHE_TYPES, TYPES, UNSUPPORTED_TYPES, GGMLType, cache_type_by_name, row_bytes,
     type_by_name, type_info, type_name,
 )

@@ -4,12 +4,12 @@ again, only the tokens after the checkpoint decoded - and a session's state resu
 import numpy as np
 import pytest
 
-from runtime.context import Context
-from runtime.conversation import Conversation, ConversationConfig
-from runtime.cparams import ContextParams
-from runtime.model import Model
-from runtime.sampling import Sampler, SamplingParams
-from runtime.text.chat_template import ChatTemplate
+from kvchat.runtime.context import Context
+from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.model import Model
+from kvchat.runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.text.chat_template import ChatTemplate
 
 
 @pytest.fixture(scope="module", params=["mamba_s1", "qwen35_s1"])

@@ -4,9 +4,9 @@ split invariance: processing a sequence in pieces, carrying the state, gives the
 import numpy as np
 import pytest
 
-from kernels.conv import conv_with_state
-from kernels.delta_net import gated_delta_rule
-from kernels.ssm_scan import scan
+from kvchat.kernels.conv import conv_with_state
+from kvchat.kernels.delta_net import gated_delta_rule
+from kvchat.kernels.ssm_scan import scan
 
 RNG = np.random.default_rng(7)
 

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.model import Model
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.model import Model
 
 MODELS = ["mamba_s1", "lfm2_s1", "qwen35_s1"]
 TOL = 1e-3  # the bound; measured: mamba 1.3e-5, lfm2 2.4e-5, qwen35 9.4e-5
@@ -80,7 +80,7 @@ def test_greedy_continuation_equals_llama_cpp(tiny):
 
 
 def test_perplexity_matches_llama_cpp_within_a_tenth_of_a_percent_in_ln_ppl(tiny, reference_dir):
-    from runtime.perplexity import compute_perplexity
+    from kvchat.runtime.eval.perplexity import compute_perplexity
     name, model, _ = tiny
     text = (reference_dir / "texts" / "GPL-3.txt").read_text()
     tokens = model.vocab.tokenize(text, add_special=True, parse_special=False)

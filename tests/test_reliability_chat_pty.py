@@ -21,14 +21,14 @@ def chat(tiny, tmp_path):
 
 
 def session_users(path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     return [m["content"] for m in read_session(path).messages if m["role"] == "user"]
 
 
 # ---- sessions --------------------------------------------------------------------------------------
 
 def test_chat_on_a_session_held_by_another_process_is_refused(chat, tmp_path):
-    from cli.session_file import SessionLock
+    from kvchat.cli.session.file import SessionLock
     s = tmp_path / "s.kvs"
     with SessionLock(s):
         c = chat("--session", str(s), ready=False)
@@ -69,7 +69,7 @@ def test_load_under_session_moves_autosave_and_leaves_the_session_file_alone(cha
 
 
 def test_load_of_a_file_another_process_holds_is_refused(chat, tmp_path):
-    from cli.session_file import SessionLock
+    from kvchat.cli.session.file import SessionLock
     s, other = tmp_path / "s.kvs", tmp_path / "other.kvs"
     c = chat("-n", "2")
     c.say("x")

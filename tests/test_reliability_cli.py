@@ -27,7 +27,7 @@ def kvchat(*args, input=None, env=None, cwd=None):
 
 def kvchat_process(*args, input=None, env=None, cwd=None):
     """As a process of its own."""
-    cmd = [sys.executable, "-c", "from cli.app import main; main()",
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()",
            *(a if isinstance(a, bytes) else os.fsencode(str(a)) for a in args)]
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     e.pop("KVCHAT_DEBUG", None)
@@ -67,7 +67,7 @@ STRICT = {"PYTHONIOENCODING": "utf-8:strict"}  # a locale whose stdin refuses ba
 # ---- invalid UTF-8 -----------------------------------------------------------------------------------
 
 def test_invalid_utf8_prompt_argument_is_replaced_and_answered(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     session = tmp_path / "s.kvs"
     r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", b"caf\xe9 \xff\xfe ok")
     assert r.returncode == 0, r.stderr
@@ -76,7 +76,7 @@ def test_invalid_utf8_prompt_argument_is_replaced_and_answered(tiny, tmp_path):
 
 
 def test_invalid_utf8_on_stdin_is_replaced_and_answered(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     session = tmp_path / "s.kvs"
     r = kvchat(*RUN, "-m", tiny, "--session", session, input=b"ab\xc3(\x80cd")
     assert r.returncode == 0, r.stderr
@@ -84,8 +84,8 @@ def test_invalid_utf8_on_stdin_is_replaced_and_answered(tiny, tmp_path):
 
 
 def test_tokenize_replaces_each_invalid_byte_like_llama_cpp(tiny):
-    from runtime.gguf_file import GGUFFile
-    from runtime.text.vocab import Vocab
+    from kvchat.runtime.gguf.file import GGUFFile
+    from kvchat.runtime.text.vocab import Vocab
     with GGUFFile(tiny) as gf:
         vocab = Vocab.from_gguf(gf)
     expected = vocab.tokenize("x\ufffd\ufffdy", add_special=False)
@@ -108,7 +108,7 @@ def test_nan_logits_are_one_line_and_exit_1(nan_model):
 
 
 def test_context_too_large_for_the_machine_is_refused_up_front(tiny):
-    from runtime.cparams import available_memory
+    from kvchat.runtime.cparams import available_memory
     r = kvchat(*RUN, "-m", tiny, "-c", "1000000000", "-p", "hello")
     assert r.returncode == 1
     (line,) = err_lines(r)
@@ -128,7 +128,7 @@ def test_training_context_warning_is_printed_once_and_engine_logs_stay_hidden(ti
 
 
 def test_refused_memory_state_prints_only_the_real_error(tiny, tmp_path):
-    from cli.session import decode_session, encode_session
+    from kvchat.cli.session.session import decode_session, encode_session
     session = tmp_path / "s.kvs"
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "hello").returncode == 0
     data = decode_session(session.read_bytes())
@@ -145,7 +145,7 @@ def test_refused_memory_state_prints_only_the_real_error(tiny, tmp_path):
 # ---- locked sessions ---------------------------------------------------------------------------------
 
 def test_run_on_a_session_another_process_holds_is_refused_naming_it(tiny, tmp_path):
-    from cli.session_file import SessionLock
+    from kvchat.cli.session.file import SessionLock
     session = tmp_path / "s.kvs"
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
     before = session.read_bytes()
@@ -158,10 +158,10 @@ def test_run_on_a_session_another_process_holds_is_refused_naming_it(tiny, tmp_p
 
 
 def test_concurrent_runs_never_report_a_turn_that_is_not_in_the_file(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     session = tmp_path / "s.kvs"
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", *RUN, "-m", str(tiny),
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *RUN, "-m", str(tiny),
            "--session", str(session)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen(cmd + ["-p", f"msg {i}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -198,7 +198,7 @@ def test_session_show_prints_model_settings_and_messages(tiny, tmp_path):
 # ---- -n 0, empty prompts, closed stdout, unusable cache dirs -----------------------------------------
 
 def test_n_predict_zero_generates_nothing(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     session = tmp_path / "s.kvs"
     r = kvchat("run", "-c", "256", "-n", "0", "-m", tiny, "--session", session, "-p", "hello")
     assert r.returncode == 0, r.stderr
@@ -223,9 +223,9 @@ def test_empty_prompt_is_refused_like_raw_mode(tiny, tmp_path, how):
 
 
 def test_closed_stdout_is_one_line_and_the_turn_is_saved(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     session = tmp_path / "s.kvs"
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", *RUN, "-m", str(tiny),
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *RUN, "-m", str(tiny),
            "--session", str(session), "-p", "hello"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, env=env, cwd=ROOT, timeout=TIMEOUT,
@@ -238,9 +238,9 @@ def test_closed_stdout_is_one_line_and_the_turn_is_saved(tiny, tmp_path):
 
 
 def test_reader_of_stdout_going_away_stops_the_answer_and_saves_it(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     session = tmp_path / "s.kvs"
-    cmd = (f"{sys.executable} -c 'from cli.app import main; main()' run -c 256 -n 200 --ignore-eos "
+    cmd = (f"{sys.executable} -c 'from kvchat.cli.app import main; main()' run -c 256 -n 200 --ignore-eos "
            f"--temp 0 -m {tiny} --session {session} -p hello | head -c 10 > /dev/null; "
            "echo rc=${PIPESTATUS[0]} >&2")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -270,7 +270,7 @@ def test_unusable_cache_directory_is_one_line(tiny, tmp_path, env):
 def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path):
     """The first call is a real process started with the strict locale; the others emulate it
     in this process (a strict text layer over stdin, which is what the setting changes)."""
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     s1, s2, s3 = tmp_path / "1.kvs", tmp_path / "2.kvs", tmp_path / "3.kvs"
     r = kvchat_process(*RUN, "-m", tiny, "--session", s1, input=b"ab\xffcd", env=STRICT)
     assert r.returncode == 0, r.stderr
@@ -291,7 +291,7 @@ def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path)
 
 
 def test_session_on_a_text_file_is_refused_unless_forced(tiny, tmp_path):
-    from cli.session import read_session
+    from kvchat.cli.session.session import read_session
     notes = tmp_path / "notes.txt"
     notes.write_text("precious")
     r = kvchat(*RUN, "-m", tiny, "--session", notes, "-p", "hello")

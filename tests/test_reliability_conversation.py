@@ -4,19 +4,19 @@
 import numpy as np
 import pytest
 
-from runtime.conversation import ContextFull, ContextShifted, Conversation, ConversationConfig, FullCause
-from runtime.errors import KvchatError
-from runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.chat.conversation import ContextFull, ContextShifted, Conversation, ConversationConfig, FullCause
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.sampling import Sampler, SamplingParams
 
 LONG = "hello world and the chat " * 12  # ~70 tokens per message
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.model import Model
-    from runtime.text.chat_template import ChatTemplate
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.model import Model
+    from kvchat.runtime.text.chat_template import ChatTemplate
     model = Model.load(tiny_model())
     ctx = Context(model, ContextParams(n_ctx=256))
     return model, ctx, ChatTemplate.from_gguf(model.gguf, model.vocab)
@@ -51,9 +51,9 @@ def fill_past_the_context(conv, turns=5):
 
 def same_next_logits_as_fresh_decode(conv, engine):
     """The cached state gives the logits a fresh decode of cached_tokens() gives (tolerance)."""
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.generate import decode_tokens
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.generate import decode_tokens
     model, _, _ = engine
     fresh = Context(model, ContextParams(n_ctx=256))
     ref = decode_tokens(fresh, conv.cached_tokens(), 0, 0)
@@ -128,7 +128,7 @@ def test_keep_past_the_context_says_why_the_answer_stopped(engine):
     assert stats.stop == "ctx_full"
     full = [e for e in events if isinstance(e, ContextFull)]
     assert full and full[-1].cause == FullCause.KEEP_ALL
-    from cli.wording import event_text
+    from kvchat.cli.wording import event_text
     assert "--keep covers all of it" in event_text(full[-1])
     assert_cache_mirrors_tokens(conv)
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import SessionError
+from kvchat.runtime.errors import SessionError
 from tests.conftest import ROOT
 from tests.gguf_factory import write_tiny_model
 
@@ -30,8 +30,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vocabs(models):
-    from runtime.gguf_file import GGUFFile
-    from runtime.text.vocab import Vocab
+    from kvchat.runtime.gguf.file import GGUFFile
+    from kvchat.runtime.text.vocab import Vocab
     out = {}
     for arch, path in models.items():
         with GGUFFile(path) as gf:
@@ -52,7 +52,7 @@ def test_any_bytes_tokenize_like_their_replaced_text(vocabs, data, parse_special
 
 
 def kvchat(args, input=None):
-    cmd = [sys.executable, "-c", "from cli.app import main; main()", *args]
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KVCHAT_DEBUG", None)
     return subprocess.run(cmd, input=input, capture_output=True, timeout=600, cwd=ROOT, env=env)
@@ -90,7 +90,7 @@ def test_tokenize_command_prints_ids_for_any_bytes(models, vocabs, data):
 @given(flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=4),
        cut=st.integers(0, 10_000) | st.none())
 def test_damaged_session_files_are_refused_with_session_error_only(flips, cut):
-    from cli.session import SessionData, decode_session, encode_session
+    from kvchat.cli.session.session import SessionData, decode_session, encode_session
     data = SessionData(model={"file": "m", "size": 1, "header_sha256": "0" * 64},
                        cache={"n_ctx": 256, "type_k": "f16", "type_v": "f16", "flash_attn": True,
                               "swa_full": False},

@@ -5,12 +5,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.cparams import ContextParams, check_kv_fits, kv_cache_bytes, resolve_cparams
-from runtime.errors import CParamsError, ModelOutputError
-from runtime.arch import create_memory
-from runtime.sampling import Sampler, SamplingParams, check_logits
-from runtime.text.utf8 import clean_text, decode_bytes
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.cparams import ContextParams, check_kv_fits, kv_cache_bytes, resolve_cparams
+from kvchat.runtime.errors import CParamsError, ModelOutputError
+from kvchat.runtime.arch import create_memory
+from kvchat.runtime.sampling import Sampler, SamplingParams, check_logits
+from kvchat.runtime.text.utf8 import clean_text, decode_bytes
 
 from memory_stubs import make_hparams
 
@@ -42,7 +42,7 @@ def test_context_larger_than_free_memory_is_refused_with_the_largest_that_fits(m
     assert "-c 4194304 needs 2.0 GiB of KV cache (f16/f16)" in msg
     assert "has 1.0 GiB of memory available; the largest -c that fits is 2097152" in msg
     assert "-ctk q8_0" in msg and "\n" not in msg
-    import runtime.cparams as cparams
+    import kvchat.runtime.cparams as cparams
     monkeypatch.setattr(cparams, "available_memory", lambda: 100 << 20)
     with pytest.raises(CParamsError, match="largest -c that fits is 204800"):
         resolve(hp, n_ctx=1 << 20)
@@ -76,8 +76,8 @@ def test_invalid_utf8_becomes_one_replacement_character_per_byte():
 
 
 def test_tokenizer_accepts_surrogates_for_both_vocab_kinds(tmp_path):
-    from runtime.gguf_file import GGUFFile
-    from runtime.text.vocab import Vocab
+    from kvchat.runtime.gguf.file import GGUFFile
+    from kvchat.runtime.text.vocab import Vocab
     from tests.gguf_factory import write_tiny_model
     for arch in ("llama", "gemma3"):
         path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch)
@@ -88,8 +88,8 @@ def test_tokenizer_accepts_surrogates_for_both_vocab_kinds(tmp_path):
 
 
 def test_answer_cut_inside_a_character_ends_without_replacement_character(tmp_path):
-    from runtime.gguf_file import GGUFFile
-    from runtime.text.vocab import StreamDecoder, Vocab
+    from kvchat.runtime.gguf.file import GGUFFile
+    from kvchat.runtime.text.vocab import StreamDecoder, Vocab
     from tests.gguf_factory import write_tiny_model
     path = write_tiny_model(tmp_path / "m.gguf")
     with GGUFFile(path) as gf:
@@ -105,7 +105,7 @@ def test_answer_cut_inside_a_character_ends_without_replacement_character(tmp_pa
 
 
 def test_history_file_keeps_only_the_newest_entries(tmp_path):
-    from cli.history import BoundedFileHistory, open_history
+    from kvchat.cli.chat.history import BoundedFileHistory, open_history
     path = tmp_path / "history"
     h = BoundedFileHistory(path, max_entries=5)
     for i in range(12):

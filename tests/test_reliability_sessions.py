@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from cli.session import (FORMAT_VERSION, MAGIC, SessionData, check_compatible, decode_session,
+from kvchat.cli.session.session import (FORMAT_VERSION, MAGIC, SessionData, check_compatible, decode_session,
                          encode_session, load_session, read_session, save_session)
-from cli.session_file import SessionLock, check_save_target
-from cli.session_schema import json_depth
-from runtime.errors import SessionError
-from runtime.memory.state import TMP_TAG, atomic_write, remove_stale_temps
+from kvchat.cli.session.file import SessionLock, check_save_target
+from kvchat.cli.session.schema import json_depth
+from kvchat.runtime.errors import SessionError
+from kvchat.runtime.memory.state import TMP_TAG, atomic_write, remove_stale_temps
 from tests.conftest import ROOT
 
 MODEL = {"file": "m.gguf", "size": 1234, "header_sha256": "ab" * 32}
@@ -157,7 +157,7 @@ def test_deeply_nested_json_is_refused_without_recursion_error():
 
 
 def test_oversized_header_is_refused(monkeypatch):
-    import cli.session_schema as schema
+    import kvchat.cli.session.schema as schema
     monkeypatch.setattr(schema, "MAX_HEADER_BYTES", 100)
     with pytest.raises(SessionError, match="larger than any session"):
         decode_session(encode_session(sample(messages=[{"role": "user", "content": "x" * 200}])))
@@ -270,7 +270,7 @@ def test_save_never_replaces_a_non_regular_file(tmp_path, kind):
 HOLD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from cli.session_file import SessionLock
+from kvchat.cli.session.file import SessionLock
 lock = SessionLock({path!r}).acquire()
 print("locked", flush=True)
 time.sleep(60)

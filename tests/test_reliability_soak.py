@@ -99,14 +99,14 @@ def test_soak_200_random_operations(tiny, tmp_path):
 def assert_session_resumes_to_fresh_logits(model_path, session):
     """Restore the session into a fresh context, decode one more token: its logits must equal
     those of decoding the session's cached tokens (plus that token) from nothing."""
-    from cli.session import cache_config, load_conversation, model_identity, read_session
-    from runtime.context import Context
-    from runtime.conversation import Conversation
-    from runtime.cparams import ContextParams
-    from runtime.generate import decode_tokens
-    from runtime.model import Model
-    from runtime.sampling import Sampler
-    from runtime.text.chat_template import ChatTemplate
+    from kvchat.cli.session.session import cache_config, load_conversation, model_identity, read_session
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.chat.conversation import Conversation
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.generate import decode_tokens
+    from kvchat.runtime.model import Model
+    from kvchat.runtime.sampling import Sampler
+    from kvchat.runtime.text.chat_template import ChatTemplate
 
     model = Model.load(model_path)
     ctx = Context(model, ContextParams(n_ctx=256))

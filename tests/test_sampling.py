@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from runtime.sampling import (Sampler, SamplingParams, apply_repetition_penalty, min_p,
+from kvchat.runtime.sampling import (Sampler, SamplingParams, apply_repetition_penalty, min_p,
                               softmax, temperature, top_k, top_p)
 
 

@@ -5,10 +5,10 @@ import struct
 
 import pytest
 
-from cli.session import (FORMAT_VERSION, MAGIC, SessionData, atomic_write, check_compatible,
+from kvchat.cli.session.session import (FORMAT_VERSION, MAGIC, SessionData, atomic_write, check_compatible,
                          decode_session, encode_session, load_session, model_identity,
                          read_session, save_session)
-from runtime.errors import SessionError
+from kvchat.runtime.errors import SessionError
 
 MODEL = {"file": "m.gguf", "size": 1234, "header_sha256": "ab" * 32}
 CACHE = {"n_ctx": 256, "type_k": "f16", "type_v": "f16", "flash_attn": True, "swa_full": False}
@@ -144,7 +144,7 @@ def test_model_identity_hashes_header_region(tmp_path):
 
 @pytest.mark.real_model
 def test_model_identity_of_smollm2(smollm2_path):
-    from runtime.gguf_file import GGUFFile
+    from kvchat.runtime.gguf.file import GGUFFile
     gf = GGUFFile(smollm2_path)
     ident = model_identity(smollm2_path, gf.data_offset)
     with open(smollm2_path, "rb") as f:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kernels.ggml_types import GGMLType
+from kvchat.kernels.ggml_types import GGMLType
 from tests.conftest import ROOT
 from tests.gguf_factory import split_gguf_file, write_tiny_model
 from tests.sources_fake_hub import FakeHub, dead_endpoint
@@ -45,7 +45,7 @@ def local_answer(world):
 def kvchat(*args, env):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA_"))}
     e.update(PYTHONPATH=str(ROOT), COLUMNS="100", **env)
-    return subprocess.run([sys.executable, "-c", "from cli.app import main; main()", *map(str, args)],
+    return subprocess.run([sys.executable, "-c", "from kvchat.cli.app import main; main()", *map(str, args)],
                           capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=e)
 
 
@@ -103,7 +103,7 @@ def test_ollama_model_runs_in_place_and_info_says_what_is_ignored(world, local_a
 ])
 def test_every_source_error_is_one_line(world, args, message, monkeypatch, capsys):
     """In-process (main() as the console script runs it): the error comes before any model loads."""
-    from cli.app import main
+    from kvchat.cli.app import main
     d, fake, env, q8 = world
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -144,7 +144,7 @@ def test_list_pull_and_rm(world):
 
 def test_every_command_taking_m_takes_hf(world, monkeypatch, capsys):
     """Every command with -m has -hf, and -hf resolves like -m hf:…"""
-    from cli.app import main
+    from kvchat.cli.app import main
     d, fake, env, q8 = world
     for k, v in env.items():
         monkeypatch.setenv(k, v)

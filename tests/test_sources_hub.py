@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from cli import hub
-from cli.models import locate_model
-from kernels.ggml_types import GGMLType
-from runtime.errors import KvchatError
-from runtime.model import Model
+from kvchat.cli.sources import hub
+from kvchat.cli.sources.models import locate_model
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.model import Model
 from tests.gguf_factory import split_gguf_file, write_tiny_model
 from tests.sources_fake_hub import FakeHub, dead_endpoint
 

@@ -7,11 +7,11 @@ import os
 import pytest
 from rich.console import Console
 
-from cli import catalog, hub, ollama_store
-from cli.models import locate_model
-from kernels.ggml_types import GGMLType
-from runtime.errors import KvchatError
-from runtime.model import Model
+from kvchat.cli.sources import catalog, hub, ollama_store
+from kvchat.cli.sources.models import locate_model
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 from tests.sources_fake_hub import FakeHub
 

@@ -5,14 +5,14 @@ import os
 import numpy as np
 import pytest
 
-from kernels.ggml_types import GGMLType
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.errors import ModelFileError
-from runtime.gguf_file import GGUFFile
-from runtime.gguf_split import SplitGGUF, open_gguf, parse_split_name, part_paths, split_path
-from runtime.model import Model
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.errors import ModelFileError
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.gguf.split import SplitGGUF, open_gguf, parse_split_name, part_paths, split_path
+from kvchat.runtime.model import Model
 from tests.gguf_factory import split_gguf_file, write_tiny_model
 
 

@@ -8,17 +8,17 @@ import sys
 import numpy as np
 import pytest
 
-from kernels import parallel
-from kernels.ggml_types import GGMLType
-from kernels.matmul import QMatrix
-from kernels.quants import dequantize
+from kvchat.kernels import parallel
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.matmul import QMatrix
+from kvchat.kernels.quants import dequantize
 from tests.test_matmul import random_raw
 
-PROBE = "from kernels.jit_cache import kernels_compiled; print(kernels_compiled())"
+PROBE = "from kvchat.kernels.jit_cache import kernels_compiled; print(kernels_compiled())"
 REGISTRIES = ("numba.np.linalg", "numba.typed.typeddict", "numba.experimental.jitclass.base")
 LOAD_CACHED = f"""
 import sys, numpy as np
-from kernels.matmul import QMatrix
+from kvchat.kernels.matmul import QMatrix
 from tests.test_matmul import random_raw
 qm = QMatrix(random_raw(2, 32, 64), 2, 64)
 print(qm.matmul(np.arange(64, dtype=np.float32)[None]).tobytes().hex())
@@ -34,7 +34,7 @@ def test_an_empty_numba_cache_reads_as_a_first_run(tmp_path):
 
 
 def test_a_compiled_matmul_reads_as_a_warm_cache():
-    from kernels.jit_cache import kernels_compiled
+    from kvchat.kernels.jit_cache import kernels_compiled
     qm = QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64)
     qm.matmul(np.ones((1, 64), np.float32))  # compiles (and caches) the serial kernel if needed
     assert kernels_compiled()
@@ -89,7 +89,7 @@ def test_a_kernel_loaded_from_the_cache_links_into_a_new_compile(tmp_path):
 ELF_SYMBOLS = """
 import llvmlite.binding as ll
 from numba.core import codegen
-from kernels.jit_cache import elf_defined_symbols
+from kvchat.kernels.jit_cache import elf_defined_symbols
 lazy = codegen.CPUCodeLibrary._unserialize.__func__
 seen = []
 def spy(cls, cg, state):
@@ -101,7 +101,7 @@ def spy(cls, cg, state):
     return lazy(cls, cg, state)
 codegen.CPUCodeLibrary._unserialize = classmethod(spy)
 import numpy as np
-from kernels.matmul import QMatrix
+from kvchat.kernels.matmul import QMatrix
 from tests.test_matmul import random_raw
 QMatrix(random_raw(2, 32, 64), 2, 64).matmul(np.ones((1, 64), np.float32))
 print(len(seen) > 0 and all(a and b for a, b in seen))
@@ -118,15 +118,15 @@ def test_the_symbols_read_from_a_cached_object_are_the_ones_numba_reads_from_its
 
 
 def test_a_file_that_is_not_an_elf_object_gets_no_symbol_set():
-    from kernels.jit_cache import elf_defined_symbols
+    from kvchat.kernels.jit_cache import elf_defined_symbols
     assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # Mach-O: numba's own load
     assert elf_defined_symbols(b"\x7fELF") is None  # truncated
 
 
 RELEASE = """
 import numpy as np
-from kernels.matmul import QMatrix
-from runtime.os_memory import release_library_pages
+from kvchat.kernels.matmul import QMatrix
+from kvchat.runtime.weights.os_memory import release_library_pages
 from tests.test_matmul import random_raw
 qm = QMatrix(random_raw(2, 32, 64), 2, 64)
 x = np.arange(64, dtype=np.float32)[None]
@@ -147,8 +147,8 @@ def test_llvms_clean_pages_leave_the_resident_set_and_every_kernel_still_runs():
 
 PAGE_KINDS = """
 import numpy as np
-from kernels.matmul import QMatrix
-from runtime.os_memory import LIBRARIES, _clean_ranges_pagemap, _clean_ranges_smaps
+from kvchat.kernels.matmul import QMatrix
+from kvchat.runtime.weights.os_memory import LIBRARIES, _clean_ranges_pagemap, _clean_ranges_smaps
 from tests.test_matmul import random_raw
 QMatrix(random_raw(2, 32, 64), 2, 64).matmul(np.ones((1, 64), np.float32))
 pagemap, smaps = _clean_ranges_pagemap(LIBRARIES), _clean_ranges_smaps(LIBRARIES)
@@ -180,14 +180,14 @@ def test_dequantized_rows_are_the_same_alone_and_in_a_batch(t, monkeypatch):
 def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(tiny_model, n_ctx,
                                                                              monkeypatch):
     """64 tokens reach every kernel's parallel twin; a context smaller than that still warms up."""
-    from runtime.context import Context
-    from runtime.cparams import ContextParams
-    from runtime.generate import decode_tokens, warm_up
-    from runtime.model import Model
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.cparams import ContextParams
+    from kvchat.runtime.generate import decode_tokens, warm_up
+    from kvchat.runtime.model import Model
     model = Model.load(tiny_model("llama"))
     ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64))
     calls = []
-    import runtime.generate as gen
+    import kvchat.runtime.generate as gen
     real = gen.decode_tokens
 
     def spy(ctx_, ids, pos0, seq=0, **kw):
@@ -209,12 +209,12 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
     import io
     import threading
 
-    import cli.chat_setup as setup
-    import kernels.jit_cache
-    import kernels.warm_set
-    import runtime.generate
-    from cli.options import ChatSettings
-    from cli.render import Renderer
+    import kvchat.cli.chat.setup as setup
+    import kvchat.kernels.jit_cache
+    import kvchat.kernels.warm_set
+    import kvchat.runtime.generate
+    from kvchat.cli.options import ChatSettings
+    from kvchat.cli.chat.render import Renderer
 
     class Recording(Renderer):
         @contextlib.contextmanager
@@ -223,10 +223,10 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
             yield
 
     warmed = []
-    real_warm_up = runtime.generate.warm_up
-    monkeypatch.setattr(kernels.jit_cache, "kernels_compiled", lambda: compiled)
-    monkeypatch.setattr(kernels.warm_set, "covered", lambda name: False)  # no warm-up recorded yet
-    monkeypatch.setattr(runtime.generate, "warm_up",
+    real_warm_up = kvchat.runtime.generate.warm_up
+    monkeypatch.setattr(kvchat.kernels.jit_cache, "kernels_compiled", lambda: compiled)
+    monkeypatch.setattr(kvchat.kernels.warm_set, "covered", lambda name: False)  # no warm-up recorded yet
+    monkeypatch.setattr(kvchat.runtime.generate, "warm_up",
                         lambda ctx, tok, n_prompt=2: warmed.append(n_prompt) or real_warm_up(ctx, tok, n_prompt=n_prompt))
     r = Recording(out=io.StringIO())
     r.texts = []
@@ -239,7 +239,7 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
 LEAN_RUN = ("import atexit, sys\n"
             "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
             "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj', 'typer', 'email', 'numpy.ma') if m in sys.modules)))\n"
-            "from cli.app import main\nmain()\n")
+            "from kvchat.cli.app import main\nmain()\n")
 
 
 def test_a_plain_kvchat_run_imports_none_of_the_modules_a_warm_start_does_not_need(tiny_chat, tmp_path):
@@ -265,7 +265,7 @@ def test_a_plain_kvchat_run_imports_none_of_the_modules_a_warm_start_does_not_ne
 def test_the_renderer_makes_its_stderr_console_only_when_it_shows_something(monkeypatch):
     import io
 
-    from cli.render import Renderer
+    from kvchat.cli.chat.render import Renderer
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
@@ -284,9 +284,9 @@ def test_the_renderer_makes_its_stderr_console_only_when_it_shows_something(monk
 
 EXTENSION_RUN = """
 import sys, numpy as np
-import kernels
+import kvchat.kernels
 from numba import njit
-from kernels.numba_start import extensions_may_be_declared
+from kvchat.kernels.numba_start import extensions_may_be_declared
 @njit
 def total(x):
     return x.sum()
@@ -321,7 +321,7 @@ def test_numba_reads_no_distribution_as_declaring_an_extension_where_the_cheap_c
     extension is installed here, so kvchat's runs skip the scan)."""
     from importlib import metadata
 
-    from kernels.numba_start import extensions_may_be_declared
+    from kvchat.kernels.numba_start import extensions_may_be_declared
     declared = list(metadata.entry_points().select(group="numba_extensions"))
     assert extensions_may_be_declared() or not declared
     assert not declared and extensions_may_be_declared() is False
@@ -330,7 +330,7 @@ def test_numba_reads_no_distribution_as_declaring_an_extension_where_the_cheap_c
 TYPEOF = """
 import sys, numpy as np, numba
 if sys.argv[1] == "kvchat":
-    import kernels
+    import kvchat.kernels
 a = np.arange(24, dtype=np.float32).reshape(4, 6)
 ro = a.copy(); ro.flags.writeable = False
 cases = [a, a.T, a[:, ::2], ro, np.zeros(3, np.int8), np.zeros((2, 2), np.complex128), np.float16([1]),
@@ -358,7 +358,7 @@ def test_llvm_lock_events_reach_a_listener_and_are_not_made_without_one(monkeypa
     import llvmlite.binding as ll
     from numba.core import event
 
-    import kernels  # noqa: F401 (installs kernels/numba_start.py)
+    import kvchat.kernels  # noqa: F401 (installs kernels/numba_start.py)
     made = []
     real_start = event.start_event
     monkeypatch.setattr(event, "start_event", lambda kind, data=None: made.append(kind) or real_start(kind, data))
@@ -393,13 +393,13 @@ def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_ca
     the same bytes (the chat keeps it); a recorded kernel without a cache entry brings it back."""
     import pickle
 
-    import kernels.warm_set as warm_set
-    import runtime.generate
+    import kvchat.kernels.warm_set as warm_set
+    import kvchat.runtime.generate
     from tests.cli_inproc import kvchat
     monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
     warmed = []
-    real_warm_up = runtime.generate.warm_up
-    monkeypatch.setattr(runtime.generate, "warm_up", lambda *a, **k: warmed.append(1) or real_warm_up(*a, **k))
+    real_warm_up = kvchat.runtime.generate.warm_up
+    monkeypatch.setattr(kvchat.runtime.generate, "warm_up", lambda *a, **k: warmed.append(1) or real_warm_up(*a, **k))
     args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "-c", "256", "--seed", "5", "--temp", "0.8"]
     first, second = kvchat(*args), kvchat(*args)
     assert warmed == [1] and first.returncode == second.returncode == 0
@@ -407,9 +407,9 @@ def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_ca
     import io
     import threading
 
-    from cli.chat_setup import open_engine
-    from cli.options import ChatSettings
-    from cli.render import Renderer
+    from kvchat.cli.chat.setup import open_engine
+    from kvchat.cli.options import ChatSettings
+    from kvchat.cli.chat.render import Renderer
     open_engine(ChatSettings(model=str(tiny_chat), ctx_size=256), Renderer(out=io.StringIO()), threading.Event())
     assert warmed == [1, 1]  # the chat warms up while its user reads the prompt, cached or not
     warmed.clear()
@@ -417,7 +417,7 @@ def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_ca
     (recorded,) = tmp_path.glob("*.pkl")
     fmt, entries = pickle.loads(recorded.read_bytes())
     kernels_recorded = {(m, q) for m, q, _ in entries}
-    assert ("kernels.matmul_int", "matmul_q_serial") in kernels_recorded and len(entries) >= 8
+    assert ("kvchat.kernels.matmul_int", "matmul_q_serial") in kernels_recorded and len(entries) >= 8
     module, qualname, sig = entries[0]
     recorded.write_bytes(pickle.dumps((fmt, entries + [(module, qualname, sig[:-1])])))  # never compiled
     third = kvchat(*args)
@@ -429,12 +429,12 @@ def test_a_recorded_warm_up_is_not_trusted_when_a_kernels_index_is_stale(tmp_pat
     """numba's own index lookup decides: an index for other source (another stamp) holds nothing."""
     import numpy as np
 
-    import kernels.warm_set as warm_set
-    from kernels.matmul import QMatrix
+    import kvchat.kernels.warm_set as warm_set
+    from kvchat.kernels.matmul import QMatrix
     monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
     QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
     assert warm_set.record("probe") and warm_set.covered("probe")
-    from kernels.matmul_int import matmul_q_serial
+    from kvchat.kernels.matmul_int import matmul_q_serial
     cache_file = matmul_q_serial._cache._cache_file
     monkeypatch.setattr(cache_file, "_source_stamp", ("another", "source"))
     assert not warm_set.covered("probe")

@@ -6,10 +6,10 @@ import struct
 import numpy as np
 import pytest
 
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.memory.state import StateError, StateReader, StateWriter, atomic_write
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.memory.state import StateError, StateReader, StateWriter, atomic_write
 
 from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 

@@ -1,11 +1,11 @@
-"""StringArray / StringIndex (runtime/string_array.py) behave as the list and dict they replace."""
+"""StringArray / StringIndex (runtime/gguf/string_array.py) behave as the list and dict they replace."""
 import random
 
 import numpy as np
 import pytest
 
-from runtime.string_array import StringArray, StringIndex
-from runtime.text.tokenizer_bpe import BPETokenizer, pre_tokenizer
+from kvchat.runtime.gguf.string_array import StringArray, StringIndex
+from kvchat.runtime.text.tokenizer_bpe import BPETokenizer, pre_tokenizer
 
 
 def _words(seed: int, n: int) -> list[str]:

@@ -4,7 +4,7 @@ index it looks the pairs up in."""
 import random
 from types import SimpleNamespace
 
-from runtime.text.tokenizer_bpe import BPETokenizer
+from kvchat.runtime.text.tokenizer_bpe import BPETokenizer
 
 
 def _merge_by_split_pairs(merges, word):

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from runtime.gguf_file import GGUFFile
-from runtime.text.tokenizer_bpe import byte_encode
-from runtime.text.vocab import StreamDecoder, Vocab
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.text.tokenizer_bpe import byte_encode
+from kvchat.runtime.text.vocab import StreamDecoder, Vocab
 
 MODELS = ("smollm2", "gemma3")
 

@@ -1,4 +1,4 @@
-"""The packed weights cached on disk (runtime/weight_cache.py): a warm load maps byte-identical
+"""The packed weights cached on disk (runtime/weights/cache.py): a warm load maps byte-identical
 packs and answers with identical logits; any change of the model file or the layout, and any
 truncated or corrupt file, rebuilds the pack and never uses it; an unwritable cache or an
 interrupted write leaves the load working and no file behind; `kvchat rm` removes the pack."""
@@ -10,15 +10,15 @@ import os
 import numpy as np
 import pytest
 
-import runtime.weight_cache as wc
-from kernels.ggml_types import GGMLType
-from kernels.matmul import FLOAT_TYPES, QMatrix
-from kernels.qlayout import FORMATS
-from runtime.batch import Batch
-from runtime.context import Context
-from runtime.cparams import ContextParams
-from runtime.memory.state import TMP_TAG
-from runtime.model import Model
+import kvchat.runtime.weights.cache as wc
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.matmul import FLOAT_TYPES, QMatrix
+from kvchat.kernels.qlayout import FORMATS
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.memory.state import TMP_TAG
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 from tests.test_matmul import random_raw
 
@@ -60,7 +60,7 @@ def _mapped(a: np.ndarray) -> bool:
 
 def _embd(path) -> tuple:
     """(name, t, k, m) of the token embedding, as PackStore.get takes them."""
-    from runtime.gguf_file import GGUFFile
+    from kvchat.runtime.gguf.file import GGUFFile
 
     ti = GGUFFile(path).tensors["token_embd.weight"]
     return ti.name, int(ti.ggml_type), int(ti.shape[0]), int(ti.data.shape[0])
@@ -139,12 +139,12 @@ def test_a_changed_model_file_is_repacked_and_its_old_pack_removed(tmp_path, cac
 
 
 def test_a_new_layout_version_gives_another_key_and_a_rebuilt_pack(tmp_path, cache, monkeypatch):
-    import kernels.qlayout
+    import kvchat.kernels.qlayout
 
     path = write_tiny_model(tmp_path / "m.gguf", weight_type=GGMLType.Q4_0)
     Model.load(path)
     old = _one_pack(cache)
-    monkeypatch.setattr(kernels.qlayout, "LAYOUT_VERSION", kernels.qlayout.LAYOUT_VERSION + 1)
+    monkeypatch.setattr(kvchat.kernels.qlayout, "LAYOUT_VERSION", kvchat.kernels.qlayout.LAYOUT_VERSION + 1)
     gf_files = [os.path.realpath(path)]
     assert wc.PackStore(cache, gf_files).get(*_embd(path)) is None
     Model.load(path)
@@ -239,8 +239,8 @@ def test_the_switch_off_writes_nothing(tmp_path, cache, monkeypatch):
 
 
 def test_rm_removes_the_models_pack(tmp_path, cache, capsys):
-    from cli.app import main
-    from cli.catalog import KNOWN_MODELS
+    from kvchat.cli.app import main
+    from kvchat.cli.sources.catalog import KNOWN_MODELS
 
     models = cache.parent / "models"
     models.mkdir(parents=True)
@@ -258,6 +258,6 @@ def test_rm_removes_the_models_pack(tmp_path, cache, capsys):
     (kept,) = cache.iterdir()
     freed = size + sum(n for p, n in packs.items() if p != kept)
     out = capsys.readouterr().out
-    from cli.catalog import human_size
+    from kvchat.cli.sources.catalog import human_size
     assert out.startswith(f"removed smollm2 ({human_size(freed)} freed)")
     assert wc.PackStore(cache, [os.path.realpath(other)]).get(*_embd(other)) is not None

@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from kernels.ggml_types import GGMLType, type_info
-from kernels.matmul import QMatrix
-from kernels.qlayout import FORMATS
+from kvchat.kernels.ggml_types import GGMLType, type_info
+from kvchat.kernels.matmul import QMatrix
+from kvchat.kernels.qlayout import FORMATS
 from tests.test_matmul import random_raw
 
 # packed bytes per block of the type's block size (m a multiple of 32 rows): values + scales
@@ -62,7 +62,7 @@ def _resident_pages(a: np.ndarray) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagemap and MADV_DONTNEED are Linux's")
 def test_model_file_pages_leave_the_resident_set_once_the_weights_are_repacked(gemma3_path):
-    from runtime.model import Model
+    from kvchat.runtime.model import Model
 
     model = Model.load(gemma3_path)
     try:
@@ -90,8 +90,8 @@ def test_an_embedding_with_its_own_head_is_looked_up_in_the_file_and_not_repacke
     (a 7B-shaped q4_K model: 111 MiB), and its rows are the file's, dequantized exactly."""
     import gguf
 
-    from runtime.model import Model, TokenRows
-    from runtime.weight_cache import _read_table, packs_dir
+    from kvchat.runtime.model import Model, TokenRows
+    from kvchat.runtime.weights.cache import _read_table, packs_dir
 
     monkeypatch.setenv("KVCHAT_CACHE", str(tmp_path / "kv"))
     monkeypatch.setenv("KVCHAT_WEIGHT_CACHE", "1")

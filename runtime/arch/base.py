@@ -5,7 +5,7 @@ An architecture is one module runtime/arch/<name>.py holding an `ARCH` object (a
 - `name`, `rope_type` ("norm" | "neox"), `qk_norm`, `full_rotary`, `rope_scaling_types`: the
   table entries llama.cpp keeps per architecture (llama_model_rope_type, ...);
 - `read_hparams(gf, fields)`: its own GGUF keys and checks on top of the common fields that
-  runtime.hparams.read_common read; returns an HParams (or its subclass with the extras);
+  kvchat.runtime.hparams.read_common read; returns an HParams (or its subclass with the extras);
 - `tensors(hp) -> Schema`: every weight, as attribute -> Tensor(GGUF name, ggml shape,
   required); the generic loader (runtime/model.py) fills `model.weights` and one `Layer`
   namespace per block from it, so the forward reads `L.wq`, `L.ffn_norm`, ...;
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.hparams import HParams
-from runtime.memory.kv_cache import KVCache
-from runtime.memory.kv_cache_iswa import KVCacheISWA
+from kvchat.runtime.hparams import HParams
+from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ class Arch:
 
     # ---- hyper-parameters
     def read_common(self, gf) -> dict:
-        """The common fields (runtime.hparams.read_common); an architecture whose files lack
+        """The common fields (kvchat.runtime.hparams.read_common); an architecture whose files lack
         some of those keys passes them in (read_common's `given`)."""
-        from runtime.hparams import read_common
+        from kvchat.runtime.hparams import read_common
         return read_common(gf, self)
 
     def read_hparams(self, gf, fields: dict) -> HParams:

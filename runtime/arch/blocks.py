@@ -8,10 +8,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.attention import round_q_to_vec_dot_type
-from kernels.ggml_types import GGMLType
-from kernels.norm import rms_norm
-from runtime.arch.layer_plan import attention_step, gated_ffn, layer_plan, store_and_attend
+from kvchat.kernels.attention import round_q_to_vec_dot_type
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.norm import rms_norm
+from kvchat.runtime.arch.layer_plan import attention_step, gated_ffn, layer_plan, store_and_attend
 
 
 def embed(model, tokens) -> np.ndarray:

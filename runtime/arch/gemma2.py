@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 
-from runtime.arch import gemma3
-from runtime.arch.base import Arch
-from runtime.hparams import HParams, positive, swa_layers
+from kvchat.runtime.arch import gemma3
+from kvchat.runtime.arch.base import Arch
+from kvchat.runtime.hparams import HParams, positive, swa_layers
 
 SWA_PATTERN = 2  # layers il % 2 == 0 slide
 N_SWA = 4096  # llama.cpp's default window for gemma 2

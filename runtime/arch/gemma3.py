@@ -14,12 +14,12 @@ import math
 import numba
 import numpy as np
 
-from kernels.norm import rms_norm
-from runtime.arch.base import Arch, Tensor
-from kernels.fused_norm import norm_add_rms_norm
-from runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
-from runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
-from runtime.hparams import HParams, positive, swa_layers
+from kvchat.kernels.norm import rms_norm
+from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.kernels.fused_norm import norm_add_rms_norm
+from kvchat.runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
+from kvchat.runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
+from kvchat.runtime.hparams import HParams, positive, swa_layers
 
 SWA_PATTERN = 6  # default: layers il % 6 < 5 slide, every 6th layer is global
 

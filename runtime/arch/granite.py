@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.arch.blocks import decoder_layers, output_projection, self_attention
-from runtime.arch.llama import Llama
-from runtime.hparams import HParams
+from kvchat.runtime.arch.blocks import decoder_layers, output_projection, self_attention
+from kvchat.runtime.arch.llama import Llama
+from kvchat.runtime.hparams import HParams
 
 
 @dataclass

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.act import geglu, glu_fused, swiglu
-from kernels.attention import attention_checked, round_q_to_vec_dot_type
-from kernels.ggml_types import GGMLType
-from kernels.qkv_store import prepare_qkv_store
-from kernels.rope import _ONE, prepare_qkv_planned, rope_plan
-from runtime.memory.attn_rotation import rotate
+from kvchat.kernels.act import geglu, glu_fused, swiglu
+from kvchat.kernels.attention import attention_checked, round_q_to_vec_dot_type
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.qkv_store import prepare_qkv_store
+from kvchat.kernels.rope import _ONE, prepare_qkv_planned, rope_plan
+from kvchat.runtime.memory.attn_rotation import rotate
 
 _Q_AS_IS = (int(GGMLType.F32), int(GGMLType.F16))  # K types whose K·Q takes Q in f32 (blocks.round_q_like_ggml)
 

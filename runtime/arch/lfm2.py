@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import output_projection, self_attention
-from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
+from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.runtime.arch.blocks import output_projection, self_attention
+from kvchat.runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
                                            without_attention)
-from runtime.gguf_file import GGUFValueType
-from runtime.hparams import HParams, scalar_int
+from kvchat.runtime.gguf.file import GGUFValueType
+from kvchat.runtime.hparams import HParams, scalar_int
 
 
 @dataclass
@@ -64,7 +64,7 @@ class LFM2(Arch):
     qk_norm = True
 
     def read_common(self, gf) -> dict:
-        from runtime.hparams import read_common
+        from kvchat.runtime.hparams import read_common
         key = "lfm2.attention.head_count_kv"
         heads = gf.metadata.get(key)
         if gf.value_types.get(key, (None,))[0] != GGUFValueType.ARRAY:

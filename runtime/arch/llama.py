@@ -13,12 +13,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kernels.norm import rms_norm
-from runtime.arch.base import Arch, Tensor
-from kernels.fused_norm import add_rms_norm
-from runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
-from runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
-from runtime.hparams import rope_factor_tensor
+from kvchat.kernels.norm import rms_norm
+from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.kernels.fused_norm import add_rms_norm
+from kvchat.runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
+from kvchat.runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
+from kvchat.runtime.hparams import rope_factor_tensor
 
 
 def forward(model, ubatch, mctx) -> np.ndarray:

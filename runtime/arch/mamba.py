@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.norm import rms_norm
-from kernels.ssm_scan import scan
-from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import embed, logits, output_ids
-from runtime.arch.recurrent_blocks import causal_conv, create_recurrent_memory, dense, silu
-from runtime.hparams import MAX_DIM, HParams, scalar_int
+from kvchat.kernels.norm import rms_norm
+from kvchat.kernels.ssm_scan import scan
+from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.runtime.arch.blocks import embed, logits, output_ids
+from kvchat.runtime.arch.recurrent_blocks import causal_conv, create_recurrent_memory, dense, silu
+from kvchat.runtime.hparams import MAX_DIM, HParams, scalar_int
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Mamba(Arch):
     fusions = ()
 
     def read_common(self, gf) -> dict:
-        from runtime.hparams import read_common
+        from kvchat.runtime.hparams import read_common
         return read_common(gf, self, given={"n_ff": 0, "n_head": 1, "n_head_kv": 1})
 
     def read_hparams(self, gf, fields) -> MambaHParams:

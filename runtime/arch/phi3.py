@@ -15,9 +15,9 @@ sliding window is off, as in llama.cpp.
 """
 from __future__ import annotations
 
-from runtime.arch import llama
-from runtime.arch.base import Arch, Tensor
-from runtime.hparams import rope_factor_tensor
+from kvchat.runtime.arch import llama
+from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.runtime.hparams import rope_factor_tensor
 
 
 class Phi3(Arch):

@@ -1,7 +1,7 @@
 """qwen3 (src/models/qwen3.cpp): the llama block with per-head RMSNorm of Q and K before RoPE
 (QK-norm, attn_q_norm / attn_k_norm required in every layer) and neox RoPE; llama's forward."""
-from runtime.arch import llama
-from runtime.arch.base import Arch
+from kvchat.runtime.arch import llama
+from kvchat.runtime.arch.base import Arch
 
 
 class Qwen3(Arch):

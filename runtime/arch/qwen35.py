@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.delta_net import gated_delta_rule
-from kernels.rope import prepare_qkv
-from runtime.arch.base import Arch, Tensor
-from runtime.arch.blocks import attend, ctx_size, opt, qkv_projection
-from runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
+from kvchat.kernels.delta_net import gated_delta_rule
+from kvchat.kernels.rope import prepare_qkv
+from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.runtime.arch.blocks import attend, ctx_size, opt, qkv_projection
+from kvchat.runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
                                            l2_norm, rms_norm_last, sigmoid, silu, softplus,
                                            without_attention)
-from runtime.hparams import MAX_DIM, HParams, scalar_int
+from kvchat.runtime.hparams import MAX_DIM, HParams, scalar_int
 
 
 @dataclass

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.conv import conv_with_state
-from runtime.arch.blocks import decoder_layers
-from runtime.memory.hybrid import MemoryHybrid
-from runtime.memory.recurrent import MemoryRecurrent
+from kvchat.kernels.conv import conv_with_state
+from kvchat.runtime.arch.blocks import decoder_layers
+from kvchat.runtime.memory.hybrid import MemoryHybrid
+from kvchat.runtime.memory.recurrent import MemoryRecurrent
 
 
 def create_recurrent_memory(hparams, cparams) -> MemoryRecurrent:

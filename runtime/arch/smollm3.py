@@ -5,8 +5,8 @@
 A NoPE layer's cached keys carry no position, so the K-shift leaves them alone
 (HParams.has_rope); llama.cpp's K-shift rotates them too.
 """
-from runtime.arch import llama
-from runtime.arch.base import Arch
+from kvchat.runtime.arch import llama
+from kvchat.runtime.arch.base import Arch
 
 NO_ROPE_LAYER_STEP = 4
 

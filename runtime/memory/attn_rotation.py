@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml_types import GGMLType
-from kernels.hadamard import fwht_chunks
+from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.hadamard import fwht_chunks
 
 _FLOAT_TYPES = (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16))
 _HADAMARD: dict[int, np.ndarray] = {}

@@ -15,10 +15,10 @@ seq_checkpoint / seq_restore instead.
 """
 from __future__ import annotations
 
-from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
-from runtime.memory.kv_cache import KVCache
-from runtime.memory.kv_cache_context import KVCacheContext
-from runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
+from kvchat.runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
+from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.kv_cache_context import KVCacheContext
+from kvchat.runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
 
 
 class MemoryHybrid(Memory):

@@ -6,7 +6,7 @@ mutates memory - one ubatch at a time, right before its forward pass - so a deco
 to find room changes nothing, and one that fails mid-way can be undone precisely.
 
 Which memory a model gets is the model's business (llama_model::create_memory): each
-architecture declares it (runtime/arch/base.py: create_memory; runtime.arch.create_memory asks
+architecture declares it (runtime/arch/base.py: create_memory; kvchat.runtime.arch.create_memory asks
 the arch of the hparams).
 """
 from __future__ import annotations

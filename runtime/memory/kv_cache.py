@@ -19,13 +19,13 @@ import logging
 
 import numpy as np
 
-from kernels.ggml_types import GGMLType, row_bytes, type_info
-from runtime.memory.attn_rotation import rotation_sizes
-from runtime.memory.kv_cells import KVCells
-from runtime.memory.interface import Memory, MemoryOpError, MemoryStatus
-from runtime.memory.kv_cache_context import KVCacheContext
-from runtime.memory.kv_cache_seq import KVCacheSeqOps
-from runtime.memory.kv_cache_state import KVCacheStateIO
+from kvchat.kernels.ggml_types import GGMLType, row_bytes, type_info
+from kvchat.runtime.memory.attn_rotation import rotation_sizes
+from kvchat.runtime.memory.kv_cells import KVCells
+from kvchat.runtime.memory.interface import Memory, MemoryOpError, MemoryStatus
+from kvchat.runtime.memory.kv_cache_context import KVCacheContext
+from kvchat.runtime.memory.kv_cache_seq import KVCacheSeqOps
+from kvchat.runtime.memory.kv_cache_state import KVCacheStateIO
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +389,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
 
     def update(self, do_shift: bool, do_defrag: bool = False) -> bool:
         """Apply pending stream copies, the K-shift and (optionally) compaction."""
-        from runtime.memory.kv_update import apply_k_shift, compact, copy_streams
+        from kvchat.runtime.memory.kv_update import apply_k_shift, compact, copy_streams
         updated = False
         if self.pending_copies:
             copy_streams(self, self.pending_copies)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
+from kvchat.kernels.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
                                 scatter_rows_trans)
-from runtime.memory.interface import MemoryContext, MemoryOpError, MemoryStatus
+from kvchat.runtime.memory.interface import MemoryContext, MemoryOpError, MemoryStatus
 
 PAR_MASK_MIN = 1 << 18  # mask entries above which building it in parallel pays off
 PAR_ROWS_MIN = 64  # rows above which quantize-scatter runs in parallel

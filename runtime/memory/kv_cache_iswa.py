@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from runtime.cparams import N_CTX_PAD, pad_to
-from runtime.memory.kv_cache import KVCache
-from runtime.memory.kv_cache_context import KVCacheContext
-from runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
+from kvchat.runtime.cparams import N_CTX_PAD, pad_to
+from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.kv_cache_context import KVCacheContext
+from kvchat.runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
 
 log = logging.getLogger(__name__)
 

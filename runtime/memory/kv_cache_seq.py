@@ -5,7 +5,7 @@ update (stream copies, K-shift) or are simply left for the next writer.
 """
 from __future__ import annotations
 
-from runtime.memory.interface import MemoryOpError
+from kvchat.runtime.memory.interface import MemoryOpError
 
 INT_MAX = 2**31 - 1
 

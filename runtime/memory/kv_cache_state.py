@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml_types import row_bytes, type_info, type_name
-from runtime.memory.state import StateError, StateReader, StateWriter
+from kvchat.kernels.ggml_types import row_bytes, type_info, type_name
+from kvchat.runtime.memory.state import StateError, StateReader, StateWriter
 
 INT_MAX = 2**31 - 1
 
@@ -180,7 +180,7 @@ class KVCacheStateIO:
         One sequence: its old cells are removed (journalled), then the saved ones are placed
         like a ubatch via find_slot/apply_ubatch; if they do not fit, everything is undone and
         StateError raised."""
-        from runtime.batch import UBatch
+        from kvchat.runtime.batch import UBatch
 
         if seq_id < 0:
             self.clear(True)

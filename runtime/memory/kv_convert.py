@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml_types import cache_type_by_name, row_bytes, type_info
-from kernels.quants import dequantize, quantize
-from runtime.memory.attn_rotation import rotate, rotation_sizes
-from runtime.memory.interface import MemoryOpError
+from kvchat.kernels.ggml_types import cache_type_by_name, row_bytes, type_info
+from kvchat.kernels.quants import dequantize, quantize
+from kvchat.runtime.memory.attn_rotation import rotate, rotation_sizes
+from kvchat.runtime.memory.interface import MemoryOpError
 
 
 def kv_caches_of(memory) -> list:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.quants import dequantize, quantize
-from kernels.rope import rope_inplace
-from runtime.memory.attn_rotation import rotate
-from runtime.memory.kv_cells import CellsSnapshot
+from kvchat.kernels.quants import dequantize, quantize
+from kvchat.kernels.rope import rope_inplace
+from kvchat.runtime.memory.attn_rotation import rotate
+from kvchat.runtime.memory.kv_cells import CellsSnapshot
 
 
 def rope_args(hp, il: int, kv_size: int) -> dict:
-    """kernels.rope keyword arguments of layer il (n_rot 0 for a NoPE layer); the cache's size
+    """kvchat.kernels.rope keyword arguments of layer il (n_rot 0 for a NoPE layer); the cache's size
     is the context per sequence that picks LongRoPE factors (llama.cpp's build_rope_shift)."""
     if hasattr(hp, "rope_args"):
         return hp.rope_args(il, kv_size)

@@ -26,9 +26,9 @@ import logging
 
 import numpy as np
 
-from runtime.memory.interface import Memory, MemoryOpError, MemoryStatus, SeqCheckpoint
-from runtime.memory.recurrent_context import RecurrentContext
-from runtime.memory.recurrent_state import RecurrentStateIO
+from kvchat.runtime.memory.interface import Memory, MemoryOpError, MemoryStatus, SeqCheckpoint
+from kvchat.runtime.memory.recurrent_context import RecurrentContext
+from kvchat.runtime.memory.recurrent_state import RecurrentStateIO
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +253,13 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
 
     def seq_checkpoint(self, seq_id: int) -> SeqCheckpoint:
         """The sequence's state now (a sequence state blob of its cell)."""
-        from runtime.memory.state import StateWriter
+        from kvchat.runtime.memory.state import StateWriter
         io = StateWriter()
         self.state_write(io, seq_id)
         return SeqCheckpoint(seq_id, self.seq_pos_max(seq_id), io.getvalue())
 
     def seq_restore(self, seq_id: int, ckpt: SeqCheckpoint) -> bool:
-        from runtime.memory.state import StateError, StateReader
+        from kvchat.runtime.memory.state import StateError, StateReader
         try:
             io = StateReader(ckpt.blob)
             parsed = self.state_parse(io, seq_id)

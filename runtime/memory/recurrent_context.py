@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.memory.interface import MemoryContext, MemoryOpError, MemoryStatus
+from kvchat.runtime.memory.interface import MemoryContext, MemoryOpError, MemoryStatus
 
 
 class RecurrentContext(MemoryContext):

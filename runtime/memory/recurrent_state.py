@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.memory.state import StateError, StateReader, StateWriter
+from kvchat.runtime.memory.state import StateError, StateReader, StateWriter
 
 GGML_TYPE_F32 = 0
 
@@ -112,7 +112,7 @@ class RecurrentStateIO:
 
     def state_place(self, parsed: RecurrentState, seq_id: int) -> int:
         """Metadata only; returns the first cell of the placed rows. Undone on failure."""
-        from runtime.batch import UBatch
+        from kvchat.runtime.batch import UBatch
 
         n = parsed.pos.shape[0]
         if seq_id < 0:

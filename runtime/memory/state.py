@@ -17,7 +17,7 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
-from runtime.errors import SessionError
+from kvchat.runtime.errors import SessionError
 
 INT_MAX = 2**31 - 1
 

@@ -35,7 +35,7 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from runtime.errors import ChatTemplateError
+from kvchat.runtime.errors import ChatTemplateError
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

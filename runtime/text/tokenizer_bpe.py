@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import regex
 
-from runtime.string_array import StringArray, StringIndex
+from kvchat.runtime.gguf.string_array import StringArray, StringIndex
 
 # The GPT-2 pre-tokenizer and its relatives (contractions, letters, numbers, other, spaces).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -115,7 +115,7 @@ class BPETokenizer:
     _CACHE_LIMIT = 200_000
 
     def __init__(self, pre: PreTokenizer, token_to_id, merges):
-        """token_to_id: text -> id (a dict or runtime.string_array.StringIndex); merges: the
+        """token_to_id: text -> id (a dict or kvchat.runtime.gguf.string_array.StringIndex); merges: the
         "left right" strings in rank order (a list or StringArray)."""
         self.pre = pre
         self.token_to_id = token_to_id

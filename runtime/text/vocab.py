@@ -20,11 +20,11 @@ from array import array
 
 import numpy as np
 
-from runtime.errors import ModelFileError
-from runtime.string_array import StringArray, StringIndex
-from runtime.text.tokenizer_bpe import BPETokenizer, byte_decode, pre_tokenizer, supported_pre_names
-from runtime.text.tokenizer_spm import spm_tokenize
-from runtime.text.utf8 import clean_text
+from kvchat.runtime.errors import ModelFileError
+from kvchat.runtime.gguf.string_array import StringArray, StringIndex
+from kvchat.runtime.text.tokenizer_bpe import BPETokenizer, byte_decode, pre_tokenizer, supported_pre_names
+from kvchat.runtime.text.tokenizer_spm import spm_tokenize
+from kvchat.runtime.text.utf8 import clean_text
 
 # llama_token_attr bit flags (llama.h)
 ATTR_UNDEFINED = 0
@@ -67,7 +67,7 @@ class Vocab:
         self.kind = kind
         self.n_vocab = len(tokens)
         # llama.cpp gives empty token texts a placeholder so that every text maps to one id.
-        # Texts live in one blob with a hash index (runtime/string_array.py), not as Python objects.
+        # Texts live in one blob with a hash index (runtime/gguf/string_array.py), not as Python objects.
         if not isinstance(tokens, StringArray) or tokens.has_empty():
             tokens = StringArray.from_strings(t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens))
         self.tokens: StringArray = tokens
@@ -134,7 +134,7 @@ class Vocab:
 
     @classmethod
     def from_gguf(cls, gf) -> "Vocab":
-        """Build from a runtime.gguf_file.GGUFFile (only its .metadata and .path are used)."""
+        """Build from a kvchat.runtime.gguf.file.GGUFFile (only its .metadata and .path are used)."""
         md = gf.metadata
         source = str(getattr(gf, "path", "<gguf>"))
         model = md.get(_KEY + "model")

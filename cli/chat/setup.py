@@ -1,0 +1,179 @@
+"""What `kvchat chat` and `kvchat run` share: from the flags to a live Conversation.
+
+open_engine = resolve the model name, load it, make a Context from the flags, warm the kernels
+up (numba compiles them on first use; the spinner says so; `run` skips it when the kernels a
+warm-up loaded before are all still cached), pick the chat template.
+make_conversation = the Conversation on it, its notices worded by cli/wording.py. Also the
+Ctrl-C handling while an answer streams, the --session lock, and sampling settings taken
+from a resumed session. The REPL and both commands import this module; it imports neither.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchat.cli.options import ChatSettings
+from kvchat.cli.chat.render import Renderer
+from kvchat.cli.wording import event_text
+from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Engine:
+    model: object
+    ctx: object
+    template: object          # ChatTemplate, or None when the model has none and none was given
+    has_template: bool        # the model (or --chat-template-file) provides one
+    identity: dict            # session.model_identity
+    cache: dict               # session.cache_config
+
+    @property
+    def vocab(self):
+        return self.model.vocab
+
+
+FIRST_RUN = "compiling kernels, first run only (a few minutes; cached afterwards)…"
+AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
+
+
+def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_max: int = 1,
+                kv_unified: bool = True, skip_cached_warm_up: bool = False) -> Engine:
+    """Model + Context + template from the flags; KvchatError (one line) for bad input.
+    skip_cached_warm_up (`run`): no warm-up when it would only load cached kernels — the
+    prompt loads them next anyway; the chat keeps it, as it runs while the user reads the prompt
+    and would otherwise land in the first answer."""
+    from kvchat.cli.sources.models import resolve_model
+    from kvchat.cli.session.session import cache_config, model_identity
+    from kvchat.runtime.text.chat_template import ChatTemplate
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.model import Model
+
+    from kvchat.kernels.jit_cache import kernels_compiled
+    path = resolve_model(settings.model, renderer.err_console)
+    first_run = not kernels_compiled()  # numba compiles while loading and warming up
+    with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
+        model = Model.load(path)
+    ctx = Context(model, settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified),
+                  abort_callback=stop_event.is_set)
+    if not n_seq_max:  # auto: room for branches in a KV cache; a recurrent state per sequence costs more
+        from kvchat.runtime.serving.prompt_cache import kv_caches
+        if kv_caches(ctx.memory) is None:
+            ctx = Context(model, settings.context_params(n_seq_max=1, kv_unified=kv_unified),
+                          abort_callback=stop_event.is_set)
+    for w in getattr(ctx.cparams, "warnings", []):
+        renderer.warn(w)
+    warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
+    from kvchat.runtime.weights.os_memory import release_library_pages
+    release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
+    if settings.chat_template_file is not None:
+        template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
+    else:
+        has = isinstance(model.gguf.get("tokenizer.chat_template"), str)
+        template = ChatTemplate.from_gguf(model.gguf, model.vocab)
+    identity = model_identity(path, getattr(model.gguf, "data_offset", None))
+    return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
+
+
+def warm_up_kernels(ctx, model, path, renderer, first_run: bool, skip_if_cached: bool = False) -> None:
+    """Decode a few tokens before the prompt so that kernels compile under a spinner — 64 on a
+    first run (the parallel twins too), 2 otherwise. With skip_if_cached, not when the kernels a
+    warm-up of this model and context loaded before are all still in numba's cache
+    (kernels/warm_set.py): then it would only load them, which the prompt does anyway."""
+    import os
+    from kvchat.kernels import warm_set
+    st = os.stat(path)
+    name = warm_set.name_for(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, ctx.cparams,
+                             sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_")))
+    if skip_if_cached and not first_run and warm_set.covered(name):
+        return
+    with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
+        from kvchat.runtime.generate import warm_up
+        bos = getattr(model.vocab, "bos", None)
+        warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64 if first_run else 2)
+    warm_set.record(name)
+
+
+def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event,
+                      raw: bool = False) -> Conversation:
+    config = ConversationConfig(n_predict=settings.n_predict, context_shift=settings.context_shift,
+                                keep=settings.keep, ignore_eos=settings.ignore_eos, raw=raw,
+                                system_prompt=None if raw else settings.system_prompt)
+    try:
+        sampler = Sampler(settings.sampling())
+    except ValueError as e:
+        raise KvchatError(str(e)) from None
+    conv = Conversation(engine.ctx, engine.vocab, None if raw else engine.template, sampler, config,
+                        notify=lambda event: renderer.notice(event_text(event)),
+                        stop_event=stop_event)
+    if settings.verbose_prompt:
+        conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
+    return conv
+
+
+@contextmanager
+def sigint_sets(event):
+    """While generating, Ctrl-C sets `event` (stop at the next token) instead of raising."""
+    if not hasattr(signal, "SIGINT"):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if event.is_set():  # a second Ctrl-C while stopping: give up the normal way
+            raise KeyboardInterrupt
+        event.set()
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def apply_saved_sampling(conv: Conversation, saved: dict, settings: ChatSettings | None) -> None:
+    """Sampling settings from a session, except those given explicitly on the command line."""
+    defaults = ChatSettings()
+    merged = conv.sampler.params.to_dict()
+    for key, value in SamplingParams.from_dict(saved).to_dict().items():
+        if settings is None or getattr(settings, key) == getattr(defaults, key):
+            merged[key] = value
+    try:
+        conv.sampler = Sampler(SamplingParams.from_dict(merged))
+    except ValueError as e:
+        raise KvchatError(f"session sampling settings: {e}") from None
+
+
+def should_resume(settings, renderer) -> bool:
+    """Resume --session FILE when it exists — unless it is not a session and --force was given:
+    then the chat starts afresh and its first save replaces FILE (said once)."""
+    path = settings.session
+    if path is None or not path.exists():
+        return False
+    if settings.force:
+        from kvchat.cli.session.file import is_session_file
+        if not is_session_file(path):
+            renderer.notice(f"{path} is not a kvchat session: starting a new conversation "
+                            "(--force: the first save replaces it)")
+            return False
+    return True
+
+
+def hold_session_lock(path):
+    """Lock a --session file for this process's life (None without one); SessionError naming
+    the process that holds it, so two processes never save over each other's turns."""
+    if path is None:
+        return None
+    import atexit
+    from kvchat.cli.session.file import SessionLock
+    lock = SessionLock(path).acquire()
+    atexit.register(lock.release)  # removes the lock file; the kernel drops the lock anyway
+    return lock

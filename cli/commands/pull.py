@@ -1,0 +1,36 @@
+"""`kvchat pull NAME`: fetch a model into the cache (what -m / -hf do on first use).
+
+NAME is a known model (smollm2, gemma3) or hf:owner/repo[:QUANT]. For the hub, pull always asks
+the hub (a newer revision is fetched), where -hf uses a cached model without any request."""
+import typer
+from rich.console import Console
+
+from kvchat.cli.sources import hub
+from kvchat.cli.sources.models import KNOWN_MODELS, ensure_model, models_dir
+from kvchat.runtime.errors import KvchatError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("pull")
+    def pull(name: str = typer.Argument(..., help=f"model to fetch: {', '.join(KNOWN_MODELS)} "
+                                                  f"or hf:owner/repo[:QUANT]")):
+        """Download a model into the cache (KVCHAT_CACHE, default ~/.cache/kvchat; hub models go to
+        the Hugging Face cache, HF_HOME)."""
+        console = Console(stderr=True)
+        if name.lower().startswith(hub.PREFIX):
+            ref = hub.parse_ref(name)
+            before = hub.find_cached(ref)
+            paths = hub.resolve(ref, console, refresh=True)
+            if before == paths:
+                console.print(f"{hub.PREFIX}{ref} is up to date in the cache", highlight=False)
+            print(paths[0])
+            return
+        model = KNOWN_MODELS.get(name.lower())
+        if model is None:
+            raise KvchatError(f"unknown model '{name}'; known models: {', '.join(KNOWN_MODELS)}, "
+                              f"or hf:owner/repo[:QUANT] from the Hugging Face hub")
+        already = (models_dir() / model.file_name).is_file()
+        path = ensure_model(model, console)
+        if already:
+            console.print(f"{model.name} is already in the cache")
+        print(path)
