@@ -7,6 +7,7 @@ of `depth` cells (pp512, causal). Reported: ms per call and ms per token for the
 SmolLM2 (tg) — the number to set beside `kvchat bench -n 128 -d <depth>`. The machine is shared:
 "cpu" (process time / threads) next to wall time shows how much of the wall time was ours.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,12 +66,16 @@ def main() -> None:
     numba.set_num_threads(a.threads)
     for tn in a.types.split(","):
         wall, cpu = time_case(make_case(tn, 1, a.depth), a.reps, a.threads)
-        print(f"tg   {tn:5s} depth {a.depth:5d}: {wall * 1e3:7.3f} ms/call  cpu {cpu * 1e3 / a.threads:7.3f}"
-              f"  -> {wall * 1e3 * N_LAYER:6.1f} ms/token over {N_LAYER} layers")
+        print(
+            f"tg   {tn:5s} depth {a.depth:5d}: {wall * 1e3:7.3f} ms/call  cpu {cpu * 1e3 / a.threads:7.3f}"
+            f"  -> {wall * 1e3 * N_LAYER:6.1f} ms/token over {N_LAYER} layers"
+        )
         if a.pp:
             wall, cpu = time_case(make_case(tn, a.pp, a.depth), max(1, a.reps // 10), a.threads)
-            print(f"pp{a.pp} {tn:5s} depth {a.depth:5d}: {wall * 1e3:7.1f} ms/call  cpu {cpu * 1e3 / a.threads:7.1f}"
-                  f"  -> {wall * N_LAYER:6.2f} s/ubatch over {N_LAYER} layers")
+            print(
+                f"pp{a.pp} {tn:5s} depth {a.depth:5d}: {wall * 1e3:7.1f} ms/call  cpu {cpu * 1e3 / a.threads:7.1f}"
+                f"  -> {wall * N_LAYER:6.2f} s/ubatch over {N_LAYER} layers"
+            )
 
 
 if __name__ == "__main__":

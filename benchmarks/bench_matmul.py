@@ -14,6 +14,7 @@ is the kernel's own time). n=1 runs --reps repetitions, larger n --big.
 --check asserts the batch invariance on the real weights: every row of an n=64 product is
 bit-identical to the n=1 product of that row (kernels/matmul_kernels.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,8 +119,10 @@ def main() -> None:
     for key in MODELS if args.model == "all" else [args.model]:
         mats, t_load = load(MODELS[key])
         packed = sum(q.packed_nbytes for _, q in mats) / 2**20
-        print(f"\n{key}: {len(mats)} matrices, {sum(q.nbytes for _, q in mats) / 2**20:.0f} MiB in file, "
-              f"{packed:.0f} MiB repacked, repack {t_load:.1f} s")
+        print(
+            f"\n{key}: {len(mats)} matrices, {sum(q.nbytes for _, q in mats) / 2**20:.0f} MiB in file, "
+            f"{packed:.0f} MiB repacked, repack {t_load:.1f} s"
+        )
         if args.check:
             check_invariance(mats)
         for n in (int(v) for v in args.ns.split(",")):
@@ -127,13 +130,17 @@ def main() -> None:
             if reps == 0:
                 continue
             total, cpu, best, flops, per = bench(mats, n, reps)
-            print(f"  n={n:<4} {total * 1e3:9.1f} ms per call set  {total * 1e3 / n:7.2f} ms/token  "
-                  f"{flops / total / 1e9:6.1f} GFLOP/s  ({n / total:.0f} tokens/s matmul-only)  "
-                  f"cpu {cpu * 1e3 / n:.2f} ms/token  best rep {best * 1e3 / n:.2f} ms/token")
+            print(
+                f"  n={n:<4} {total * 1e3:9.1f} ms per call set  {total * 1e3 / n:7.2f} ms/token  "
+                f"{flops / total / 1e9:6.1f} GFLOP/s  ({n / total:.0f} tokens/s matmul-only)  "
+                f"cpu {cpu * 1e3 / n:.2f} ms/token  best rep {best * 1e3 / n:.2f} ms/token"
+            )
             print("         per type, best rep:       wall              cpu")
             for t, (dt, dc, fl) in sorted(per.items()):
-                print(f"         {t:6s} {dt * 1e3:9.2f} ms {fl / dt / 1e9:6.1f} GFLOP/s"
-                      f"  {dc * 1e3:9.2f} ms {fl / max(dc, 1e-9) / 1e9:6.1f} GFLOP/s")
+                print(
+                    f"         {t:6s} {dt * 1e3:9.2f} ms {fl / dt / 1e9:6.1f} GFLOP/s"
+                    f"  {dc * 1e3:9.2f} ms {fl / max(dc, 1e-9) / 1e9:6.1f} GFLOP/s"
+                )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Prints ms/token (wall and CPU, medians of 7 runs of n tokens). On a shared machi
 trees by running this alternately in each (PYTHONPATH=tree: that tree's code is measured, whichever
 tree this file is in), and trust the CPU column.
 """
+
 import argparse
 import cProfile
 import os
@@ -19,19 +20,56 @@ if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=tree picks the tree measured,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
-GROUPS = [("matmul kernels (numba)", ("matmul_q_serial", "matmul_q", "matmul_blocks")),
-          ("QMatrix.matmul wrapper", ("matmul.py:matmul", "matmul.py:_prepared", "_numba_type_")),
-          ("attention kernel", ("_flash_attn", "_classic_attn", "classic_attn")),
-          ("attention wrapper + thread count", ("attention.py:attention", "attention_checked", "_launch_plan",
-                                                "flash_plan", "_partials", "_values_per_bytes", "get_num_threads",
-                                                "_launch_threads", "attend_io")),
-          ("norms (rms_norm / fused)", ("rms_norm", "fused_norm")),
-          ("RoPE + QK split + KV write (fused or not)", ("prepare_qkv", "_prep_qkv", "_prep_store", "_theta_scale",
-                                                       "_factors", "rope_args", "rope_plan", "attention_plan")),
-          ("KV cache write + mask + memory accessors", ("cpy_k", "cpy_v", "scatter_rows", "kq_mask", "get_k", "get_v",
-                                                       "get_rot", "kq_start", "attn_io", "_build_mask")),
-          ("GLU", ("glu", "swiglu", "geglu")),
-          ("embedding", ("get_rows", "dequant", "embed"))]
+GROUPS = [
+    ("matmul kernels (numba)", ("matmul_q_serial", "matmul_q", "matmul_blocks")),
+    ("QMatrix.matmul wrapper", ("matmul.py:matmul", "matmul.py:_prepared", "_numba_type_")),
+    ("attention kernel", ("_flash_attn", "_classic_attn", "classic_attn")),
+    (
+        "attention wrapper + thread count",
+        (
+            "attention.py:attention",
+            "attention_checked",
+            "_launch_plan",
+            "flash_plan",
+            "_partials",
+            "_values_per_bytes",
+            "get_num_threads",
+            "_launch_threads",
+            "attend_io",
+        ),
+    ),
+    ("norms (rms_norm / fused)", ("rms_norm", "fused_norm")),
+    (
+        "RoPE + QK split + KV write (fused or not)",
+        (
+            "prepare_qkv",
+            "_prep_qkv",
+            "_prep_store",
+            "_theta_scale",
+            "_factors",
+            "rope_args",
+            "rope_plan",
+            "attention_plan",
+        ),
+    ),
+    (
+        "KV cache write + mask + memory accessors",
+        (
+            "cpy_k",
+            "cpy_v",
+            "scatter_rows",
+            "kq_mask",
+            "get_k",
+            "get_v",
+            "get_rot",
+            "kq_start",
+            "attn_io",
+            "_build_mask",
+        ),
+    ),
+    ("GLU", ("glu", "swiglu", "geglu")),
+    ("embedding", ("get_rows", "dequant", "embed")),
+]
 
 
 def main():
@@ -47,6 +85,7 @@ def main():
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.generate import generate
     from kvchat.runtime.model import Model
+
     m = Model.load(resolve_model(a.model))
     ctx = Context(m, ContextParams(n_ctx=max(512, a.n + 1)))
     if a.stub_matmul:  # fixed normal values, not zeros: an activation of 0 can take a short path
@@ -57,6 +96,7 @@ def main():
             if key not in outs:
                 outs[key] = np.random.default_rng(self.m).standard_normal(key).astype(np.float32)
             return outs[key].copy()
+
         km.QMatrix.matmul = stub
     rng = np.random.default_rng(0)
 
@@ -96,8 +136,10 @@ def main():
         run()
         wall.append((time.perf_counter() - t0) / a.n * 1e3)
         cpu.append((time.process_time() - c0) / a.n * 1e3)
-    print(f"{a.model}: ms/token wall {sorted(wall)[3]:.3f} cpu {sorted(cpu)[3]:.3f}"
-          + (" (matmuls stubbed)" if a.stub_matmul else ""))
+    print(
+        f"{a.model}: ms/token wall {sorted(wall)[3]:.3f} cpu {sorted(cpu)[3]:.3f}"
+        + (" (matmuls stubbed)" if a.stub_matmul else "")
+    )
 
 
 if __name__ == "__main__":

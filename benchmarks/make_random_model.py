@@ -10,6 +10,7 @@ written one by one, so peak memory is about one tensor's float32 draw plus its F
     python benchmarks/make_random_model.py OUT.gguf --tokenizer-from SmolLM2-135M-Instruct.Q4_1.gguf \\
         --n-embd 4096 --n-layer 32 --n-ff 11008 --n-head 32 --n-head-kv 32   # Llama-2-7B's shape
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,15 +42,17 @@ def tensor_plan(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[in
     plan = [("token_embd.weight", (n_vocab, a.n_embd))]
     for i in range(a.n_layer):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", (a.n_embd,)),
-                 (p + "attn_q.weight", (a.n_embd, a.n_embd)),
-                 (p + "attn_k.weight", (kv, a.n_embd)),
-                 (p + "attn_v.weight", (kv, a.n_embd)),
-                 (p + "attn_output.weight", (a.n_embd, a.n_embd)),
-                 (p + "ffn_norm.weight", (a.n_embd,)),
-                 (p + "ffn_gate.weight", (a.n_ff, a.n_embd)),
-                 (p + "ffn_up.weight", (a.n_ff, a.n_embd)),
-                 (p + "ffn_down.weight", (a.n_embd, a.n_ff))]
+        plan += [
+            (p + "attn_norm.weight", (a.n_embd,)),
+            (p + "attn_q.weight", (a.n_embd, a.n_embd)),
+            (p + "attn_k.weight", (kv, a.n_embd)),
+            (p + "attn_v.weight", (kv, a.n_embd)),
+            (p + "attn_output.weight", (a.n_embd, a.n_embd)),
+            (p + "ffn_norm.weight", (a.n_embd,)),
+            (p + "ffn_gate.weight", (a.n_ff, a.n_embd)),
+            (p + "ffn_up.weight", (a.n_ff, a.n_embd)),
+            (p + "ffn_down.weight", (a.n_embd, a.n_ff)),
+        ]
     plan += [("output_norm.weight", (a.n_embd,)), ("output.weight", (n_vocab, a.n_embd))]
     return plan
 

@@ -12,11 +12,13 @@ Side by side (each round runs every command once, in turn; medians over rounds):
   byte" is the first byte after that echo — its first generated token. .pyc files are written
   (PYTHONDONTWRITEBYTECODE is removed from the children's environment, as on a user's machine).
 
-Phases (`--phases`, one column per --tree, rounds alternated): the same command run in-process by a child, with perf_counter marks around
+Phases (`--phases`, one column per --tree, rounds alternated): the same command run in-process by a child, with
+perf_counter marks around
 the calls a warm start makes (imports, GGUF parse, vocabulary, weights, context, warm-up, the
 prompt up to the first answer byte), medians over rounds. Times are measured from the child's
 spawn (the parent passes its wall clock), so the interpreter's own start is the first row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +88,10 @@ def _arg(args: list[str], *names: str, default=None):
 
 def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
     sys.path.insert(0, os.path.dirname(HERE))
-    from kvchat.cli.sources.models import resolve_model
     from rich.console import Console
+
+    from kvchat.cli.sources.models import resolve_model
+
     path = resolve_model(_arg(args, "-m", "--model", default="smollm2"), Console(stderr=True))
     prompt = _arg(args, "-p", "--prompt", default="hi")
     n = _arg(args, "-n", "--n-predict", default="16")
@@ -97,8 +101,15 @@ def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
 def side_by_side(opts, args: list[str]) -> None:
     runs = []  # (label, cmd, env, skip, cwd): `python -c` puts its working directory first on
     for tree in opts.tree:  # sys.path, so each tree runs from its own directory
-        runs.append((f"kvchat {tree}", [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args],
-                     _clean_env(tree), b"", os.path.abspath(tree)))
+        runs.append(
+            (
+                f"kvchat {tree}",
+                [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args],
+                _clean_env(tree),
+                b"",
+                os.path.abspath(tree),
+            )
+        )
     if opts.llama_completion:
         cmd, echo = llama_cmd(opts.llama_completion, args)
         runs.append(("llama-completion", cmd, _clean_env(None), echo, None))
@@ -113,14 +124,18 @@ def side_by_side(opts, args: list[str]) -> None:
             print(f"round {r + 1}: {label}: first byte {first:.3f} s, exit {total:.3f} s", file=sys.stderr)
     print(f"{'':44s} {'first byte':>11s} {'exit':>8s}   (medians of {opts.rounds}, s)")
     for label, (firsts, totals) in res.items():
-        print(f"{label:44s} {_median(firsts):11.3f} {_median(totals):8.3f}   "
-              f"first bytes {' '.join(f'{x:.2f}' for x in firsts)}")
+        print(
+            f"{label:44s} {_median(firsts):11.3f} {_median(totals):8.3f}   "
+            f"first bytes {' '.join(f'{x:.2f}' for x in firsts)}"
+        )
 
 
 # ---- --phases ---------------------------------------------------------------------------------
 
+
 def _wrap(marks: dict, module: str, attr: str, label: str, also) -> None:
     import importlib
+
     mod = importlib.import_module(module)
     owner, name = (mod, attr) if "." not in attr else (getattr(mod, attr.split(".")[0]), attr.split(".")[1])
     raw = owner.__dict__[name]
@@ -147,8 +162,10 @@ def child_phases(args: list[str]) -> None:
     t0 = time.perf_counter()
     marks: dict = {}
     import kvchat.cli.app  # noqa: F401
+
     marks["import kvchat.cli.app"] = time.perf_counter() - t0
     from kvchat.cli.chat.render import Renderer
+
     first = {}
     piece = Renderer.piece
 
@@ -166,9 +183,12 @@ def child_phases(args: list[str]) -> None:
         if e.code:
             raise
     end = time.perf_counter()
-    out = {"interpreter start": t_start, **marks,
-           "first answer byte": t_start + first.get("first", float("nan")) - t0,
-           "exit": t_start + end - t0}
+    out = {
+        "interpreter start": t_start,
+        **marks,
+        "first answer byte": t_start + first.get("first", float("nan")) - t0,
+        "exit": t_start + end - t0,
+    }
     with open(os.environ["STARTUP_OUT"], "w") as f:
         json.dump(out, f)
 
@@ -178,8 +198,13 @@ def _phase_round(tree: str, args: list[str]) -> dict:
         out = f.name
     env = _clean_env(tree)
     env.update(STARTUP_OUT=out, STARTUP_SPAWN=repr(time.time()))
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--child-phases", "--", *args],
-                   env=env, stdout=subprocess.DEVNULL, check=True, cwd=os.path.abspath(tree))
+    subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child-phases", "--", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        check=True,
+        cwd=os.path.abspath(tree),
+    )
     with open(out) as f:
         marks = json.load(f)
     os.unlink(out)
@@ -198,15 +223,19 @@ def phases(opts, args: list[str]) -> None:
     for t in trees:
         r = rows[t]
         named = [k for k in r if k not in ("first answer byte", "exit", "interpreter start")]
-        other = [r["first answer byte"][i] - sum(r[k][i] for k in named + ["interpreter start"])
-                 for i in range(opts.rounds)]
+        other = [
+            r["first answer byte"][i] - sum(r[k][i] for k in named + ["interpreter start"]) for i in range(opts.rounds)
+        ]
         col = {k: _median(r[k]) for k in ["interpreter start", *named]}
         col["other (later imports, argument parsing, ...)"] = _median(other)
         col["= first answer byte"] = _median(r["first answer byte"])
         col["exit"] = _median(r["exit"])
         table[t] = col
     labels = list(dict.fromkeys(k for col in table.values() for k in col))
-    print(f"{'phase (median s, ' + str(opts.rounds) + ' rounds)':44s} " + " ".join(f"{os.path.basename(t.rstrip('/')):>14s}" for t in trees))
+    print(
+        f"{'phase (median s, ' + str(opts.rounds) + ' rounds)':44s} "
+        + " ".join(f"{os.path.basename(t.rstrip('/')):>14s}" for t in trees)
+    )
     for k in labels:
         print(f"{k:44s} " + " ".join(f"{table[t].get(k, float('nan')):14.3f}" for t in trees))
 

@@ -19,6 +19,7 @@ Tests: ``ppN`` (a prompt of N tokens), ``tgN`` (N generated tokens), ``tgN@dD`` 
 tokens after D tokens in the cache). Flash attention is on for both (the q8_0 V cache needs it).
 How to build llama-bench: docs/performance.md, "Side by side with llama.cpp".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ MODELS = {
 
 
 def parse_test(name: str) -> tuple[int, int, int]:
-    """"pp512" -> (512, 0, 0); "tg128" -> (0, 128, 0); "tg128@d4096" -> (0, 128, 4096)."""
+    """ "pp512" -> (512, 0, 0); "tg128" -> (0, 128, 0); "tg128@d4096" -> (0, 128, 4096)."""
     m = re.fullmatch(r"(pp|tg)(\d+)(?:@d(\d+))?", name)
     if not m:
         raise SystemExit(f"vs_llamacpp: test '{name}' is not ppN, tgN or tgN@dD")
@@ -56,7 +57,7 @@ def _json_tail(text: str):
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"before=A=1,B=2" -> ("before", {"A": "1", "B": "2"}); "after=" -> ("after", {})."""
+    """ "before=A=1,B=2" -> ("before", {"A": "1", "B": "2"}); "after=" -> ("after", {})."""
     name, _, rest = text.partition("=")
     env = {}
     for item in filter(None, rest.split(",")):
@@ -74,12 +75,35 @@ def start_busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
 
 
-def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int,
-               env: dict | None = None) -> float:
+def run_kvchat(
+    model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int, env: dict | None = None
+) -> float:
     p, n, d = test
-    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "bench", "-m", str(model), "-p", str(p),
-           "-n", str(n), "-d", str(d), "-r", str(reps), "-t", str(threads), "-ctk", cache, "-ctv", cache,
-           "-fa", "on", "--json"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli.app import main; main()",
+        "bench",
+        "-m",
+        str(model),
+        "-p",
+        str(p),
+        "-n",
+        str(n),
+        "-d",
+        str(d),
+        "-r",
+        str(reps),
+        "-t",
+        str(threads),
+        "-ctk",
+        cache,
+        "-ctv",
+        cache,
+        "-fa",
+        "on",
+        "--json",
+    ]
     env = {**os.environ, **(env or {})}
     # python -c puts its working directory first on sys.path, ahead of PYTHONPATH: run each
     # variant from its own tree, or every variant would import this script's tree
@@ -91,8 +115,27 @@ def run_kvchat(model: Path, test: tuple[int, int, int], cache: str, reps: int, t
 
 def run_llama(binary: Path, model: Path, test: tuple[int, int, int], cache: str, reps: int, threads: int) -> float:
     p, n, d = test
-    cmd = [str(binary), "-m", str(model), "-p", str(p), "-n", str(n), "-r", str(reps), "-t", str(threads),
-           "-ctk", cache, "-ctv", cache, "-fa", "on", "-o", "json"]
+    cmd = [
+        str(binary),
+        "-m",
+        str(model),
+        "-p",
+        str(p),
+        "-n",
+        str(n),
+        "-r",
+        str(reps),
+        "-t",
+        str(threads),
+        "-ctk",
+        cache,
+        "-ctv",
+        cache,
+        "-fa",
+        "on",
+        "-o",
+        "json",
+    ]
     if d:
         cmd += ["-d", str(d)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -109,8 +152,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tests", default="pp512,tg128,tg128@d4096")
     ap.add_argument("--caches", default="f16,q8_0")
-    ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=VAR=VALUE,... : a kvchat run with these environment variables (repeatable)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=VAR=VALUE,... : a kvchat run with these environment variables (repeatable)",
+    )
     ap.add_argument("--busy", type=int, default=0, help="busy-loop processes running meanwhile")
     a = ap.parse_args()
     if not a.llama_bench.is_file():
@@ -125,7 +172,7 @@ def main() -> None:
         for model in models:
             for test in tests:
                 # depth tests run with every cache type; plain pp / tg with the first (f16) only
-                for cache in (caches if "@d" in test else caches[:1]):
+                for cache in caches if "@d" in test else caches[:1]:
                     ours = {name: [] for name, _ in variants}
                     theirs = []
                     for r in range(a.rounds):
@@ -133,8 +180,11 @@ def main() -> None:
                             ours[name].append(run_kvchat(model, parse_test(test), cache, a.reps, a.threads, env))
                         theirs.append(run_llama(a.llama_bench, model, parse_test(test), cache, a.reps, a.threads))
                         got = "  ".join(f"{name} {ours[name][-1]:.1f}" for name, _ in variants)
-                        print(f"  {model.name} {test} {cache} round {r + 1}: {got}  llama.cpp {theirs[-1]:.1f}",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"  {model.name} {test} {cache} round {r + 1}: {got}  llama.cpp {theirs[-1]:.1f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     mt = statistics.median(theirs)
                     for name, _ in variants:
                         mo = statistics.median(ours[name])
@@ -144,13 +194,16 @@ def main() -> None:
             p.kill()
             p.wait()
     load = f", {a.busy} busy loop{'s' if a.busy != 1 else ''} running" if a.busy else ""
-    print(f"rounds {a.rounds}, reps {a.reps}, threads {a.threads}{load}; variants: "
-          + "; ".join(f"{n}: {','.join(f'{k}={v}' for k, v in e.items()) or 'defaults'}" for n, e in variants))
+    print(
+        f"rounds {a.rounds}, reps {a.reps}, threads {a.threads}{load}; variants: "
+        + "; ".join(f"{n}: {','.join(f'{k}={v}' for k, v in e.items()) or 'defaults'}" for n, e in variants)
+    )
     print("| model | test | cache | kvchat | kvchat t/s | llama.cpp t/s | ratio | rounds (kvchat / llama.cpp) |")
     print("|---|---|---|---|---:|---:|---:|---|")
     for name, test, cache, variant, mo, mt, ratio, ours, theirs in rows:
         per = ", ".join(f"{o:.1f}/{t:.1f}" for o, t in zip(ours, theirs))
         print(f"| {name} | {test} | {cache} | {variant} | {mo:.1f} | {mt:.1f} | **{ratio:.2f}×** | {per} |")
+
 
 if __name__ == "__main__":
     main()

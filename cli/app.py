@@ -5,6 +5,7 @@ user-facing errors (kvchat.runtime.errors.KvchatError) into one line on stderr a
 A plain `kvchat run` line (known flags, values typer would read the same way) is parsed by
 cli/fast_args.py and typer is not imported at all; every other line goes through typer.
 """
+
 import importlib
 import logging
 import os
@@ -14,10 +15,19 @@ from kvchat.runtime.errors import KvchatError
 
 # command name -> the module whose register(app) adds it, in `kvchat --help` order
 COMMANDS = {
-    "chat": "kvchat.cli.commands.chat", "run": "kvchat.cli.commands.run", "pull": "kvchat.cli.commands.pull", "list": "kvchat.cli.commands.list",
-    "rm": "kvchat.cli.commands.rm", "info": "kvchat.cli.commands.info", "tokenize": "kvchat.cli.commands.tokenize",
-    "perplexity": "kvchat.cli.commands.perplexity", "bench": "kvchat.cli.commands.bench", "bench-batched": "kvchat.cli.commands.bench_batched",
-    "session": "kvchat.cli.commands.session", "kv-sweep": "kvchat.cli.commands.kv_sweep", "logprobs": "kvchat.cli.commands.logprobs",
+    "chat": "kvchat.cli.commands.chat",
+    "run": "kvchat.cli.commands.run",
+    "pull": "kvchat.cli.commands.pull",
+    "list": "kvchat.cli.commands.list",
+    "rm": "kvchat.cli.commands.rm",
+    "info": "kvchat.cli.commands.info",
+    "tokenize": "kvchat.cli.commands.tokenize",
+    "perplexity": "kvchat.cli.commands.perplexity",
+    "bench": "kvchat.cli.commands.bench",
+    "bench-batched": "kvchat.cli.commands.bench_batched",
+    "session": "kvchat.cli.commands.session",
+    "kv-sweep": "kvchat.cli.commands.kv_sweep",
+    "logprobs": "kvchat.cli.commands.logprobs",
 }
 
 
@@ -29,6 +39,7 @@ def make_app(only: str | None = None):
     import typer
 
     from kvchat.cli import fast_params
+
     fast_params.install()
     application = typer.Typer(
         name="kvchat",
@@ -81,9 +92,10 @@ def run_without_typer(args: list[str]):
     """`kvchat run ...` parsed by cli/fast_args.py and run; NotImplemented when typer must parse it."""
     if args[0] != "run":
         return NotImplemented
-    from kvchat.cli.commands import run as cmd_run
     from kvchat.cli import fast_args
+    from kvchat.cli.commands import run as cmd_run
     from kvchat.cli.options import OPTIONS, settings_from
+
     values = fast_args.parse(args[1:], cmd_run.RUN_OPTIONS + OPTIONS)
     if values is None:
         return NotImplemented
@@ -96,6 +108,7 @@ def run_with_typer(args: list[str]):
     import typer
 
     from kvchat.cli.fast_args import click_module
+
     click_exc = click_module("exceptions")
     application = make_app(args[0]) if args[0] in COMMANDS else globals().get("app") or __getattr__("app")
     try:
@@ -123,12 +136,14 @@ def main(argv=None) -> None:
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]
     from kvchat.cli.fast_args import EndOfInput
+
     try:
         rc = run_without_typer(args)
         if rc is NotImplemented:
             rc = run_with_typer(args)
     except KvchatError as e:
         from kvchat.cli.wording import error_text
+
         print(f"error: {error_text(e)}", file=sys.stderr)
         sys.exit(1)
     except (EndOfInput, KeyboardInterrupt):

@@ -14,6 +14,7 @@ tests/test_startup_pieces.py checks that both parsers give the same values on a 
 (Ctrl-C: exit 130; end of input: "\\n" on stderr, then kvchat.cli.app's "interrupted"; a closed pipe:
 exit 1), so a fast-parsed run ends exactly as a typer-parsed one.
 """
+
 from __future__ import annotations
 
 import errno
@@ -32,6 +33,7 @@ def click_module(name: str):
     """A module of click (`exceptions`, `utils`): typer >= 0.22 vendors click as typer._click;
     older releases depend on click itself."""
     import importlib
+
     try:
         return importlib.import_module(f"typer._click.{name}")
     except ImportError:  # pragma: no cover - depends on the installed typer

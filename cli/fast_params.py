@@ -12,13 +12,14 @@ compares the two on every flag of `run` and `chat`.
 
 Nothing changes with a typer that has no such layer (older releases convert with click types).
 """
+
 from __future__ import annotations
 
 import re
 from enum import Enum
 from pathlib import Path
 
-_INT = re.compile(r"-?(?:0|[1-9][0-9]{0,17})")                    # what int() and pydantic agree on
+_INT = re.compile(r"-?(?:0|[1-9][0-9]{0,17})")  # what int() and pydantic agree on
 _FLOAT = re.compile(r"-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]{1,17})?")  # correctly rounded by both
 _MISS = object()
 
@@ -27,13 +28,13 @@ def _fast_value(descriptor, value, ctx):
     """The converted value, or _MISS when typer's adapter must decide (or refuse)."""
     from typer._param_types import coerce_cli_choice, lenient_issubclass, routes_to_path
     from typer._typing import get_origin
+
     annotation, info = descriptor.annotation, descriptor.parameter_info
     if info.parser is not None or get_origin(annotation) is not None:
         return _MISS  # parsers, lists, tuples, Literal, Annotated: as typer does it
     if lenient_issubclass(annotation, Enum):
         try:
-            return coerce_cli_choice(value, choices=list(annotation), case_sensitive=info.case_sensitive,
-                                     ctx=ctx)
+            return coerce_cli_choice(value, choices=list(annotation), case_sensitive=info.case_sensitive, ctx=ctx)
         except Exception:  # not a choice: typer's adapter words the error
             return _MISS
     if annotation is int or annotation is float:
@@ -45,8 +46,12 @@ def _fast_value(descriptor, value, ctx):
             number = value
         else:
             return _MISS
-        if number != number or info.clamp or (info.min is not None and number < info.min) \
-                or (info.max is not None and number > info.max):
+        if (
+            number != number
+            or info.clamp
+            or (info.min is not None and number < info.min)
+            or (info.max is not None and number > info.max)
+        ):
             return _MISS  # clamped or out of range: typer's message
         return number
     if annotation is str:
@@ -59,6 +64,7 @@ def _fast_value(descriptor, value, ctx):
         if not isinstance(value, annotation):
             return _MISS
         from typer._param_types import coerce_cli_path
+
         try:
             return coerce_cli_path(value, info, path_type=annotation, ctx=ctx)
         except Exception:  # does not exist, not readable, ...: typer's own check says so

@@ -9,6 +9,7 @@ the range check, and — for what can change mid-chat — where `/set` applies i
 A value is refused by the same check whether it comes from a flag (usage error, exit 2) or from
 `/set` (an error line, the chat goes on): `check_value(option, value)`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,6 +39,7 @@ class FlashAttn(str, Enum):
 @dataclass
 class ChatSettings:
     """Everything the shared flags set; the defaults are the flags' defaults."""
+
     model: Optional[str] = None
     hf_repo: Optional[str] = None
     ctx_size: int = 4096
@@ -68,20 +70,35 @@ class ChatSettings:
     markdown: bool = False
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temp=self.temp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repeat_penalty=self.repeat_penalty,
-                              repeat_last_n=self.repeat_last_n, seed=self.seed)
+        return SamplingParams(
+            temp=self.temp,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n,
+            seed=self.seed,
+        )
 
     def context_params(self, **override):
         """The runtime's ContextParams from the context / cache flags."""
         from kvchat.runtime.cparams import ContextParams
-        values = dict(n_ctx=self.ctx_size, n_batch=self.batch_size, n_ubatch=self.ubatch_size,
-                      type_k=self.cache_type_k, type_v=self.cache_type_v, flash_attn=self.flash_attn,
-                      swa_full=self.swa_full, n_threads=self.threads)
+
+        values = dict(
+            n_ctx=self.ctx_size,
+            n_batch=self.batch_size,
+            n_ubatch=self.ubatch_size,
+            type_k=self.cache_type_k,
+            type_v=self.cache_type_v,
+            flash_attn=self.flash_attn,
+            swa_full=self.swa_full,
+            n_threads=self.threads,
+        )
         return ContextParams(**(values | override))
 
 
 # ---- range checks: value -> value (possibly normalised), ValueError with the reason ---------------
+
 
 def at_least(lo, finite: bool = True) -> Callable:
     def check(v):
@@ -92,6 +109,7 @@ def at_least(lo, finite: bool = True) -> Callable:
         if v < lo:
             raise ValueError(f"must be >= {lo} (got {v})")
         return v
+
     check.text = f"x>={lo}"
     return check
 
@@ -105,6 +123,7 @@ def within(lo, hi) -> Callable:
         if not lo <= v <= hi:
             raise ValueError(f"must be within {lo}..{hi} (got {v})")
         return v
+
     check.text = f"{lo}<=x<={hi}"
     return check
 
@@ -118,6 +137,7 @@ def above(lo) -> Callable:
         if v <= lo:
             raise ValueError(f"must be > {lo} (got {v})")
         return v
+
     check.text = f"x>{lo}"
     return check
 
@@ -141,15 +161,15 @@ SAMPLING, CONVERSATION, OUTPUT, CACHE = "sampling", "conversation", "output", "c
 
 @dataclass(frozen=True)
 class Option:
-    name: str                         # the ChatSettings field
-    type: Any                         # the annotation typer sees
-    flags: tuple                      # spellings, llama.cpp's first
+    name: str  # the ChatSettings field
+    type: Any  # the annotation typer sees
+    flags: tuple  # spellings, llama.cpp's first
     help: str
     panel: str
     check: Optional[Callable] = None  # value -> value, ValueError("must be ...")
-    live: Optional[str] = None        # what /set changes mid-chat: SAMPLING, CONVERSATION, OUTPUT, CACHE
+    live: Optional[str] = None  # what /set changes mid-chat: SAMPLING, CONVERSATION, OUTPUT, CACHE
     extra: dict = field(default_factory=dict)  # more typer.Option keywords
-    default: Any = None               # set from ChatSettings below (with_settings may override)
+    default: Any = None  # set from ChatSettings below (with_settings may override)
 
     @property
     def key(self) -> str:
@@ -163,86 +183,221 @@ class Option:
         return {Optional[int]: int, Optional[str]: str, Optional[Path]: Path}.get(t, t)
 
 
-MODEL_HELP = ("model: smollm2 or gemma3 (fetched on first use), hf:owner/repo[:QUANT], ollama:NAME[:TAG] "
-              "(used in place from Ollama's store) or a .gguf path")
-HF_HELP = ("GGUF model from the Hugging Face hub, owner/repo[:QUANT] (QUANT default Q4_K_M); downloaded "
-           "once, then run offline from the cache")
+MODEL_HELP = (
+    "model: smollm2 or gemma3 (fetched on first use), hf:owner/repo[:QUANT], ollama:NAME[:TAG] "
+    "(used in place from Ollama's store) or a .gguf path"
+)
+HF_HELP = (
+    "GGUF model from the Hugging Face hub, owner/repo[:QUANT] (QUANT default Q4_K_M); downloaded "
+    "once, then run offline from the cache"
+)
 
 OPTIONS = [
     Option("model", Optional[str], ("-m", "--model"), MODEL_HELP, PANEL_MODEL, extra={"show_default": "smollm2"}),
     Option("hf_repo", Optional[str], ("-hf", "-hfr", "--hf-repo"), HF_HELP, PANEL_MODEL),
-    Option("chat_template_file", Optional[Path], ("--chat-template-file",),
-           "Jinja chat template to use instead of the model's", PANEL_MODEL),
-    Option("threads", Optional[int], ("-t", "--threads"), "CPU threads for the kernels", PANEL_MODEL,
-           at_least(1), extra={"show_default": "all cores"}),
-    Option("ctx_size", int, ("-c", "--ctx-size"),
-           "context size in tokens (0 = the model's training length; padded up to 256)", PANEL_CONTEXT,
-           at_least(0)),
-    Option("batch_size", int, ("-b", "--batch-size"), "most tokens per decode call", PANEL_CONTEXT,
-           at_least(1)),
-    Option("ubatch_size", int, ("-ub", "--ubatch-size"), "most tokens per forward pass", PANEL_CONTEXT,
-           at_least(1)),
-    Option("cache_type_k", str, ("-ctk", "--cache-type-k"),
-           "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1", PANEL_CONTEXT,
-           live=CACHE),
-    Option("cache_type_v", str, ("-ctv", "--cache-type-v"),
-           "V cache type (quantized types need flash attention)", PANEL_CONTEXT, live=CACHE),
-    Option("flash_attn", FlashAttn, ("-fa", "--flash-attn"), "flash attention", PANEL_CONTEXT,
-           extra={"case_sensitive": False}),
-    Option("swa_full", bool, ("--swa-full",),
-           "full-size cache for sliding-window layers (lets iSWA models context-shift)", PANEL_CONTEXT),
-    Option("keep", Optional[int], ("--keep",),
-           "tokens kept at the start when the context shifts (-1 = the whole first prompt)",
-           PANEL_CONTEXT, at_least(-1), CONVERSATION, {"show_default": "the system prompt"}),
-    Option("context_shift", bool, ("--context-shift/--no-context-shift",),
-           "when the context is full: drop half of the older tokens and go on (or stop the answer)",
-           PANEL_CONTEXT, live=CONVERSATION),
-    Option("n_predict", int, ("-n", "--n-predict"), "most tokens per answer (-1 = until end of turn)",
-           PANEL_SAMPLING, at_least(-1), CONVERSATION),
-    Option("temp", float, ("--temp",), "temperature (0 = greedy)", PANEL_SAMPLING, at_least(0.0),
-           SAMPLING),
-    Option("top_k", int, ("--top-k",), "keep the k most likely tokens (0 = off)", PANEL_SAMPLING,
-           at_least(0), SAMPLING),
-    Option("top_p", float, ("--top-p",), "nucleus: smallest set with this probability mass (1 = off)",
-           PANEL_SAMPLING, within(0.0, 1.0), SAMPLING),
-    Option("min_p", float, ("--min-p",), "drop tokens below this fraction of the best one (0 = off)",
-           PANEL_SAMPLING, within(0.0, 1.0), SAMPLING),
-    Option("repeat_penalty", float, ("--repeat-penalty",), "penalty for recently seen tokens (1 = off)",
-           PANEL_SAMPLING, above(0.0), SAMPLING),
-    Option("repeat_last_n", int, ("--repeat-last-n",), "how many recent tokens the penalty looks at "
-           "(0 = off, -1 = context)", PANEL_SAMPLING, at_least(-1), SAMPLING),
-    Option("seed", Optional[int], ("-s", "--seed"), "random seed (-1 = random)", PANEL_SAMPLING,
-           seed_value, SAMPLING, {"show_default": "random"}),
-    Option("ignore_eos", bool, ("--ignore-eos",), "keep generating past end-of-turn tokens",
-           PANEL_SAMPLING, live=CONVERSATION),
-    Option("system_prompt", Optional[str], ("-sys", "--system-prompt"), "system prompt", PANEL_CHAT,
-           extra={"show_default": "the model's default, if any"}),
-    Option("session", Optional[Path], ("--session",),
-           "resume from FILE if it exists, save to it after every turn", PANEL_CHAT),
-    Option("force", bool, ("--force",),
-           "let /save and --session replace a file that is not a kvchat session", PANEL_CHAT),
-    Option("show_timings", bool, ("--show-timings",), "print prompt and generation speeds after each answer",
-           PANEL_OUTPUT, live=OUTPUT),
-    Option("verbose_prompt", bool, ("--verbose-prompt",), "print the prompt tokens before decoding them",
-           PANEL_OUTPUT),
-    Option("markdown", bool, ("--markdown",), "render the answer as Markdown when it is complete",
-           PANEL_OUTPUT, live=OUTPUT),
+    Option(
+        "chat_template_file",
+        Optional[Path],
+        ("--chat-template-file",),
+        "Jinja chat template to use instead of the model's",
+        PANEL_MODEL,
+    ),
+    Option(
+        "threads",
+        Optional[int],
+        ("-t", "--threads"),
+        "CPU threads for the kernels",
+        PANEL_MODEL,
+        at_least(1),
+        extra={"show_default": "all cores"},
+    ),
+    Option(
+        "ctx_size",
+        int,
+        ("-c", "--ctx-size"),
+        "context size in tokens (0 = the model's training length; padded up to 256)",
+        PANEL_CONTEXT,
+        at_least(0),
+    ),
+    Option("batch_size", int, ("-b", "--batch-size"), "most tokens per decode call", PANEL_CONTEXT, at_least(1)),
+    Option("ubatch_size", int, ("-ub", "--ubatch-size"), "most tokens per forward pass", PANEL_CONTEXT, at_least(1)),
+    Option(
+        "cache_type_k",
+        str,
+        ("-ctk", "--cache-type-k"),
+        "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1",
+        PANEL_CONTEXT,
+        live=CACHE,
+    ),
+    Option(
+        "cache_type_v",
+        str,
+        ("-ctv", "--cache-type-v"),
+        "V cache type (quantized types need flash attention)",
+        PANEL_CONTEXT,
+        live=CACHE,
+    ),
+    Option(
+        "flash_attn",
+        FlashAttn,
+        ("-fa", "--flash-attn"),
+        "flash attention",
+        PANEL_CONTEXT,
+        extra={"case_sensitive": False},
+    ),
+    Option(
+        "swa_full",
+        bool,
+        ("--swa-full",),
+        "full-size cache for sliding-window layers (lets iSWA models context-shift)",
+        PANEL_CONTEXT,
+    ),
+    Option(
+        "keep",
+        Optional[int],
+        ("--keep",),
+        "tokens kept at the start when the context shifts (-1 = the whole first prompt)",
+        PANEL_CONTEXT,
+        at_least(-1),
+        CONVERSATION,
+        {"show_default": "the system prompt"},
+    ),
+    Option(
+        "context_shift",
+        bool,
+        ("--context-shift/--no-context-shift",),
+        "when the context is full: drop half of the older tokens and go on (or stop the answer)",
+        PANEL_CONTEXT,
+        live=CONVERSATION,
+    ),
+    Option(
+        "n_predict",
+        int,
+        ("-n", "--n-predict"),
+        "most tokens per answer (-1 = until end of turn)",
+        PANEL_SAMPLING,
+        at_least(-1),
+        CONVERSATION,
+    ),
+    Option("temp", float, ("--temp",), "temperature (0 = greedy)", PANEL_SAMPLING, at_least(0.0), SAMPLING),
+    Option(
+        "top_k", int, ("--top-k",), "keep the k most likely tokens (0 = off)", PANEL_SAMPLING, at_least(0), SAMPLING
+    ),
+    Option(
+        "top_p",
+        float,
+        ("--top-p",),
+        "nucleus: smallest set with this probability mass (1 = off)",
+        PANEL_SAMPLING,
+        within(0.0, 1.0),
+        SAMPLING,
+    ),
+    Option(
+        "min_p",
+        float,
+        ("--min-p",),
+        "drop tokens below this fraction of the best one (0 = off)",
+        PANEL_SAMPLING,
+        within(0.0, 1.0),
+        SAMPLING,
+    ),
+    Option(
+        "repeat_penalty",
+        float,
+        ("--repeat-penalty",),
+        "penalty for recently seen tokens (1 = off)",
+        PANEL_SAMPLING,
+        above(0.0),
+        SAMPLING,
+    ),
+    Option(
+        "repeat_last_n",
+        int,
+        ("--repeat-last-n",),
+        "how many recent tokens the penalty looks at (0 = off, -1 = context)",
+        PANEL_SAMPLING,
+        at_least(-1),
+        SAMPLING,
+    ),
+    Option(
+        "seed",
+        Optional[int],
+        ("-s", "--seed"),
+        "random seed (-1 = random)",
+        PANEL_SAMPLING,
+        seed_value,
+        SAMPLING,
+        {"show_default": "random"},
+    ),
+    Option(
+        "ignore_eos",
+        bool,
+        ("--ignore-eos",),
+        "keep generating past end-of-turn tokens",
+        PANEL_SAMPLING,
+        live=CONVERSATION,
+    ),
+    Option(
+        "system_prompt",
+        Optional[str],
+        ("-sys", "--system-prompt"),
+        "system prompt",
+        PANEL_CHAT,
+        extra={"show_default": "the model's default, if any"},
+    ),
+    Option(
+        "session",
+        Optional[Path],
+        ("--session",),
+        "resume from FILE if it exists, save to it after every turn",
+        PANEL_CHAT,
+    ),
+    Option(
+        "force", bool, ("--force",), "let /save and --session replace a file that is not a kvchat session", PANEL_CHAT
+    ),
+    Option(
+        "show_timings",
+        bool,
+        ("--show-timings",),
+        "print prompt and generation speeds after each answer",
+        PANEL_OUTPUT,
+        live=OUTPUT,
+    ),
+    Option("verbose_prompt", bool, ("--verbose-prompt",), "print the prompt tokens before decoding them", PANEL_OUTPUT),
+    Option(
+        "markdown",
+        bool,
+        ("--markdown",),
+        "render the answer as Markdown when it is complete",
+        PANEL_OUTPUT,
+        live=OUTPUT,
+    ),
 ]
 OPTIONS = [replace(o, default=getattr(ChatSettings(), o.name)) for o in OPTIONS]
 BY_NAME = {o.name: o for o in OPTIONS}
-LIVE = [o for o in OPTIONS if o.live]            # what /set can change, in --help order
+LIVE = [o for o in OPTIONS if o.live]  # what /set can change, in --help order
 LIVE_BY_KEY = {o.key: o for o in LIVE}
 assert set(BY_NAME) == {f.name for f in fields(ChatSettings)}
 
 # the flags of a command that makes a Context of its own (perplexity, logprobs; bench without -c);
 # add "swa_full" where the command passes it on
-CACHE_FLAGS = ("model", "hf_repo", "threads", "ctx_size", "batch_size", "ubatch_size", "cache_type_k",
-               "cache_type_v", "flash_attn")
+CACHE_FLAGS = (
+    "model",
+    "hf_repo",
+    "threads",
+    "ctx_size",
+    "batch_size",
+    "ubatch_size",
+    "cache_type_k",
+    "cache_type_v",
+    "flash_attn",
+)
 
 
 def hf_option(panel: str | None = None):
     """`-hf owner/repo[:QUANT]` for a command declaring its own -m (same as -m hf:owner/repo[:QUANT])."""
     import typer
+
     return typer.Option(None, *BY_NAME["hf_repo"].flags, help=HF_HELP, rich_help_panel=panel)
 
 
@@ -295,18 +450,22 @@ def settings_from(values: dict, fixed: dict | None = None) -> ChatSettings:
 
 # ---- typer wiring (typer is imported by a command's registration, not with this module) -----------
 
+
 def _callback(option: Option):
     def callback(value):
         try:
             return check_value(option, value)
         except ValueError as e:
             import typer
+
             raise typer.BadParameter(str(e)) from None
+
     return callback
 
 
 def _parameter(option: Option) -> inspect.Parameter:
     import typer
+
     default = option.default
     if option.type is FlashAttn and default is not None:
         default = FlashAttn(default)
@@ -315,8 +474,9 @@ def _parameter(option: Option) -> inspect.Parameter:
     text = getattr(option.check, "text", None)
     help_ = f"{option.help} \\[{text}]" if text else option.help  # a literal "[", not rich markup
     opt = typer.Option(*option.flags, help=help_, rich_help_panel=option.panel, callback=cb, **extra)
-    return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[option.type, opt])
+    return inspect.Parameter(
+        option.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[option.type, opt]
+    )
 
 
 def with_settings(func=None, *, names=None, overrides=None):

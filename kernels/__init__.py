@@ -16,6 +16,7 @@ Set before numba is first imported (a user's environment wins):
   6–8 in session 3); whether a one-token step's matmuls go parallel at all is decided from
   measured step times by kernels/launch_tuner.py. docs/performance.md has the runs.
 """
+
 import os
 
 SPIN_COUNT = 10_000  # pause-loop iterations an idle worker spins before it sleeps (see above)

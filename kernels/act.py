@@ -14,6 +14,7 @@ values differed in the last bit), and a row's result must not depend on how many
 (batch invariance, see kernels/attention.py). Without vectorizable math functions (no SVML) the
 flags bought no speed. Both activations are branch-free (selects), so their loops vectorize.
 """
+
 import math
 
 import numpy as np
@@ -37,7 +38,7 @@ def silu_f32(x):
 def _glu_row(gu, n_ff, use_gelu, table, out):
     """One row: a loop per activation, branch-free, so the arithmetic vectorizes."""
     if use_gelu:
-        geglu_row(gu[:n_ff], gu[n_ff:2 * n_ff], table, out)
+        geglu_row(gu[:n_ff], gu[n_ff : 2 * n_ff], table, out)
     else:
         for i in range(n_ff):
             out[i] = silu_f32(gu[i]) * gu[n_ff + i]

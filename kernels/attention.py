@@ -44,9 +44,11 @@ bf16 for a bf16 K on every path, f16 for an f16 K only on its one-row path.
 (runtime/arch/blocks.py: round_q_like_ggml, which also says why f16 K is left in f32), so
 ``attention(round_q=...)`` stays False there (docs/performance.md has the perplexity effect).
 """
+
 import numpy as np
 from numba import njit, prange
 
+from kvchat.kernels import parallel
 from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
 from kvchat.kernels.attention_tiles import (
     KT,
@@ -61,7 +63,6 @@ from kvchat.kernels.attention_tiles import (
     tile_pv,
     tile_pv1,
 )
-from kvchat.kernels import parallel
 from kvchat.kernels.ggml_types import GGMLType, type_info
 from kvchat.kernels.quants import dequantize, quantize
 from kvchat.kernels.simd import LANES
@@ -72,8 +73,37 @@ CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from
 
 
 @njit(cache=True, inline="always")
-def _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, kb0, kb, vb0, vb, scale, softcap, j_lo,
-           j_hi, kt, vt, sc, mt, tm, gs, gr, mx, sm, acc):
+def _chunk(
+    qb,
+    gq,
+    t0,
+    t1,
+    mask,
+    start,
+    k,
+    type_k,
+    v,
+    type_v,
+    st,
+    kb0,
+    kb,
+    vb0,
+    vb,
+    scale,
+    softcap,
+    j_lo,
+    j_hi,
+    kt,
+    vt,
+    sc,
+    mt,
+    tm,
+    gs,
+    gr,
+    mx,
+    sm,
+    acc,
+):
     """Online softmax of the unit's queries (qb [nq, dk]; query qi is token t0 + qi // gq) over
     the cells [j_lo, j_hi) of one chunk, from a fresh state: rows 0 .. nq - 1 of mx [2 nq] max
     score (-inf: no cell seen), sm [2 nq] sum of p = e^(s - mx), acc [2 nq, dv] sum of p * v.
@@ -152,8 +182,30 @@ def _finish(m, s, a, o):
 
 
 @njit(cache=True, inline="always")
-def _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
-                split, cpu, pm, ps, pacc, bm, bs, bacc, out):
+def _flash_unit(
+    u,
+    q,
+    k,
+    type_k,
+    v,
+    type_v,
+    mask,
+    start,
+    tok_stream,
+    n_head_kv,
+    scale,
+    softcap,
+    tb,
+    split,
+    cpu,
+    pm,
+    ps,
+    pacc,
+    bm,
+    bs,
+    bacc,
+    out,
+):
     """One work unit of the flash path: (kv head, token block), or with split (kv head, token
     block, group of cpu chunks). Every query head of the kv head's group and every token of the
     block is computed against each dequantized tile, so a K/V row is decoded once per unit.
@@ -202,8 +254,37 @@ def _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, 
     c_first = 0 if split else start[t0] // CHUNK
     for ci in range(c_lo, c_hi):
         c = ci if split else (c_first + ci) % n_ch
-        _chunk(qb, gq, t0, t1, mask, start, k, type_k, v, type_v, st, hk * kb, kb, hk * vb, vb, scale,
-               softcap, c * CHUNK, min((c + 1) * CHUNK, n_kv), kt, vt, sc, mt, tm, gs, gr, cm, cs, ca)
+        _chunk(
+            qb,
+            gq,
+            t0,
+            t1,
+            mask,
+            start,
+            k,
+            type_k,
+            v,
+            type_v,
+            st,
+            hk * kb,
+            kb,
+            hk * vb,
+            vb,
+            scale,
+            softcap,
+            c * CHUNK,
+            min((c + 1) * CHUNK, n_kv),
+            kt,
+            vt,
+            sc,
+            mt,
+            tm,
+            gs,
+            gr,
+            cm,
+            cs,
+            ca,
+        )
         for qi in range(nq):
             if split:
                 t = t0 + qi // gq
@@ -249,39 +330,134 @@ def _partials(n_kv, n_tokens, n_head, dv):
     """Partial-softmax buffers of a split launch: per chunk, and for the start chunk's part
     before the start tile (-inf: nothing there)."""
     n_ch = -(-n_kv // CHUNK)
-    return (np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # max per chunk
-            np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # sum of p per chunk
-            np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32),  # sum of p * v per chunk
-            np.full((n_tokens, n_head), NEG_INF, dtype=np.float32),
-            np.zeros((n_tokens, n_head), dtype=np.float32),
-            np.zeros((n_tokens, n_head, dv), dtype=np.float32))
+    return (
+        np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # max per chunk
+        np.empty((n_ch, n_tokens, n_head), dtype=np.float32),  # sum of p per chunk
+        np.empty((n_ch, n_tokens, n_head, dv), dtype=np.float32),  # sum of p * v per chunk
+        np.full((n_tokens, n_head), NEG_INF, dtype=np.float32),
+        np.zeros((n_tokens, n_head), dtype=np.float32),
+        np.zeros((n_tokens, n_head, dv), dtype=np.float32),
+    )
 
 
 # an unsplit launch never touches the partials: empty buffers of the kernels' types
-_NO_PARTIALS = (np.empty((0, 0, 0), dtype=np.float32), np.empty((0, 0, 0), dtype=np.float32),
-                np.empty((0, 0, 0, 0), dtype=np.float32), np.empty((0, 0), dtype=np.float32),
-                np.empty((0, 0), dtype=np.float32), np.empty((0, 0, 0), dtype=np.float32))
+_NO_PARTIALS = (
+    np.empty((0, 0, 0), dtype=np.float32),
+    np.empty((0, 0, 0), dtype=np.float32),
+    np.empty((0, 0, 0, 0), dtype=np.float32),
+    np.empty((0, 0), dtype=np.float32),
+    np.empty((0, 0), dtype=np.float32),
+    np.empty((0, 0, 0), dtype=np.float32),
+)
 
 
 @njit(cache=True, parallel=True)
-def _flash_attn_par(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
-                    split, cpu, n_units, pm, ps, pacc, bm, bs, bacc, out):
+def _flash_attn_par(
+    q,
+    k,
+    type_k,
+    v,
+    type_v,
+    mask,
+    start,
+    tok_stream,
+    n_head_kv,
+    scale,
+    softcap,
+    tb,
+    split,
+    cpu,
+    n_units,
+    pm,
+    ps,
+    pacc,
+    bm,
+    bs,
+    bacc,
+    out,
+):
     """q: [n_tokens, n_head, dk] f32; k: [n_stream, >=n_kv, row_k] u8; v: [n_stream, >=n_kv, row_v] u8;
     mask: [n_tokens, n_kv] f32 (0 / -inf); start: [n_tokens] i64; tok_stream: [n_tokens] i32;
     out: [n_tokens, n_head, dv] f32. One parallel launch over the n_units units, then (split) the serial merge."""
     for u in prange(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
-                    split, cpu, pm, ps, pacc, bm, bs, bacc, out)
+        _flash_unit(
+            u,
+            q,
+            k,
+            type_k,
+            v,
+            type_v,
+            mask,
+            start,
+            tok_stream,
+            n_head_kv,
+            scale,
+            softcap,
+            tb,
+            split,
+            cpu,
+            pm,
+            ps,
+            pacc,
+            bm,
+            bs,
+            bacc,
+            out,
+        )
     if split:
         _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
 
 @njit(cache=True)
-def _flash_attn_ser(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
-                    split, cpu, n_units, pm, ps, pacc, bm, bs, bacc, out):
+def _flash_attn_ser(
+    q,
+    k,
+    type_k,
+    v,
+    type_v,
+    mask,
+    start,
+    tok_stream,
+    n_head_kv,
+    scale,
+    softcap,
+    tb,
+    split,
+    cpu,
+    n_units,
+    pm,
+    ps,
+    pacc,
+    bm,
+    bs,
+    bacc,
+    out,
+):
     for u in range(n_units):
-        _flash_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb,
-                    split, cpu, pm, ps, pacc, bm, bs, bacc, out)
+        _flash_unit(
+            u,
+            q,
+            k,
+            type_k,
+            v,
+            type_v,
+            mask,
+            start,
+            tok_stream,
+            n_head_kv,
+            scale,
+            softcap,
+            tb,
+            split,
+            cpu,
+            pm,
+            ps,
+            pacc,
+            bm,
+            bs,
+            bacc,
+            out,
+        )
     if split:
         _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
@@ -317,8 +493,22 @@ def flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2):
     return tb, True, -(-n_ch // groups)
 
 
-def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softcap=0.0,
-              flash=True, n_threads=2, round_q=False, start=None):
+def attention(
+    q,
+    k,
+    type_k,
+    v,
+    type_v,
+    mask,
+    tok_stream,
+    n_head_kv,
+    scale,
+    softcap=0.0,
+    flash=True,
+    n_threads=2,
+    round_q=False,
+    start=None,
+):
     """Attention of fresh queries over the cache.
 
     q: [n_tokens, n_head, dk] f32; k: (u8 [n_stream, n_kv, row_k], type_k) cache view;
@@ -342,12 +532,24 @@ def attention(q, k, type_k, v, type_v, mask, tok_stream, n_head_kv, scale, softc
         start = np.ascontiguousarray(start, dtype=np.int64)
         if start.shape != (n_tokens,) or (n_tokens and (start.min() < 0 or start.max() >= max(n_kv, 1))):
             raise ValueError(f"attention: start must be {n_tokens} cells in [0, {n_kv})")
-    return attention_checked(qr, k, int(type_k), v, int(type_v), mask, ts, start, int(n_head_kv),
-                             np.float32(scale), np.float32(softcap), bool(flash), n_threads)
+    return attention_checked(
+        qr,
+        k,
+        int(type_k),
+        v,
+        int(type_v),
+        mask,
+        ts,
+        start,
+        int(n_head_kv),
+        np.float32(scale),
+        np.float32(softcap),
+        bool(flash),
+        n_threads,
+    )
 
 
-def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_kv, scale, softcap,
-                      flash, n_threads):
+def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_kv, scale, softcap, flash, n_threads):
     """attention() for a caller whose arguments are already in the kernels' types, as the
     forward pass's are (runtime/arch/blocks.py): q C-contiguous f32 [n_tokens, n_head, dk],
     mask C-contiguous f32 [n_tokens, n_kv], tok_stream C-contiguous i32 [n_tokens], start None or
@@ -356,8 +558,19 @@ def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_k
     token does not need (30 layers a token) are left to attention()."""
     n_tokens, n_head, dk = q.shape
     n_kv = mask.shape[1]
-    key = (flash, n_tokens, n_head, dk, n_head_kv, n_kv, k.shape[0], type_v, v.shape[2] if flash else v.shape[1],
-           n_threads, parallel.ATTN_PAR_MIN_MACS)
+    key = (
+        flash,
+        n_tokens,
+        n_head,
+        dk,
+        n_head_kv,
+        n_kv,
+        k.shape[0],
+        type_v,
+        v.shape[2] if flash else v.shape[1],
+        n_threads,
+        parallel.ATTN_PAR_MIN_MACS,
+    )
     plan = _LAUNCHES.get(key)
     if plan is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:  # prefill shapes vary; generation repeats a few
@@ -367,11 +580,48 @@ def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_k
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
     if flash:
         pm, ps, pacc, bm, bs, bacc = _partials(n_kv, n_tokens, n_head, dv) if split else _NO_PARTIALS
-        fn(q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
-           softcap, tb, split, cpu, n_units, pm, ps, pacc, bm, bs, bacc, out)
+        fn(
+            q,
+            k,
+            type_k,
+            v,
+            type_v,
+            mask,
+            start0 if start is None else start,
+            tok_stream,
+            n_head_kv,
+            scale,
+            softcap,
+            tb,
+            split,
+            cpu,
+            n_units,
+            pm,
+            ps,
+            pacc,
+            bm,
+            bs,
+            bacc,
+            out,
+        )
     else:
-        fn(q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
-           softcap, tb, split, n_units, out)  # classic: (tb, heads per group, n_units)
+        fn(
+            q,
+            k,
+            type_k,
+            v,
+            type_v,
+            mask,
+            start0 if start is None else start,
+            tok_stream,
+            n_head_kv,
+            scale,
+            softcap,
+            tb,
+            split,
+            n_units,
+            out,
+        )  # classic: (tb, heads per group, n_units)
     return out.reshape(n_tokens, n_head * dv)
 
 
@@ -392,8 +642,7 @@ def _launch_plan(flash, n_tokens, n_head, dk, n_head_kv, n_kv, n_stream, type_v,
         tb, split, cpu = flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads if par else 1)
         n_ch = -(-n_kv // CHUNK)
         n_units = n_head_kv * -(-n_tokens // tb) * (-(-n_ch // cpu) if split else 1)
-        return (_flash_attn_par if par else _flash_attn_ser, int(tb), bool(split), int(cpu), int(n_units), dv,
-                start0)
+        return (_flash_attn_par if par else _flash_attn_ser, int(tb), bool(split), int(cpu), int(n_units), dv, start0)
     tb, hpg = classic_plan(n_tokens, n_head, n_head_kv, n_stream, n_threads if par else 1)
     n_units = classic_n_units(np.empty((n_tokens, n_head, 0), dtype=np.float32), n_head_kv, tb, hpg)
     return classic_attn_par if par else classic_attn_ser, int(tb), int(hpg), 0, int(n_units), dv, start0

@@ -6,6 +6,7 @@ per query the softmax sums and one fma chain per V component over the visible ti
 query's start tile on. kernels/attention.py dispatches to it and states the batch-invariance
 rules it keeps.
 """
+
 import math
 
 import numpy as np
@@ -40,8 +41,7 @@ def _unit_coords(u, n_tb, n_sub):
 
 
 @njit(cache=True, inline="always")
-def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                  out):
+def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
     u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
     each output are 16 lane chains over the visible tiles in cell order from the query's start
@@ -109,7 +109,7 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
                     p[o + j] *= inv
     vrow = np.zeros(n_kvp, dtype=np.float32)  # one row of V^T: component c of every cell
     for c in range(dv):
-        dequant_cache_row(type_v, vt[st, hk * dv + c, 0:n_kv * eb], vrow[:n_kv])
+        dequant_cache_row(type_v, vt[st, hk * dv + c, 0 : n_kv * eb], vrow[:n_kv])
         for qi in range(nq):
             x = vzero()  # lane l: fma chain over cells l, l+16, ... of the visible tiles, in order
             s0 = start[t0 + qi // hpg] // KT
@@ -128,19 +128,19 @@ def classic_n_units(q, n_head_kv, tb, hpg):
 
 
 @njit(cache=True, parallel=True)
-def classic_attn_par(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      n_units, out):
+def classic_attn_par(
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out
+):
     for u in prange(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      out)
+        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
 
 
 @njit(cache=True)
-def classic_attn_ser(q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      n_units, out):
+def classic_attn_ser(
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out
+):
     for u in range(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg,
-                      out)
+        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
 
 
 def classic_plan(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):

@@ -6,6 +6,7 @@ All of it is strict IEEE arithmetic (no fast-math) or the explicit vectors of ke
 so every result is fixed by the source, whichever kernel inlines it — the basis of the batch
 invariance described in kernels/attention.py. Tiles are always KT cells wide.
 """
+
 import math
 
 import numpy as np
@@ -148,14 +149,18 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
         for j in range(nj):
             o = st * raw.strides[0] + (j0 + j) * raw.strides[1] + b0  # flat byte index
             for b in range(d // 32):  # block: f16 scale, 32 int8
-                sc = vbcast(_f16_bits(np.uint32(raw[st, j0 + j, b0 + b * 34])
-                                      | (np.uint32(raw[st, j0 + j, b0 + b * 34 + 1]) << np.uint32(8))))
+                sc = vbcast(
+                    _f16_bits(
+                        np.uint32(raw[st, j0 + j, b0 + b * 34])
+                        | (np.uint32(raw[st, j0 + j, b0 + b * 34 + 1]) << np.uint32(8))
+                    )
+                )
                 for h in range(0, 32, LANES):  # int8 * scale is exact in f32
                     vstore(dst, j * d + b * 32 + h, vfma(vload(r8, o + b * 34 + 2 + h), sc, vzero()))
     else:
         tmp = np.empty(d, dtype=np.float32)  # [d] one row (dst itself is never handed to a call)
         for j in range(nj):
-            dequant_cache_row(t, raw[st, j0 + j, b0:b0 + nb], tmp)
+            dequant_cache_row(t, raw[st, j0 + j, b0 : b0 + nb], tmp)
             for i in range(d):
                 dst[j, i] = tmp[i]
     for j in range(nj, KT):  # past the last cell: zeros, so a full-width tile stays finite
@@ -317,18 +322,34 @@ def _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0):
     """tile_pv for the 64 components e0 .. e0 + 63 (four vectors per query: up to 16 chains)."""
     dv = acc.shape[1]
     z = vzero()
-    a0, a1, a2, a3 = (vload(acc, r0 * dv + e0), vload(acc, r0 * dv + e0 + LANES),
-                      vload(acc, r0 * dv + e0 + 2 * LANES), vload(acc, r0 * dv + e0 + 3 * LANES))
+    a0, a1, a2, a3 = (
+        vload(acc, r0 * dv + e0),
+        vload(acc, r0 * dv + e0 + LANES),
+        vload(acc, r0 * dv + e0 + 2 * LANES),
+        vload(acc, r0 * dv + e0 + 3 * LANES),
+    )
     b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = z
     if n > 1:
-        b0, b1, b2, b3 = (vload(acc, r1 * dv + e0), vload(acc, r1 * dv + e0 + LANES),
-                          vload(acc, r1 * dv + e0 + 2 * LANES), vload(acc, r1 * dv + e0 + 3 * LANES))
+        b0, b1, b2, b3 = (
+            vload(acc, r1 * dv + e0),
+            vload(acc, r1 * dv + e0 + LANES),
+            vload(acc, r1 * dv + e0 + 2 * LANES),
+            vload(acc, r1 * dv + e0 + 3 * LANES),
+        )
     if n > 2:
-        c0, c1, c2, c3 = (vload(acc, r2 * dv + e0), vload(acc, r2 * dv + e0 + LANES),
-                          vload(acc, r2 * dv + e0 + 2 * LANES), vload(acc, r2 * dv + e0 + 3 * LANES))
+        c0, c1, c2, c3 = (
+            vload(acc, r2 * dv + e0),
+            vload(acc, r2 * dv + e0 + LANES),
+            vload(acc, r2 * dv + e0 + 2 * LANES),
+            vload(acc, r2 * dv + e0 + 3 * LANES),
+        )
     if n > 3:
-        d0, d1, d2, d3 = (vload(acc, r3 * dv + e0), vload(acc, r3 * dv + e0 + LANES),
-                          vload(acc, r3 * dv + e0 + 2 * LANES), vload(acc, r3 * dv + e0 + 3 * LANES))
+        d0, d1, d2, d3 = (
+            vload(acc, r3 * dv + e0),
+            vload(acc, r3 * dv + e0 + LANES),
+            vload(acc, r3 * dv + e0 + 2 * LANES),
+            vload(acc, r3 * dv + e0 + 3 * LANES),
+        )
     for j in range(KT):
         o = j * dv + e0
         v0, v1, v2, v3 = vload(vt, o), vload(vt, o + LANES), vload(vt, o + 2 * LANES), vload(vt, o + 3 * LANES)
@@ -345,8 +366,11 @@ def _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0):
             d0, d1, d2, d3 = vfma(p, v0, d0), vfma(p, v1, d1), vfma(p, v2, d2), vfma(p, v3, d3)
     for q in range(n):
         r = r0 if q == 0 else (r1 if q == 1 else (r2 if q == 2 else r3))
-        x0, x1, x2, x3 = (a0, a1, a2, a3) if q == 0 else ((b0, b1, b2, b3) if q == 1 else
-                                                         ((c0, c1, c2, c3) if q == 2 else (d0, d1, d2, d3)))
+        x0, x1, x2, x3 = (
+            (a0, a1, a2, a3)
+            if q == 0
+            else ((b0, b1, b2, b3) if q == 1 else ((c0, c1, c2, c3) if q == 2 else (d0, d1, d2, d3)))
+        )
         vstore(acc, r * dv + e0, x0)
         vstore(acc, r * dv + e0 + LANES, x1)
         vstore(acc, r * dv + e0 + 2 * LANES, x2)

@@ -7,6 +7,7 @@ state is the last d_conv - 1 columns of xx. ggml sums in f32 in the order i = 0 
 (not in double), and so do we: a token's output depends only on its own window, computed the
 same way however the sequence is split into ubatches (bit-identical).
 """
+
 import numpy as np
 from numba import njit, prange
 

@@ -8,6 +8,7 @@ an illegal instruction. The path is part of every integer kernel's numba signatu
 keys its cache on the host CPU's name and features too, so a cache written on a VNNI machine
 is never loaded by one without VNNI.
 """
+
 from __future__ import annotations
 
 import os

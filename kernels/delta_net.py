@@ -13,10 +13,12 @@ does: one batch, any ubatch size and token by token give the same bits. ggml's c
 instead, so a prompt in one batch would differ from it token by token, and on this CPU its
 products do not pay off (docs/performance.md); it is not used.
 """
+
 import math
 
 import numpy as np
 from numba import njit, prange
+
 
 @njit(cache=True, parallel=True)
 def delta_step(q, k, v, g, b, state, o, scale):

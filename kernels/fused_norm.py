@@ -16,6 +16,7 @@ bit-identical to `x += a; rms_norm(x, w)` and every row depends on its own row o
 invariance; tests/test_fused_norm.py asserts both with array_equal). Serial twins below
 parallel.RMS_NORM_PAR_MIN_ROWS rows, as kernels/norm.py.
 """
+
 import numpy as np
 from numba import njit, prange
 
@@ -78,8 +79,7 @@ def add_rms_norm(x: np.ndarray, a: np.ndarray, w: np.ndarray, eps: float) -> np.
     return h
 
 
-def norm_add_rms_norm(a: np.ndarray, w_post: np.ndarray, x: np.ndarray, w_next: np.ndarray,
-                      eps: float) -> np.ndarray:
+def norm_add_rms_norm(a: np.ndarray, w_post: np.ndarray, x: np.ndarray, w_next: np.ndarray, eps: float) -> np.ndarray:
     """a [n, d] f32 = rmsnorm(a) * w_post (in place), x [n, d] += a (in place); returns
     h = rmsnorm(x) * w_next, a new [n, d] f32."""
     if not (x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous):

@@ -12,6 +12,7 @@ The lookup is branch-free (the f16 index is integer / float arithmetic, the satu
 select), so LLVM vectorizes the GeGLU loop, where a libm tanhf per value kept it scalar.
 Element-wise, so a row's result does not depend on the batch.
 """
+
 import math
 
 import numpy as np

@@ -7,6 +7,7 @@ expf differs from it in the last bit for a good share of inputs. ``expf_ggml`` i
 on one value; ``fma32`` is LLVM's ``llvm.fma.f32`` (one rounding; an FMA instruction on this
 CPU, libm's fmaf elsewhere), so the result is the same on every CPU path.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,6 +6,7 @@ session files store them verbatim. Every id ggml has ever assigned is named here
 loader can say *which* format it cannot handle; only the ones kernels/quants.py implements are
 in ``TYPES``.
 """
+
 from __future__ import annotations
 
 from enum import IntEnum
@@ -113,9 +114,7 @@ _UNSUPPORTED = [
 # Supported formats (kernels/quants.py can dequantize every one of these).
 TYPES: dict[int, TypeInfo] = {int(t): TypeInfo(n, int(t), b, s, kv) for n, t, b, s, kv in _ALL}
 # Formats ggml knows that kvchat does not implement: id -> TypeInfo (kv_ok always False).
-UNSUPPORTED_TYPES: dict[int, TypeInfo] = {
-    int(t): TypeInfo(n, int(t), b, s, False) for n, t, b, s in _UNSUPPORTED
-}
+UNSUPPORTED_TYPES: dict[int, TypeInfo] = {int(t): TypeInfo(n, int(t), b, s, False) for n, t, b, s in _UNSUPPORTED}
 # Cache types in the order ggml's --cache-type help lists them.
 KV_CACHE_TYPES: tuple[str, ...] = tuple(i.name for i in TYPES.values() if i.kv_ok)
 
@@ -155,9 +154,7 @@ def type_by_name(name: str) -> TypeInfo:
     """
     info = _BY_NAME.get(str(name).strip().lower())
     if info is None:
-        raise ValueError(
-            f"unknown type '{name}'; valid cache types: {', '.join(KV_CACHE_TYPES)}"
-        )
+        raise ValueError(f"unknown type '{name}'; valid cache types: {', '.join(KV_CACHE_TYPES)}")
     return info
 
 
@@ -165,9 +162,7 @@ def cache_type_by_name(name: str) -> TypeInfo:
     """Like type_by_name, but also refuses formats that cannot hold a KV cache (q4_K...)."""
     info = _BY_NAME.get(str(name).strip().lower())
     if info is None or not info.kv_ok:
-        raise ValueError(
-            f"invalid cache type '{name}'; valid cache types: {', '.join(KV_CACHE_TYPES)}"
-        )
+        raise ValueError(f"invalid cache type '{name}'; valid cache types: {', '.join(KV_CACHE_TYPES)}")
     return info
 
 
@@ -175,7 +170,5 @@ def row_bytes(t: int, n: int) -> int:
     """Bytes of a row of n values of format t; ValueError unless n is a multiple of the block."""
     info = type_info(t)
     if n < 0 or n % info.block_size != 0:
-        raise ValueError(
-            f"row of {n} values is not a multiple of the {info.name} block size {info.block_size}"
-        )
+        raise ValueError(f"row of {n} values is not a multiple of the {info.name} block size {info.block_size}")
     return n // info.block_size * info.type_size

@@ -1,6 +1,7 @@
 """GGUF string arrays walked without a Python loop (runtime/gguf/file.py reads a vocabulary of
 262144 tokens this way in ~0.05 s): the length prefixes are bounds-checked and the texts packed
 into one buffer."""
+
 import numpy as np
 from numba import njit
 

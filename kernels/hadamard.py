@@ -8,6 +8,7 @@ decoding would store different bits (see docs/performance.md, "Batch splits"). H
 is transformed by the same operations in the same order, whatever the other rows: bit-identical
 per row. It is also O(n log n) instead of O(n²).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -28,6 +28,7 @@ object file's own ELF symbol table instead (the same set, checked for every kern
 run), and the bitcode is parsed when something asks for it (a new compile linking the kernel in).
 A non-ELF object (macOS, Windows) loads the way numba loads it.
 """
+
 from __future__ import annotations
 
 import struct
@@ -37,6 +38,7 @@ def kernels_compiled() -> bool:
     """True when numba's cache holds a compiled version of the hot-path kernels for this source."""
     try:
         from kvchat.kernels.matmul_int import matmul_q_serial
+
         cache_file = matmul_q_serial._cache._cache_file  # numba's IndexDataCacheFile
         return bool(cache_file._load_index())
     except Exception:  # another numba layout, an unreadable cache dir: assume warm, stay quiet
@@ -52,9 +54,11 @@ def lean_cache_loads() -> bool:
     cache = caching.Cache
     if getattr(cache.load_overload, "_kvchat_lean", False):
         return True
-    if not all(hasattr(cache, a) for a in ("load_overload", "_load_overload",
-                                            "_guard_against_spurious_io_errors")) \
-            or not hasattr(nrt.rtsys, "initialize") or not hasattr(nrt.rtsys, "_init"):
+    if (
+        not all(hasattr(cache, a) for a in ("load_overload", "_load_overload", "_guard_against_spurious_io_errors"))
+        or not hasattr(nrt.rtsys, "initialize")
+        or not hasattr(nrt.rtsys, "_init")
+    ):
         return False
 
     def load_overload(self, sig, target_context):
@@ -89,8 +93,12 @@ def numba_environments_unimported() -> bool:
     if getattr(rebuild, "_kvchat_lazy", False):
         return True
     env_class = getattr(environment, "Environment", None)
-    if rebuild is None or env_class is None or not hasattr(environment, "lookup_environment") \
-            or not hasattr(env_class, "_memo"):
+    if (
+        rebuild is None
+        or env_class is None
+        or not hasattr(environment, "lookup_environment")
+        or not hasattr(env_class, "_memo")
+    ):
         return False
 
     def rebuild_env(modname, consts, env_name):
@@ -114,8 +122,10 @@ def init_nrt(target_context) -> None:
     """numba's runtime with its machine code from kvchat's cache (kernels/nrt_cache.py); numba's
     own rtsys.initialize if that fails for any reason."""
     from numba.core.runtime import nrt
+
     try:
         from kvchat.kernels.nrt_cache import initialize
+
         initialize(target_context)
     except Exception:
         nrt.rtsys.initialize(target_context)
@@ -126,7 +136,7 @@ def elf_defined_symbols(obj: bytes) -> set[str] | None:
     symbol table's FUNC / OBJECT entries with a section); None for any other kind of object."""
     if len(obj) < 64 or obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
         return None
-    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    (shoff,) = struct.unpack_from("<Q", obj, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
     if shentsize < 64 or shoff + shnum * shentsize > len(obj):
         return None
@@ -140,7 +150,7 @@ def elf_defined_symbols(obj: bytes) -> set[str] | None:
             st_name, st_info, _, st_shndx = struct.unpack_from("<IBBH", obj, at)
             if st_shndx != 0 and st_info & 0xF in (1, 2):  # defined; STT_OBJECT, STT_FUNC
                 start = strtab + st_name
-                names.add(obj[start:obj.index(b"\0", start)].decode("utf-8", "surrogateescape"))
+                names.add(obj[start : obj.index(b"\0", start)].decode("utf-8", "surrogateescape"))
     return names
 
 
@@ -153,8 +163,16 @@ def lazy_link_modules() -> bool:
     lib = codegen.CPUCodeLibrary
     if getattr(lib._unserialize, "_kvchat_lazy", False):
         return True
-    if not all(hasattr(lib, a) for a in ("_unserialize", "enable_object_caching", "_set_compiled_object",
-                                          "_finalize_final_module", "_get_module_for_linking")):
+    if not all(
+        hasattr(lib, a)
+        for a in (
+            "_unserialize",
+            "enable_object_caching",
+            "_set_compiled_object",
+            "_finalize_final_module",
+            "_get_module_for_linking",
+        )
+    ):
         return False
     numba_unserialize = lib._unserialize.__func__
 

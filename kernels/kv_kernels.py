@@ -3,6 +3,7 @@
 Kept apart from kv_cache.py (which is bookkeeping) so the hot loops read as kernels: flat
 loops over explicit arrays, one launch per layer per ubatch whatever the token count.
 """
+
 import numpy as np
 from numba import njit, prange
 

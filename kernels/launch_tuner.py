@@ -23,6 +23,7 @@ Only one-token ubatches are tuned (generation); prompt ubatches keep the configu
 A user's KVCHAT_MATMUL_PAR_MIN_MACS turns the tuner off: their threshold holds for every step.
 The first step on each arm is not counted (it may load or compile a kernel).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,18 @@ PARALLEL_ARM_MACS = 0  # threshold during a PARALLEL step: every layer matmul sp
 class LaunchTuner:
     """Chooses SERIAL or PARALLEL for each one-token step (see the module docstring)."""
 
-    def __init__(self, clock=time.perf_counter, *, enabled: bool | None = None, n_probe: int = 3,
-                 n_reprobe: int = 2, period: int = 32, max_period: int = 128, drift: float = 1.3,
-                 margin: float = 0.97):
+    def __init__(
+        self,
+        clock=time.perf_counter,
+        *,
+        enabled: bool | None = None,
+        n_probe: int = 3,
+        n_reprobe: int = 2,
+        period: int = 32,
+        max_period: int = 128,
+        drift: float = 1.3,
+        margin: float = 0.97,
+    ):
         if enabled is None:
             enabled = "KVCHAT_MATMUL_PAR_MIN_MACS" not in os.environ
         self.enabled = enabled

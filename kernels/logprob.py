@@ -9,6 +9,7 @@ Stored row (uint16 [nv], nv = 2 * ceil(n_vocab / 2) + 4): words 0-1 = float32 sc
 float32 min_log_prob, then per token q = round((logit - min_logit) / scale) with
 min_logit = max(min logit, max logit - 16); log p = scale * q + min_log_prob.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -12,6 +12,7 @@ At load time each matrix is repacked once into a row-interleaved layout, 32 outp
 side (kernels/qlayout.py, kernels/repack.py), so that the SIMD lanes run over rows. Measured
 choices (token chunk, work split, variants tried) are in docs/performance.md.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,10 +22,10 @@ import sys
 import numba
 import numpy as np
 
+from kvchat.kernels import parallel
 from kvchat.kernels.cpu import ISA
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
-from kvchat.kernels import parallel
 from kvchat.kernels.matmul_kernels import matmul_blocks
 from kvchat.kernels.qlayout import FORMATS, Packed, repack_int
 from kvchat.kernels.quants import dequantize
@@ -73,8 +74,9 @@ def release_file_pages(a: np.ndarray) -> None:
     start = max(a.ctypes.data & ~(_HUGE_PAGE - 1), lo & ~(_PAGE - 1))
     end = min((a.ctypes.data + a.nbytes + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1), hi)
     try:
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                                 ctypes.c_int(_MADV_DONTNEED))
+        ctypes.CDLL(None, use_errno=True).madvise(
+            ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_DONTNEED)
+        )
     except (OSError, AttributeError):  # no madvise: the pages just stay resident
         pass
 
@@ -90,8 +92,16 @@ class QMatrix:
     integer kernel's QFormat, None for float weights), nbytes (bytes in the file), packed_nbytes.
     """
 
-    def __init__(self, raw: np.ndarray | None, t: int, k: int, keep_raw: bool = True, *,
-                 packed: tuple[str, tuple] | None = None, m: int | None = None):
+    def __init__(
+        self,
+        raw: np.ndarray | None,
+        t: int,
+        k: int,
+        keep_raw: bool = True,
+        *,
+        packed: tuple[str, tuple] | None = None,
+        m: int | None = None,
+    ):
         self.t = int(t)
         self.k = int(k)
         rb = row_bytes(self.t, self.k)

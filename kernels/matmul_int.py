@@ -25,6 +25,7 @@ Work split: prange over runs of (32-row group, chunk of token_chunk tokens) item
 kernels/matmul_kernels.py; an item computes each of its tokens in turn over the whole row
 (the row group's weights stay in L1/L2 across the chunk's tokens).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,11 +33,26 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
-from kvchat.kernels.qlayout import ACT_Q8_K, R, QFormatType
+from kvchat.kernels.qlayout import ACT_Q8_K, QFormatType, R
 from kvchat.kernels.quant_act import quantize_row_q8
 from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
-from kvchat.kernels.simd_int import bhi, blo, bload, bplane, bstore, iadd, ibcast, idot, idot_s, iload8, imul, isub, itof, izero, s8_bias
-
+from kvchat.kernels.simd_int import (
+    bhi,
+    blo,
+    bload,
+    bplane,
+    bstore,
+    iadd,
+    ibcast,
+    idot,
+    idot_s,
+    iload8,
+    imul,
+    isub,
+    itof,
+    izero,
+    s8_bias,
+)
 
 
 def fmt_get(fmt, field):
@@ -375,8 +391,9 @@ def matmul_q(isa, fmt, q, d, m, sc, mn, x, y, token_chunk, n_runs):
     n_items = q.shape[0] * n_tc
     n_par = max(1, min(n_items, n_runs))
     for p in prange(n_par):
-        _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk,
-                   p * n_items // n_par, (p + 1) * n_items // n_par)
+        _run_items(
+            isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, p * n_items // n_par, (p + 1) * n_items // n_par
+        )
 
 
 @njit(cache=True)
@@ -384,8 +401,23 @@ def matmul_q_serial(isa, fmt, q, d, m, sc, mn, x, y, token_chunk):
     """matmul_q on the calling thread only (small products: no parallel launch); same results."""
     xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), False)
     n = x.shape[0]
-    _run_items(isa, fmt, q, d, m, sc, mn, xq.view(np.int32), xd, xs, xm, y, token_chunk,
-               0, q.shape[0] * ((n + token_chunk - 1) // token_chunk))
+    _run_items(
+        isa,
+        fmt,
+        q,
+        d,
+        m,
+        sc,
+        mn,
+        xq.view(np.int32),
+        xd,
+        xs,
+        xm,
+        y,
+        token_chunk,
+        0,
+        q.shape[0] * ((n + token_chunk - 1) // token_chunk),
+    )
 
 
 @njit(cache=True)

@@ -26,6 +26,7 @@ s_a/s_b) stay in zmm registers, each weight vector load feeds 4 FMAs; the leftov
 one at a time through the same scratch. With fewer than 4 tokens (generation) the block is
 decoded in registers, no scratch.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -45,15 +46,18 @@ def _pair(q, base, j, h):
 @overload(_pair, inline="always")
 def _pair_impl(q, base, j, h):
     if q.dtype == types.uint8:  # nib: byte j holds value j (low nibble) and value j + 16 (high)
+
         def nib(q, base, j, h):
             o = base + j * R
             return vload_lo(q, o), vload_lo(q, o + 16), vload_hi(q, o), vload_hi(q, o + 16)
+
         return nib
 
     def one_per_element(q, base, j, h):  # i8 values or f32 weights
         o = base + j * R
         p = o + h * R
         return vload(q, o), vload(q, o + 16), vload(q, p), vload(q, p + 16)
+
     return one_per_element
 
 
@@ -184,19 +188,46 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
                     for u in range(4):
                         s = s0 if u == 0 else (s1 if u == 1 else (s2 if u == 2 else s3))
                         ia = (t + u - t0) * R
-                        a0, a1 = _block_into_acc(vload(acc, ia), vload(acc, ia + 16), s, d0, d1, m0, m1,
-                                                 xs[t + u, b] if has_mn else np.float32(0.0), has_d, has_mn)
+                        a0, a1 = _block_into_acc(
+                            vload(acc, ia),
+                            vload(acc, ia + 16),
+                            s,
+                            d0,
+                            d1,
+                            m0,
+                            m1,
+                            xs[t + u, b] if has_mn else np.float32(0.0),
+                            has_d,
+                            has_mn,
+                        )
                         vstore(acc, ia, a0)
                         vstore(acc, ia + 16, a1)
                     t += 4
                 while t < t1:  # the chunk's last tokens, one at a time, same scratch
                     s0 = (z, z, z, z)
                     for j in range(h):
-                        s0 = _dot_step(s0, vload(w, j * R), vload(w, j * R + 16), vload(w, (h + j) * R),
-                                       vload(w, (h + j) * R + 16), x[t, x0 + j], x[t, x0 + h + j])
+                        s0 = _dot_step(
+                            s0,
+                            vload(w, j * R),
+                            vload(w, j * R + 16),
+                            vload(w, (h + j) * R),
+                            vload(w, (h + j) * R + 16),
+                            x[t, x0 + j],
+                            x[t, x0 + h + j],
+                        )
                     ia = (t - t0) * R
-                    a0, a1 = _block_into_acc(vload(acc, ia), vload(acc, ia + 16), s0, d0, d1, m0, m1,
-                                             xs[t, b] if has_mn else np.float32(0.0), has_d, has_mn)
+                    a0, a1 = _block_into_acc(
+                        vload(acc, ia),
+                        vload(acc, ia + 16),
+                        s0,
+                        d0,
+                        d1,
+                        m0,
+                        m1,
+                        xs[t, b] if has_mn else np.float32(0.0),
+                        has_d,
+                        has_mn,
+                    )
                     vstore(acc, ia, a0)
                     vstore(acc, ia + 16, a1)
                     t += 1
@@ -207,8 +238,18 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
                         wa0, wa1, wb0, wb1 = _pair(q, base, j, h)
                         s0 = _dot_step(s0, wa0, wa1, wb0, wb1, x[t, x0 + j], x[t, x0 + h + j])
                     ia = (t - t0) * R
-                    a0, a1 = _block_into_acc(vload(acc, ia), vload(acc, ia + 16), s0, d0, d1, m0, m1,
-                                             xs[t, b] if has_mn else np.float32(0.0), has_d, has_mn)
+                    a0, a1 = _block_into_acc(
+                        vload(acc, ia),
+                        vload(acc, ia + 16),
+                        s0,
+                        d0,
+                        d1,
+                        m0,
+                        m1,
+                        xs[t, b] if has_mn else np.float32(0.0),
+                        has_d,
+                        has_mn,
+                    )
                     vstore(acc, ia, a0)
                     vstore(acc, ia + 16, a1)
                     t += 1

@@ -14,11 +14,11 @@ the sum of squares is one running sum in element order (a fast-math reduction le
 the order per loop nest), the scaling is plain IEEE arithmetic. It costs about 1.5 µs per
 576-value row, next to milliseconds of matmul per token.
 """
+
 import numpy as np
 from numba import njit, prange
 
 from kvchat.kernels import parallel
-
 
 
 @njit(cache=True)

@@ -10,6 +10,7 @@ cache, named by a hash of everything the code depends on: the module's IR text, 
 settings. Any change of those names another file, which is compiled and written once; a
 file that cannot be read or written means compiling as numba does.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,6 +26,7 @@ SUFFIX = ".nbo"
 def cache_dir() -> Path:
     """Where numba caches kvchat's kernels: NUMBA_CACHE_DIR, else kernels/__pycache__."""
     from numba.core import config
+
     return Path(config.CACHE_DIR) if config.CACHE_DIR else Path(__file__).resolve().parent / "__pycache__"
 
 
@@ -32,8 +34,17 @@ def cache_key(ctx, ir_text: str) -> str:
     import llvmlite
     import numba
     from numba.core import config
-    settings = (numba.__version__, llvmlite.__version__, ctx.codegen().magic_tuple(), config.OPT,
-                config.LOOP_VECTORIZE, config.SLP_VECTORIZE, config.LLVM_REFPRUNE_PASS, config.DEBUGINFO_DEFAULT)
+
+    settings = (
+        numba.__version__,
+        llvmlite.__version__,
+        ctx.codegen().magic_tuple(),
+        config.OPT,
+        config.LOOP_VECTORIZE,
+        config.SLP_VECTORIZE,
+        config.LLVM_REFPRUNE_PASS,
+        config.DEBUGINFO_DEFAULT,
+    )
     return hashlib.sha256(repr(settings).encode() + b"\0" + ir_text.encode()).hexdigest()[:32]
 
 

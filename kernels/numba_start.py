@@ -21,6 +21,7 @@ observe and leaves numba as it is when this numba differs from what it expects
   end event around every llvmlite call (~1100 before the first token, 3-5 µs a pair), and the
   event has listeners only while a compile times itself; without one the pair is skipped.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ def lazy_metadata() -> bool:
         return False
     import importlib
     import importlib.util
+
     spec = importlib.util.find_spec(METADATA)
     if spec is None or not hasattr(spec.loader, "exec_module"):
         return False
@@ -52,6 +54,7 @@ def extensions_may_be_declared() -> bool:
     them through sys.meta_path's find_distributions (the path finder: *.dist-info, *.egg-info,
     and an .egg directory's EGG-INFO, in each sys.path directory)."""
     from importlib.machinery import PathFinder
+
     if any(hasattr(f, "find_distributions") and f is not PathFinder for f in sys.meta_path):
         return True
     for entry in sys.path:
@@ -79,6 +82,7 @@ def extensions_may_be_declared() -> bool:
 
 def cheap_extension_scan() -> bool:
     from numba.core import entrypoints
+
     numba_init_all = entrypoints.init_all
     if getattr(numba_init_all, "_kvchat", False):
         return True
@@ -108,6 +112,7 @@ class _NumpyWithoutMa:
 
     def __getattr__(self, name):
         import numpy
+
         return getattr(numpy, name)
 
 
@@ -122,8 +127,13 @@ def arrays_typed_without_numpy_ma() -> bool:
         return True
     if numba_typeof is None or numba_typeof.__globals__.get("np") is not np:
         return False
-    before_ma = types.FunctionType(numba_typeof.__code__, dict(numba_typeof.__globals__, np=_NumpyWithoutMa()),
-                                   numba_typeof.__name__, numba_typeof.__defaults__, numba_typeof.__closure__)
+    before_ma = types.FunctionType(
+        numba_typeof.__code__,
+        dict(numba_typeof.__globals__, np=_NumpyWithoutMa()),
+        numba_typeof.__name__,
+        numba_typeof.__defaults__,
+        numba_typeof.__closure__,
+    )
 
     def typeof_ndarray(val, c):
         return (numba_typeof if "numpy.ma" in sys.modules else before_ma)(val, c)
@@ -143,6 +153,7 @@ class LazyFunctionCache:
     def __getattr__(self, name):
         if self._made is None:
             from numba.core.caching import FunctionCache
+
             self._made = FunctionCache(self._py_func)
         return getattr(self._made, name)
 
@@ -190,8 +201,10 @@ def llvm_lock_events_when_listened() -> bool:
         return False
     if any(getattr(on, "_kvchat", False) for on, _ in callbacks):
         return True
-    numba_pair = next((pair for pair in callbacks
-                       if getattr(pair[0], "__qualname__", "").startswith("_initialize_llvm_lock_event")), None)
+    numba_pair = next(
+        (pair for pair in callbacks if getattr(pair[0], "__qualname__", "").startswith("_initialize_llvm_lock_event")),
+        None,
+    )
     if numba_pair is None:
         return False
     numba_on, numba_off = numba_pair

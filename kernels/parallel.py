@@ -11,6 +11,7 @@ Names: ``<KERNEL>_PAR_MIN_<UNIT>``, the unit of work the kernel compares against
 them as ``parallel.NAME`` at call time, so a test can lower one with monkeypatch.
 Measurements: docs/performance.md.
 """
+
 import os
 
 MATMUL_PAR_MIN_MACS = int(os.environ.get("KVCHAT_MATMUL_PAR_MIN_MACS", 4_000_000))  # n * m * k of one matmul

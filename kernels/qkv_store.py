@@ -16,6 +16,7 @@ llama.cpp's cpy_k returns a set_rows view); applying the ubatch and its rollback
 Only for caches that store K and V as plain rows without a rotation: a transposed V cache
 (flash attention off) or a Hadamard-rotated quantized cache goes the unfused way.
 """
+
 import numpy as np
 from numba import njit, prange
 
@@ -38,13 +39,33 @@ def _scratch(q_out, k_in, v_in):
     """The roped K [n, n_head_kv, dk] and V [n, n_embd_v] f32 rows before they are quantized
     into the cache."""
     n, _, dk = q_out.shape
-    return (np.empty((n, k_in.shape[1] // dk, dk), dtype=np.float32),
-            np.empty((n, v_in.shape[1]), dtype=np.float32))
+    return (np.empty((n, k_in.shape[1] // dk, dk), dtype=np.float32), np.empty((n, v_in.shape[1]), dtype=np.float32))
 
 
 @njit(cache=True)
-def _prep_store_ser(q_in, k_in, v_in, pos, q_norm, k_norm, has_norm, eps, n_rot, theta_scale, fs, ff,
-                    mscale, neox, q_out, k_dst, v_dst, strm, cell, type_k, type_v):
+def _prep_store_ser(
+    q_in,
+    k_in,
+    v_in,
+    pos,
+    q_norm,
+    k_norm,
+    has_norm,
+    eps,
+    n_rot,
+    theta_scale,
+    fs,
+    ff,
+    mscale,
+    neox,
+    q_out,
+    k_dst,
+    v_dst,
+    strm,
+    cell,
+    type_k,
+    type_v,
+):
     """q_in [n, n_head * dk], k_in [n, n_head_kv * dk], v_in [n, n_embd_v] f32 (column views of
     a QKV product are fine); pos i32 [n]; q_norm / k_norm f32 [dk] (has_norm) ; RoPE constants as
     rope.rope_plan; q_out [n, n_head, dk] f32; k_dst / v_dst u8 [n_stream, kv_size, row_bytes];
@@ -52,20 +73,79 @@ def _prep_store_ser(q_in, k_in, v_in, pos, q_norm, k_norm, has_norm, eps, n_rot,
     k_out, v_out = _scratch(q_out, k_in, v_in)
     cs = np.empty((n_rot // 2, 2), dtype=np.float32)  # [half, (cos, sin)] f32
     for t in range(q_out.shape[0]):
-        _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
-                    fs, ff, mscale, neox, q_out, k_out, v_out, cs)
+        _prep_token(
+            t,
+            q_in,
+            k_in,
+            v_in,
+            q_norm,
+            k_norm,
+            has_norm,
+            eps,
+            pos,
+            n_rot,
+            theta_scale,
+            fs,
+            ff,
+            mscale,
+            neox,
+            q_out,
+            k_out,
+            v_out,
+            cs,
+        )
         _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v)
 
 
 @njit(cache=True, parallel=True)
-def _prep_store_par(q_in, k_in, v_in, pos, q_norm, k_norm, has_norm, eps, n_rot, theta_scale, fs, ff,
-                    mscale, neox, q_out, k_dst, v_dst, strm, cell, type_k, type_v):
+def _prep_store_par(
+    q_in,
+    k_in,
+    v_in,
+    pos,
+    q_norm,
+    k_norm,
+    has_norm,
+    eps,
+    n_rot,
+    theta_scale,
+    fs,
+    ff,
+    mscale,
+    neox,
+    q_out,
+    k_dst,
+    v_dst,
+    strm,
+    cell,
+    type_k,
+    type_v,
+):
     """_prep_store_ser with tokens in parallel (a ubatch's slot cells are distinct)."""
     k_out, v_out = _scratch(q_out, k_in, v_in)
     for t in prange(q_out.shape[0]):
         cs = np.empty((n_rot // 2, 2), dtype=np.float32)
-        _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
-                    fs, ff, mscale, neox, q_out, k_out, v_out, cs)
+        _prep_token(
+            t,
+            q_in,
+            k_in,
+            v_in,
+            q_norm,
+            k_norm,
+            has_norm,
+            eps,
+            pos,
+            n_rot,
+            theta_scale,
+            fs,
+            ff,
+            mscale,
+            neox,
+            q_out,
+            k_out,
+            v_out,
+            cs,
+        )
         _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v)
 
 

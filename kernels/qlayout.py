@@ -32,6 +32,7 @@ whose fields are compile-time constants): values per sub-block, sub-blocks per s
 nibbles or bytes, signed bytes, which activation format (ggml's vec_dot_type: q8_0, q8_1 or
 q8_K), which offset term (q8_1's s, or the K-quants' integer mins) and the bit planes.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -178,7 +179,7 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
     mn = np.empty((g, n_sub, R), np.int8) if fmt.kmin else EMPTY_I8
     layout = (fmt.sub, fmt.n_sub, fmt.planes, fmt.nib, type_info(t).type_size)
     for r0 in range(0, max(m, 1), REPACK_ROWS):
-        part = raw[r0:r0 + REPACK_ROWS]
+        part = raw[r0 : r0 + REPACK_ROWS]
         pack_rows(_read_only(part), int(t), layout, r0 // R, q, d, mm, sc, mn)
         if done is not None:
             done(part)

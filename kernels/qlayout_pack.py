@@ -15,6 +15,7 @@ of the output arrays (q as u8 bytes; mm / sc / mn empty when the format has none
 from qlayout.FORMATS and ggml_types.type_info so the two tables stay the only ones. Rows past the
 slice's end are written as zeros. One specialization serves every format (t is a run-time int).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,12 +24,24 @@ from numba import njit, prange
 from kvchat.kernels.ggml_types import GGMLType
 
 R = 32  # rows interleaved per group (kernels/qlayout.R)
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = (int(GGMLType.Q4_0), int(GGMLType.Q4_1), int(GGMLType.Q5_0),
-                                     int(GGMLType.Q5_1), int(GGMLType.Q8_0))
-_IQ4_NL, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = (int(GGMLType.IQ4_NL), int(GGMLType.Q2_K), int(GGMLType.Q3_K),
-                                              int(GGMLType.Q4_K), int(GGMLType.Q5_K), int(GGMLType.Q6_K))
-_IQ4_NL_BYTES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                         np.int8).view(np.uint8)
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = (
+    int(GGMLType.Q4_0),
+    int(GGMLType.Q4_1),
+    int(GGMLType.Q5_0),
+    int(GGMLType.Q5_1),
+    int(GGMLType.Q8_0),
+)
+_IQ4_NL, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = (
+    int(GGMLType.IQ4_NL),
+    int(GGMLType.Q2_K),
+    int(GGMLType.Q3_K),
+    int(GGMLType.Q4_K),
+    int(GGMLType.Q5_K),
+    int(GGMLType.Q6_K),
+)
+_IQ4_NL_BYTES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8).view(
+    np.uint8
+)
 
 
 @njit(cache=True, inline="always")
@@ -59,8 +72,9 @@ def _decode(t, b, o, vals, scs, mns):
         ho = o + 2 if t == _Q5_0 else o + 4
         if t == _Q5_1:
             m = _u16(b, o + 2)
-        qh = (np.uint32(b[ho]) | (np.uint32(b[ho + 1]) << 8) | (np.uint32(b[ho + 2]) << 16)
-              | (np.uint32(b[ho + 3]) << 24))
+        qh = (
+            np.uint32(b[ho]) | (np.uint32(b[ho + 1]) << 8) | (np.uint32(b[ho + 2]) << 16) | (np.uint32(b[ho + 3]) << 24)
+        )
         for j in range(16):
             x = b[ho + 4 + j]
             vals[j] = (x & 15) | (((qh >> j) & 1) << 4)
@@ -222,8 +236,12 @@ def pack_rows(raw, t, layout, g0, q, d, mm, sc, mn):
                     if t == _Q5_1:
                         mm[g, bi, r] = _u16(b, o + 2)
                         ho = o + 4
-                    qh = (np.uint32(b[ho]) | (np.uint32(b[ho + 1]) << 8) | (np.uint32(b[ho + 2]) << 16)
-                          | (np.uint32(b[ho + 3]) << 24))
+                    qh = (
+                        np.uint32(b[ho])
+                        | (np.uint32(b[ho + 1]) << 8)
+                        | (np.uint32(b[ho + 2]) << 16)
+                        | (np.uint32(b[ho + 3]) << 24)
+                    )
                     dst = q[g, bi]
                     sh = 4 * (r % 2)
                     for st in range(4):

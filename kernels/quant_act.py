@@ -14,13 +14,14 @@ Output per row t: ``xq`` i8 [n, k], ``xd`` f32 [n, k / 32 or k / 256] (the d eac
 dot is scaled by), ``xs`` i32 [n, k / 16], ``xm`` f32 [n, k / 32] (q8_1's s, else unused).
 Every row is quantized alone, so the result of a row never depends on the batch.
 """
+
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from kvchat.kernels.quants_fp import f16_to_f32, f32_to_f16
 from kvchat.kernels.qlayout import ACT_Q8_1, ACT_Q8_K
+from kvchat.kernels.quants_fp import f16_to_f32, f32_to_f16
 
 
 @njit(cache=True, inline="always")

@@ -10,6 +10,7 @@ the type id with an if-chain instead: a numba function that takes another jitted
 argument is recompiled in every process (its cache entry is not reused), while an integer id
 keeps one cached compilation for all formats.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
@@ -20,17 +21,41 @@ from numba import njit, prange
 from . import parallel
 from .ggml_types import GGMLType, row_bytes, type_info
 from .quants_fp import (  # noqa: F401  (re-exported)
-    bf16_to_f32, dequant_row_bf16, dequant_row_f16, dequant_row_f32, f16_to_f32, f32_to_bf16,
-    f32_to_f16, quant_row_bf16, quant_row_f16, quant_row_f32,
+    bf16_to_f32,
+    dequant_row_bf16,
+    dequant_row_f16,
+    dequant_row_f32,
+    f16_to_f32,
+    f32_to_bf16,
+    f32_to_f16,
+    quant_row_bf16,
+    quant_row_f16,
+    quant_row_f32,
 )
 from .quants_k import (  # noqa: F401
-    dequant_row_q2_K, dequant_row_q3_K, dequant_row_q4_K, dequant_row_q5_K, dequant_row_q6_K,
+    dequant_row_q2_K,
+    dequant_row_q3_K,
+    dequant_row_q4_K,
+    dequant_row_q5_K,
+    dequant_row_q6_K,
     dequant_row_q8_K,
 )
 from .quants_legacy import (  # noqa: F401
-    KVALUES_IQ4NL, dequant_row_iq4_nl, dequant_row_q4_0, dequant_row_q4_1, dequant_row_q5_0,
-    dequant_row_q5_1, dequant_row_q8_0, dequant_row_q8_1, quant_row_iq4_nl, quant_row_q4_0,
-    quant_row_q4_1, quant_row_q5_0, quant_row_q5_1, quant_row_q8_0, quant_row_q8_1,
+    KVALUES_IQ4NL,
+    dequant_row_iq4_nl,
+    dequant_row_q4_0,
+    dequant_row_q4_1,
+    dequant_row_q5_0,
+    dequant_row_q5_1,
+    dequant_row_q8_0,
+    dequant_row_q8_1,
+    quant_row_iq4_nl,
+    quant_row_q4_0,
+    quant_row_q4_1,
+    quant_row_q5_0,
+    quant_row_q5_1,
+    quant_row_q8_0,
+    quant_row_q8_1,
 )
 
 
@@ -64,7 +89,13 @@ _F32, _F16, _BF16 = int(T.F32), int(T.F16), int(T.BF16)
 _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1)
 _Q8_0, _Q8_1, _IQ4_NL = int(T.Q8_0), int(T.Q8_1), int(T.IQ4_NL)
 _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _Q8_K = (
-    int(T.Q2_K), int(T.Q3_K), int(T.Q4_K), int(T.Q5_K), int(T.Q6_K), int(T.Q8_K))
+    int(T.Q2_K),
+    int(T.Q3_K),
+    int(T.Q4_K),
+    int(T.Q5_K),
+    int(T.Q6_K),
+    int(T.Q8_K),
+)
 
 
 @njit(cache=True)
@@ -175,8 +206,7 @@ def dequantize(raw: np.ndarray, t: int, n_cols: int) -> np.ndarray:
         raw = raw.reshape(1, -1)
     rb = row_bytes(t, n_cols)
     if raw.ndim != 2 or raw.shape[1] != rb:
-        raise ValueError(
-            f"{type_info(t).name} rows of {n_cols} values need {rb} bytes, got shape {raw.shape}")
+        raise ValueError(f"{type_info(t).name} rows of {n_cols} values need {rb} bytes, got shape {raw.shape}")
     out = np.empty((raw.shape[0], n_cols), dtype=np.float32)  # [n_rows, n_cols] f32
     fn = _dequant_rows if raw.shape[0] >= parallel.DEQUANT_PAR_MIN_ROWS else _dequant_rows_ser
     fn(raw, np.int64(t), out)

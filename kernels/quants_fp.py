@@ -6,6 +6,7 @@ ggml's reference conversions give (ggml-impl.h) — round to nearest even, subno
 overflow to inf, NaN kept as a quiet NaN — and fastmath cannot alter them (no float ops).
 Rows are little-endian bytes, as in GGUF files and the KV cache.
 """
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -125,12 +126,12 @@ def write_f16(dst, o, v):
 @njit(cache=True)
 def read_f32(src, o):
     """The float32 stored little-endian at src[o:o+4]."""
-    u = (np.int64(src[o]) | (np.int64(src[o + 1]) << 8)
-         | (np.int64(src[o + 2]) << 16) | (np.int64(src[o + 3]) << 24))
+    u = np.int64(src[o]) | (np.int64(src[o + 1]) << 8) | (np.int64(src[o + 2]) << 16) | (np.int64(src[o + 3]) << 24)
     return bits_to_f32(np.uint32(u))
 
 
 # ---- rows: src u8[row_bytes], dst f32[n] (or the reverse) ----------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_f32(src, dst):

@@ -14,6 +14,7 @@ decoding is needed. Super-block layouts (little-endian, ggml-common.h):
   q8_K  f32 d | qs[256] int8 | bsums[16] int16              x = d*q
 Dequantizers use fastmath (1 ulp at most from the plain formula).
 """
+
 import numpy as np
 from numba import njit
 
@@ -69,7 +70,7 @@ def dequant_row_q3_K(src, dst):
     for b in range(dst.shape[0] // QK_K):  # src [n/256 * 110] u8, dst [n] f32
         o = b * 110
         d = read_f16(src, o + 108)
-        sc = src[o + 96:o + 108]
+        sc = src[o + 96 : o + 108]
         y = b * QK_K
         j = 0
         for half in range(2):
@@ -94,7 +95,7 @@ def dequant_row_q4_K(src, dst):
         o = b * 144
         d = read_f16(src, o)
         dmin = read_f16(src, o + 2)
-        sc = src[o + 4:o + 16]
+        sc = src[o + 4 : o + 16]
         for c in range(4):  # 64 values per 32 bytes of qs: low nibbles, then high
             s1, m1 = _scale_min_k4(2 * c, sc)
             s2, m2 = _scale_min_k4(2 * c + 1, sc)
@@ -116,7 +117,7 @@ def dequant_row_q5_K(src, dst):
         o = b * 176
         d = read_f16(src, o)
         dmin = read_f16(src, o + 2)
-        sc = src[o + 4:o + 16]
+        sc = src[o + 4 : o + 16]
         for c in range(4):
             s1, m1 = _scale_min_k4(2 * c, sc)
             s2, m2 = _scale_min_k4(2 * c + 1, sc)

@@ -16,20 +16,20 @@ lets LLVM fuse multiply-adds and reassociate sums (iq4_nl), which changes the ro
 values sitting on a quantization boundary. Dequantizers use fastmath: at most 1 ulp apart
 from the plain formula (a fused x*d + m), and they run inside attention loops.
 """
+
 import numpy as np
 from numba import njit
 
 from .quants_fp import read_f16, write_f16
 
 QK = 32
-KVALUES_IQ4NL = np.array(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
-)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 _F32_MAX = np.float32(3.4028234663852886e38)
 _IQ4NL_EPS = np.float32(1e-15)  # below this block amax ggml stores a zero scale
 
 
 # ---- helpers -------------------------------------------------------------------------------
+
 
 @njit(cache=True)
 def _absmax_signed(src, o):
@@ -72,8 +72,7 @@ def _roundf(x):
 
 @njit(cache=True)
 def _read_u32(src, o):
-    return (np.int64(src[o]) | (np.int64(src[o + 1]) << 8)
-            | (np.int64(src[o + 2]) << 16) | (np.int64(src[o + 3]) << 24))
+    return np.int64(src[o]) | (np.int64(src[o + 1]) << 8) | (np.int64(src[o + 2]) << 16) | (np.int64(src[o + 3]) << 24)
 
 
 @njit(cache=True)
@@ -83,6 +82,7 @@ def _write_u32(dst, o, v):
 
 
 # ---- q4_0 ----------------------------------------------------------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_q4_0(src, dst):
@@ -109,6 +109,7 @@ def quant_row_q4_0(src, dst):
 
 
 # ---- q4_1 ----------------------------------------------------------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_q4_1(src, dst):
@@ -138,6 +139,7 @@ def quant_row_q4_1(src, dst):
 
 
 # ---- q5_0 ----------------------------------------------------------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_q5_0(src, dst):
@@ -171,6 +173,7 @@ def quant_row_q5_0(src, dst):
 
 
 # ---- q5_1 ----------------------------------------------------------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_q5_1(src, dst):
@@ -208,6 +211,7 @@ def quant_row_q5_1(src, dst):
 
 
 # ---- q8_0 / q8_1 ---------------------------------------------------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_q8_0(src, dst):
@@ -259,6 +263,7 @@ def quant_row_q8_1(src, dst):
 
 
 # ---- iq4_nl --------------------------------------------------------------------------------
+
 
 @njit(cache=True, fastmath=True)
 def dequant_row_iq4_nl(src, dst):

@@ -27,6 +27,7 @@ G = ceil(m / R) row groups; the rows past m are zero (d = mn = 0) and never writ
 The kernels compute a block's share of a dot product as d * (q . x) + mn * sum(x), which
 equals ggml's sum of (q - 8) * d * x etc. up to float rounding.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -139,7 +140,7 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.n
         d = _f16(blk[..., 0:2])
         if t in (GGMLType.Q4_0, GGMLType.Q4_1):
             mn = -8.0 * d if t == GGMLType.Q4_0 else _f16(blk[..., 2:4])
-            qs = blk[..., bsz - 16:]
+            qs = blk[..., bsz - 16 :]
             return "nib", (_interleave(qs, m), *_scales(d, mn.astype(np.float32)))
         if t == GGMLType.Q8_0:
             q = blk[..., 2:].view(np.int8)
@@ -150,8 +151,8 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.n
             mn = None
         else:  # q5_0, q5_1: nibble plus a fifth bit from the 32-bit qh word
             off = 2 if t == GGMLType.Q5_0 else 4
-            qh = _bits(_u32(blk[..., off:off + 4]), 32)
-            qs = blk[..., off + 4:]
+            qh = _bits(_u32(blk[..., off : off + 4]), 32)
+            qs = blk[..., off + 4 :]
             q = np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)
             if t == GGMLType.Q5_0:
                 q = q.astype(np.int8) - np.int8(16)
@@ -201,7 +202,7 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.n
         sc = _q3k_scales(blk[..., 96:108]).astype(np.float32)
         d = _f16(blk[..., 108:110])
         low = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3)  # [m, nsb, 2, 4, 32]
-        hbit = ((hm[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
+        hbit = (hm[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
         hbit = hbit.reshape(m, nsb, 2, 4, 32)
         q = low.astype(np.int8) - (4 * (1 - hbit)).astype(np.int8)
         q = q.reshape(m, nsb * 16, 16)

@@ -14,13 +14,13 @@ fast-math and with the fusion spelled out (kernels/ggml_math.fma32), so a token'
 same whether prepare_qkv runs its serial or its parallel twin (batch invariance,
 kernels/attention.py). The cost is nil: a few hundred values per token next to cos/sin calls.
 """
+
 import numpy as np
 from numba import njit, prange
 
 from kvchat.kernels import parallel
 from kvchat.kernels.ggml_math import fma32
 from kvchat.kernels.norm import rms_norm_row
-
 
 
 @njit(cache=True, inline="always")
@@ -67,8 +67,27 @@ def _rope_inplace(x, pos, n_rot, theta_scale, fs, ff, mscale, neox):
 
 
 @njit(cache=True, inline="always")
-def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
-                ff, mscale, neox, q_out, k_out, v_out, cs):
+def _prep_token(
+    t,
+    q_in,
+    k_in,
+    v_in,
+    q_norm,
+    k_norm,
+    has_norm,
+    eps,
+    pos,
+    n_rot,
+    theta_scale,
+    fs,
+    ff,
+    mscale,
+    neox,
+    q_out,
+    k_out,
+    v_out,
+    cs,
+):
     n_head, dk = q_out.shape[1], q_out.shape[2]
     n_head_kv = k_out.shape[1]
     half = n_rot // 2
@@ -90,21 +109,61 @@ def _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, 
 
 
 @njit(cache=True, parallel=True)
-def _prep_qkv_par(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
-                  ff, mscale, neox, q_out, k_out, v_out):
+def _prep_qkv_par(
+    q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs, ff, mscale, neox, q_out, k_out, v_out
+):
     for t in prange(q_out.shape[0]):
         cs = np.empty((n_rot // 2, 2), dtype=np.float32)
-        _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
-                    fs, ff, mscale, neox, q_out, k_out, v_out, cs)
+        _prep_token(
+            t,
+            q_in,
+            k_in,
+            v_in,
+            q_norm,
+            k_norm,
+            has_norm,
+            eps,
+            pos,
+            n_rot,
+            theta_scale,
+            fs,
+            ff,
+            mscale,
+            neox,
+            q_out,
+            k_out,
+            v_out,
+            cs,
+        )
 
 
 @njit(cache=True)
-def _prep_qkv_ser(q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs,
-                  ff, mscale, neox, q_out, k_out, v_out):
+def _prep_qkv_ser(
+    q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale, fs, ff, mscale, neox, q_out, k_out, v_out
+):
     cs = np.empty((n_rot // 2, 2), dtype=np.float32)
     for t in range(q_out.shape[0]):
-        _prep_token(t, q_in, k_in, v_in, q_norm, k_norm, has_norm, eps, pos, n_rot, theta_scale,
-                    fs, ff, mscale, neox, q_out, k_out, v_out, cs)
+        _prep_token(
+            t,
+            q_in,
+            k_in,
+            v_in,
+            q_norm,
+            k_norm,
+            has_norm,
+            eps,
+            pos,
+            n_rot,
+            theta_scale,
+            fs,
+            ff,
+            mscale,
+            neox,
+            q_out,
+            k_out,
+            v_out,
+            cs,
+        )
 
 
 _ONE = np.ones(1, dtype=np.float32)
@@ -113,7 +172,7 @@ _ONE = np.ones(1, dtype=np.float32)
 @njit(cache=True)
 def _powf(a, b):
     """powf of two float32 values (libm's, as ggml calls it)."""
-    return a ** b
+    return a**b
 
 
 def _theta_scale(freq_base, n_rot) -> np.float32:
@@ -135,33 +194,74 @@ def _factors(freq_factors, n_rot) -> np.ndarray:
 
 def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox, freq_factors=None, attn_factor=1.0):
     """Rotate x in place. x: [n_tokens, n_head, head_dim] f32; pos: [n_tokens] i32 (or a delta)."""
-    _rope_inplace(x, pos, int(n_rot), _theta_scale(freq_base, n_rot), np.float32(freq_scale),
-                  _factors(freq_factors, n_rot), np.float32(attn_factor), bool(neox))
+    _rope_inplace(
+        x,
+        pos,
+        int(n_rot),
+        _theta_scale(freq_base, n_rot),
+        np.float32(freq_scale),
+        _factors(freq_factors, n_rot),
+        np.float32(attn_factor),
+        bool(neox),
+    )
 
 
 def rope_plan(n_rot, freq_base, freq_scale, freq_factors=None, attn_factor=1.0) -> tuple:
     """A layer's RoPE arguments as the kernels take them: (n_rot, theta_scale, freq_scale,
     factors f32 [n_rot/2], attn_factor). They are constants of the model and context, so the
     forward pass computes them once per layer (runtime/arch/blocks.py) instead of per call."""
-    return (int(n_rot), _theta_scale(freq_base, n_rot), np.float32(freq_scale),
-            _factors(freq_factors, n_rot), np.float32(attn_factor))
+    return (
+        int(n_rot),
+        _theta_scale(freq_base, n_rot),
+        np.float32(freq_scale),
+        _factors(freq_factors, n_rot),
+        np.float32(attn_factor),
+    )
 
 
-def prepare_qkv(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, n_rot, freq_base, freq_scale,
-                neox, q_norm=None, k_norm=None, eps=1e-6, freq_factors=None, attn_factor=1.0):
+def prepare_qkv(
+    q_in,
+    k_in,
+    v_in,
+    n_head,
+    n_head_kv,
+    head_dim,
+    pos,
+    n_rot,
+    freq_base,
+    freq_scale,
+    neox,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+    freq_factors=None,
+    attn_factor=1.0,
+):
     """Fresh Q/K/V of one layer in one launch: split (q_in/k_in/v_in may be column views of a
     fused QKV product, [n, width] f32), optional per-head RMSNorm of Q and K (QK-norm), RoPE
     of the first n_rot dims of each head (0 = none; freq_factors / attn_factor as ggml_rope_ext).
 
     Returns q [n, n_head, head_dim], k [n, n_head_kv, head_dim], v [n, v_width] (f32, contiguous).
     """
-    return prepare_qkv_planned(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos,
-                               rope_plan(n_rot, freq_base, freq_scale, freq_factors, attn_factor),
-                               neox, q_norm, k_norm, eps)
+    return prepare_qkv_planned(
+        q_in,
+        k_in,
+        v_in,
+        n_head,
+        n_head_kv,
+        head_dim,
+        pos,
+        rope_plan(n_rot, freq_base, freq_scale, freq_factors, attn_factor),
+        neox,
+        q_norm,
+        k_norm,
+        eps,
+    )
 
 
-def prepare_qkv_planned(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, plan, neox,
-                        q_norm=None, k_norm=None, eps=1e-6):
+def prepare_qkv_planned(
+    q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, plan, neox, q_norm=None, k_norm=None, eps=1e-6
+):
     """prepare_qkv with the RoPE arguments of rope_plan (same kernel, same results); pos i32 [n]."""
     n = q_in.shape[0]
     q = np.empty((n, n_head, head_dim), dtype=np.float32)
@@ -170,7 +270,23 @@ def prepare_qkv_planned(q_in, k_in, v_in, n_head, n_head_kv, head_dim, pos, plan
     has_norm = q_norm is not None
     n_rot, theta_scale, fs, ff, mscale = plan
     fn = _prep_qkv_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_qkv_ser
-    fn(q_in, k_in, v_in, q_norm if has_norm else _ONE, k_norm if has_norm else _ONE, has_norm,
-       np.float64(eps), np.ascontiguousarray(pos, dtype=np.int32), n_rot, theta_scale, fs, ff,
-       mscale, bool(neox), q, k, v)
+    fn(
+        q_in,
+        k_in,
+        v_in,
+        q_norm if has_norm else _ONE,
+        k_norm if has_norm else _ONE,
+        has_norm,
+        np.float64(eps),
+        np.ascontiguousarray(pos, dtype=np.int32),
+        n_rot,
+        theta_scale,
+        fs,
+        ff,
+        mscale,
+        bool(neox),
+        q,
+        k,
+        v,
+    )
     return q, k, v

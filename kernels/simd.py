@@ -13,6 +13,7 @@ them computes every output element with the operation sequence its source spells
 All loads/stores take an array and a flat element index (the array must be C-contiguous; no
 bounds check: the caller keeps ``i + 16 <= a.size``).
 """
+
 from __future__ import annotations
 
 from llvmlite import ir
@@ -53,6 +54,7 @@ def _vec_ptr(context, builder, aryty, ary, idxty, idx):
 @intrinsic
 def vzero(typingctx):
     """All lanes +0.0."""
+
     def codegen(context, builder, sig, args):
         return ir.Constant(_VF, None)
 
@@ -68,8 +70,9 @@ def vbcast(typingctx, x):
     def codegen(context, builder, sig, args):
         v = context.cast(builder, args[0], sig.args[0], types.float32)
         vec = builder.insert_element(ir.Constant(_VF, ir.Undefined), v, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(vec, ir.Constant(_VF, ir.Undefined),
-                                      ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+        return builder.shuffle_vector(
+            vec, ir.Constant(_VF, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
+        )
 
     return f32vec(x), codegen
 
@@ -126,8 +129,7 @@ vload_hi.__doc__ = "High nibbles of bytes i .. i+15 of a u8 array, as float32 0.
 @intrinsic
 def vstore(typingctx, a, i, v):
     """a[i .. i+15] = v (a float32 array)."""
-    if not (isinstance(a, types.Array) and a.dtype == types.float32 and isinstance(i, types.Integer)
-            and v == f32vec):
+    if not (isinstance(a, types.Array) and a.dtype == types.float32 and isinstance(i, types.Integer) and v == f32vec):
         return None
 
     def codegen(context, builder, sig, args):
@@ -144,8 +146,7 @@ def vfma(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
-                                            f"llvm.fma.v{LANES}f32")
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), f"llvm.fma.v{LANES}f32")
         return builder.call(fn, args)
 
     return f32vec(a, b, c), codegen
@@ -153,6 +154,7 @@ def vfma(typingctx, a, b, c):
 
 def _lanewise(name: str, doc: str, emit):
     """An intrinsic f32vec(a, b) computing emit(builder, a, b) lane by lane (vadd, vmul, ...)."""
+
     def typer(typingctx, a, b):
         if not (a == b == f32vec):
             return None
@@ -254,8 +256,10 @@ def prefetch(typingctx, a, i):
         idx = context.cast(builder, args[1], sig.args[1], types.intp)
         ptr = builder.bitcast(builder.gep(ary.data, [idx]), ir.IntType(8).as_pointer())
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0i8")
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0i8",
+        )
         builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
 
@@ -288,7 +292,9 @@ def vexp_le0(typingctx, v):
             p = builder.fadd(builder.fmul(p, r), c(k))
         y = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), c(1.0))
         vi = ir.VectorType(_I32, LANES)
-        e = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * LANES)), ir.Constant(vi, [23] * LANES))
+        e = builder.shl(
+            builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * LANES)), ir.Constant(vi, [23] * LANES)
+        )
         y = builder.fmul(y, builder.bitcast(e, _VF))
         return builder.select(builder.fcmp_ordered(">", x, lo), y, ir.Constant(_VF, None))
 

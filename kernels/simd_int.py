@@ -22,12 +22,13 @@ block's integer is again the same on every path.
 
 Loads take an array and a flat element index (C-contiguous; no bounds check).
 """
+
 from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model, typeof_impl, unbox, NativeValue
+from numba.extending import NativeValue, intrinsic, models, register_model, typeof_impl, unbox
 
 from kvchat.kernels.simd import F32Vec, f32vec
 
@@ -161,17 +162,24 @@ def bplane(typingctx, v, a, i, bit):
     """v | (bit where a bit-plane word is set): the 64 bits of the little-endian u64 at bytes
     i .. i+7 of the u8 array a, bit b set -> byte b of v gets ``bit`` (16 or 32: the fifth or
     sixth bit of a 5- / 6-bit weight, kernels/qlayout.py). kmov + masked move on AVX512-BW."""
-    if not (v == b64 and isinstance(a, types.Array) and a.dtype in (types.uint8, types.int8)
-            and isinstance(i, types.Integer) and isinstance(bit, types.Integer)):
+    if not (
+        v == b64
+        and isinstance(a, types.Array)
+        and a.dtype in (types.uint8, types.int8)
+        and isinstance(i, types.Integer)
+        and isinstance(bit, types.Integer)
+    ):
         return None
 
     def codegen(context, builder, sig, args):
-        w = builder.load(_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], ir.IntType(64)),
-                         align=1)
+        w = builder.load(_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], ir.IntType(64)), align=1)
         mask = builder.bitcast(w, ir.VectorType(ir.IntType(1), 64))
         b = builder.trunc(context.cast(builder, args[3], sig.args[3], types.int64), _I8)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_VB, ir.Undefined), b, ir.Constant(_I32, 0)),
-                                       ir.Constant(_VB, ir.Undefined), ir.Constant(ir.VectorType(_I32, 64), [0] * 64))
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(_VB, ir.Undefined), b, ir.Constant(_I32, 0)),
+            ir.Constant(_VB, ir.Undefined),
+            ir.Constant(ir.VectorType(_I32, 64), [0] * 64),
+        )
         return builder.or_(args[0], builder.select(mask, splat, ir.Constant(_VB, None)))
 
     return b64(v, a, i, bit), codegen
@@ -226,8 +234,9 @@ def iload8(typingctx, a, i):
     signed = a.dtype == types.int8
 
     def codegen(context, builder, sig, args):
-        v = builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1],
-                              ir.VectorType(_I8, 16)), align=1)
+        v = builder.load(
+            _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], ir.VectorType(_I8, 16)), align=1
+        )
         return builder.sext(v, _VI) if signed else builder.zext(v, _VI)
 
     return i32x16(a, i), codegen
@@ -248,8 +257,10 @@ def itof(typingctx, v):
 def _split(builder, v, n, parts):
     """A vector of n lanes -> `parts` vectors of n / parts lanes."""
     w = n // parts
-    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(p * w, (p + 1) * w))))
-            for p in range(parts)]
+    return [
+        builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(p * w, (p + 1) * w))))
+        for p in range(parts)
+    ]
 
 
 def _join(builder, a, b, n):
@@ -277,14 +288,21 @@ def _dot_codegen(isa: str, signed_w: bool):
             if signed_w:  # vpdpbusd wants unsigned weights: w + 128 (the caller subtracts 128 * sum x)
                 w = builder.xor(w, _const(_VB, -128, 64))
             if isa == "vnni512":
-                return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI, [_VI, _VI, _VI],
-                             [acc, builder.bitcast(w, _VI), builder.bitcast(x, _VI)])
+                return _call(
+                    builder,
+                    "llvm.x86.avx512.vpdpbusd.512",
+                    _VI,
+                    [_VI, _VI, _VI],
+                    [acc, builder.bitcast(w, _VI), builder.bitcast(x, _VI)],
+                )
             v8 = ir.VectorType(_I32, 8)
             accs = _split(builder, acc, 16, 2)
             ws = _split(builder, builder.bitcast(w, _VI), 16, 2)
             xs = _split(builder, builder.bitcast(x, _VI), 16, 2)
-            r = [_call(builder, "llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8], [accs[h], ws[h], xs[h]])
-                 for h in range(2)]
+            r = [
+                _call(builder, "llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8], [accs[h], ws[h], xs[h]])
+                for h in range(2)
+            ]
             return _join(builder, r[0], r[1], 8)
         if isa == "avx2":
             vb32, vw16, v8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
@@ -297,7 +315,9 @@ def _dot_codegen(isa: str, signed_w: bool):
                 wh, xh = ws[h], xs[h]
                 if signed_w:  # |w| as the unsigned operand, w's sign moved onto x (|w| <= 128, |x| <= 127)
                     xh = _call(builder, "llvm.x86.avx2.psign.b", vb32, [vb32, vb32], [xh, wh])
-                    wh = _call(builder, "llvm.abs.v32i8", vb32, [vb32, ir.IntType(1)], [wh, ir.Constant(ir.IntType(1), 0)])
+                    wh = _call(
+                        builder, "llvm.abs.v32i8", vb32, [vb32, ir.IntType(1)], [wh, ir.Constant(ir.IntType(1), 0)]
+                    )
                 p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", vw16, [vb32, vb32], [wh, xh])
                 p32 = _call(builder, "llvm.x86.avx2.pmadd.wd", v8, [vw16, vw16], [p16, ones])
                 out.append(builder.add(accs[h], p32))
@@ -348,5 +368,24 @@ def s8_bias(typingctx, isa):
     return types.int32(isa), codegen
 
 
-__all__ = ["Isa", "IsaType", "ISA_NAMES", "F32Vec", "bload", "bstore", "bplane", "blo", "bhi", "izero", "ibcast", "iadd",
-           "isub", "imul", "iload8", "itof", "idot", "idot_s", "s8_bias"]
+__all__ = [
+    "Isa",
+    "IsaType",
+    "ISA_NAMES",
+    "F32Vec",
+    "bload",
+    "bstore",
+    "bplane",
+    "blo",
+    "bhi",
+    "izero",
+    "ibcast",
+    "iadd",
+    "isub",
+    "imul",
+    "iload8",
+    "itof",
+    "idot",
+    "idot_s",
+    "s8_bias",
+]

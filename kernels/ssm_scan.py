@@ -7,6 +7,7 @@ Per sequence, channel d and token t (dt before softplus, A = -exp(A_log) as stor
 The scan is sequential in t with f32 arithmetic in ggml's order, so a token's output and the
 final state are the same bits whether the tokens came in one ubatch or several.
 """
+
 import math
 
 import numpy as np

@@ -15,6 +15,7 @@ source stamp, holding the key of this signature, CPU and bytecode, and its data 
 Then nothing the warm-up decodes can compile and the caller may skip it; any doubt (no set, a
 changed source, another numba, an unreadable file, a kernel that cannot be found) is False.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,7 @@ _used: dict = {}  # (module, qualname, signature) -> the dispatcher's py_func, i
 def install() -> bool:
     """Note every cache load that hits and every compile that is saved; True when installed."""
     from numba.core import caching
+
     cache = caching.Cache
     if getattr(cache.load_overload, "_kvchat_noted", False):
         return True
@@ -66,6 +68,7 @@ def name_for(*parts) -> str:
 
 def _path(name: str):
     from kvchat.kernels.nrt_cache import cache_dir
+
     return cache_dir() / f"{PREFIX}{name}{SUFFIX}"
 
 
@@ -94,6 +97,7 @@ def record(name: str) -> bool:
     if not entries:
         return False
     from kvchat.kernels.nrt_cache import dump_atomically
+
     return dump_atomically(_path(name), (FORMAT, entries), PREFIX)
 
 

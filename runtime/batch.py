@@ -13,6 +13,7 @@
 
 If a split leaves tokens unused (n_used < n_tokens) the batch cannot be processed.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,9 +25,11 @@ _NO_BOOL = np.zeros(0, bool)
 def _position_gap(seq: int, p_mem: int, p_batch: int) -> str:
     """init()'s refusal of a batch whose sequence does not continue at memory's last position + 1
     (both passes, general and one-token, word it alike)."""
-    return (f"the tokens of sequence {seq} in the input batch have inconsistent sequence "
-            f"positions: the last position stored in memory for sequence {seq} is X = {p_mem}, "
-            f"the batch starts at Y = {p_batch}; it is required that Y = X + 1")
+    return (
+        f"the tokens of sequence {seq} in the input batch have inconsistent sequence "
+        f"positions: the last position stored in memory for sequence {seq} is X = {p_mem}, "
+        f"the batch starts at Y = {p_batch}; it is required that Y = X + 1"
+    )
 
 
 class Batch:
@@ -78,9 +81,22 @@ class UBatch:
     "own" sequence, used for masking); seq0 i32 [n] = first seq of each token; output bool [n];
     batch_idx i32 [n] = index of each token in the Batch (to place output rows)."""
 
-    __slots__ = ("token", "pos", "seq_id", "seq0", "output", "batch_idx", "n_tokens",
-                 "n_seq_tokens", "n_seqs", "n_seqs_unq", "seq_id_unq", "equal_seqs",
-                 "multi_seq", "n_outputs")
+    __slots__ = (
+        "token",
+        "pos",
+        "seq_id",
+        "seq0",
+        "output",
+        "batch_idx",
+        "n_tokens",
+        "n_seq_tokens",
+        "n_seqs",
+        "n_seqs_unq",
+        "seq_id_unq",
+        "equal_seqs",
+        "multi_seq",
+        "n_outputs",
+    )
 
     def __init__(self, token, pos, seq_id, output, batch_idx, n_seqs, equal_seqs):
         self.token = token
@@ -121,8 +137,10 @@ class UBatch:
         return ub
 
     def __repr__(self) -> str:
-        return (f"UBatch(n_tokens={self.n_tokens}, n_seqs={self.n_seqs}, "
-                f"seqs={self.seq_id_unq}, pos={self.pos.tolist()[:8]}...)")
+        return (
+            f"UBatch(n_tokens={self.n_tokens}, n_seqs={self.n_seqs}, "
+            f"seqs={self.seq_id_unq}, pos={self.pos.tolist()[:8]}...)"
+        )
 
 
 class BatchAllocator:
@@ -154,8 +172,7 @@ class BatchAllocator:
         self.error = msg
         return False
 
-    def init(self, batch: Batch, n_vocab: int, n_seq_max: int, memory=None,
-             output_all: bool = False) -> bool:
+    def init(self, batch: Batch, n_vocab: int, n_seq_max: int, memory=None, output_all: bool = False) -> bool:
         """Validate and complete `batch`; False (with .error set) if it is invalid."""
         self._clear()
         self.error = ""
@@ -257,10 +274,10 @@ class BatchAllocator:
 
         if memory is not None:
             for s0, s1 in cpl:
-                if (memory.seq_pos_min(s0) != memory.seq_pos_min(s1)
-                        or memory.seq_pos_max(s0) != memory.seq_pos_max(s1)):
-                    return self._fail(f"sequence {s0} is coupled to {s1} in the input batch, "
-                                      "but they have diverged in memory")
+                if memory.seq_pos_min(s0) != memory.seq_pos_min(s1) or memory.seq_pos_max(s0) != memory.seq_pos_max(s1):
+                    return self._fail(
+                        f"sequence {s0} is coupled to {s1} in the input batch, but they have diverged in memory"
+                    )
 
         # no partial sequence sub-sets, no decreasing positions within a sequence
         if single:
@@ -277,8 +294,7 @@ class BatchAllocator:
                     cs = cur_set.get(s)
                     cs = st if cs is None else (cs & st)
                     if not cs:
-                        return self._fail(f"sequence {s} belongs to incompatible sequence sets "
-                                          "(not allowed)")
+                        return self._fail(f"sequence {s} belongs to incompatible sequence sets (not allowed)")
                     cur_set[s] = cs
                     if p < cur_pos.get(s, -1):
                         return self._fail(f"sequence {s} positions are decreasing (not allowed)")
@@ -373,8 +389,7 @@ class BatchAllocator:
         """Non-overlapping sequence sets, each with the same number of tokens; None when done
         (or when a sequential split is impossible because sequences are coupled)."""
         if sequential and self.has_cpl:
-            self.error = ("sequential split is not supported when there are coupled sequences in "
-                          "the input batch")
+            self.error = "sequential split is not supported when there are coupled sequences in the input batch"
             return None
         cur: list[frozenset] = []
         last = -1
@@ -430,8 +445,7 @@ class BatchAllocator:
             cur_set = self.seq_set[i]
         return self._ubatch_add(np.asarray(idxs, dtype=np.int32), 1, equal_seqs=True, mark=False)
 
-    def _ubatch_add(self, idxs: np.ndarray, n_seqs: int, equal_seqs: bool,
-                    mark: bool = True) -> UBatch:
+    def _ubatch_add(self, idxs: np.ndarray, n_seqs: int, equal_seqs: bool, mark: bool = True) -> UBatch:
         if mark:
             self.used[idxs] = True
             self.n_used += int(idxs.size)

@@ -11,6 +11,7 @@ decode(batch) either fully succeeds or leaves memory as it was:
   5. any failure after an apply() rolls back everything this call placed   (2 / -2 / -3)
 The model is anything with `.hparams` and `.forward(ubatch, mctx) -> f32 [n_outputs, n_vocab]`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,9 +19,9 @@ import logging
 import numpy as np
 
 from kvchat.kernels.launch_tuner import LaunchTuner
+from kvchat.runtime.arch import create_memory
 from kvchat.runtime.batch import Batch, BatchAllocator
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
-from kvchat.runtime.arch import create_memory
 from kvchat.runtime.memory.interface import MemoryStatus
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Context:
 
     def set_n_threads(self, n: int) -> None:
         import numba
+
         n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
         numba.set_num_threads(n)
         self.n_threads = n
@@ -106,8 +108,7 @@ class Context:
         if batch.n_tokens == 0:
             return self._fail(-1, "n_tokens == 0")
         if batch.n_tokens > self.cparams.n_batch:
-            return self._fail(-1, f"batch of {batch.n_tokens} tokens exceeds n_batch = "
-                                  f"{self.cparams.n_batch}")
+            return self._fail(-1, f"batch of {batch.n_tokens} tokens exceeds n_batch = {self.cparams.n_batch}")
         balloc = self.balloc
         if not balloc.init(batch, self.n_vocab, self.cparams.n_seq_max, self.memory):
             return self._fail(-1, balloc.error)
@@ -129,8 +130,7 @@ class Context:
                     did_optimize = True
                     if self.memory_update(False):
                         continue
-                return self._fail(1, f"failed to find a memory slot for batch of size "
-                                     f"{balloc.get_n_tokens()}")
+                return self._fail(1, f"failed to find a memory slot for batch of size {balloc.get_n_tokens()}")
             return self._fail(-2, f"unexpected memory context status {st.name}")
 
         n_out = balloc.get_n_outputs()
@@ -155,7 +155,7 @@ class Context:
                     self._logits[out_row[ub.batch_idx[0]]] = logits[0]
                 elif ub.n_outputs:
                     rows = out_row[ub.batch_idx[ub.output]]
-                    self._logits[rows] = logits[:ub.n_outputs]
+                    self._logits[rows] = logits[: ub.n_outputs]
                 if not mctx.next():
                     break
         except DecodeAborted:
@@ -184,7 +184,7 @@ class Context:
 
     def get_logits(self) -> np.ndarray:
         """f32 [n_outputs, n_vocab]: the output rows of the last decode, in batch order."""
-        return self._logits[:self._n_outputs]
+        return self._logits[: self._n_outputs]
 
     def get_logits_ith(self, i: int) -> np.ndarray:
         """f32 [n_vocab]: logits of batch token i (must be an output); i < 0 counts from the
@@ -211,14 +211,14 @@ class Context:
         """Bytes per buffer: the memory's K/V (per cache) plus the logits output buffer."""
         mem = self.memory.memory_breakdown()
         out_bytes = int(self._logits.nbytes)
-        return {"memory": mem, "output_bytes": out_bytes,
-                "total_bytes": int(mem["total_bytes"]) + out_bytes}
+        return {"memory": mem, "output_bytes": out_bytes, "total_bytes": int(mem["total_bytes"]) + out_bytes}
 
     # ---- state ------------------------------------------------------------------------------
 
     def state_get_data(self) -> bytes:
         """The whole memory state: model arch, then every stream's cells and K/V rows."""
         from kvchat.runtime.memory.state import StateWriter
+
         io = StateWriter()
         io.write_string(str(self.hparams.arch))
         self.memory.state_write(io, -1)
@@ -227,6 +227,7 @@ class Context:
     def state_set_data(self, blob: bytes) -> int:
         """Restore a state_get_data blob; bytes read, or 0 if refused (memory unchanged)."""
         from kvchat.runtime.memory.state import StateError, StateReader
+
         io = StateReader(blob)
         try:
             arch = io.read_string()
@@ -244,6 +245,7 @@ class Context:
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """One sequence's state (its SWA-visible cells and their K/V rows)."""
         from kvchat.runtime.memory.state import StateWriter
+
         io = StateWriter()
         io.write_u32(STATE_SEQ_MAGIC)
         io.write_i32(seq_id)
@@ -253,6 +255,7 @@ class Context:
     def state_seq_set_data(self, blob: bytes, seq_id: int) -> int:
         """Restore a sequence state into seq_id; bytes read, or 0 if refused (memory unchanged)."""
         from kvchat.runtime.memory.state import StateError, StateReader
+
         io = StateReader(blob)
         try:
             if not 0 <= seq_id < self.cparams.n_seq_max:

@@ -6,6 +6,7 @@ cache splits it into per-sequence streams, n_batch is capped by n_ctx for causal
 n_ubatch by n_batch, and cache types / flash attention are checked against each other so a
 bad combination fails here, with a message a CLI user can act on, instead of deep in a kernel.
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,8 +88,7 @@ def _cache_type(which: str, name) -> int:
     if isinstance(name, int) and not isinstance(name, bool):
         if name not in TYPES or not TYPES[name].kv_ok:
             raise CParamsError(
-                f"invalid cache type id {name} for {which}; valid cache types: "
-                f"{', '.join(KV_CACHE_TYPES)}"
+                f"invalid cache type id {name} for {which}; valid cache types: {', '.join(KV_CACHE_TYPES)}"
             )
         return name
     try:
@@ -103,8 +103,17 @@ def _flash_attn(value) -> str:
     if value is False:
         return "off"
     v = str(value).strip().lower()
-    aliases = {"on": "on", "1": "on", "true": "on", "enabled": "on",
-               "off": "off", "0": "off", "false": "off", "disabled": "off", "auto": "auto"}
+    aliases = {
+        "on": "on",
+        "1": "on",
+        "true": "on",
+        "enabled": "on",
+        "off": "off",
+        "0": "off",
+        "false": "off",
+        "disabled": "off",
+        "auto": "auto",
+    }
     if v not in aliases:
         raise CParamsError(f"flash_attn must be on, off or auto, got {value!r}")
     return aliases[v]
@@ -122,8 +131,9 @@ def resolve_cparams(params: ContextParams, hparams) -> CParams:
     n_ctx = _positive_int("n_ctx", params.n_ctx, allow_zero=True)
     if n_ctx == 0:
         if n_ctx_train <= 0:
-            raise CParamsError("n_ctx is 0 and the model does not declare a training context length; "
-                               "pass an explicit context size")
+            raise CParamsError(
+                "n_ctx is 0 and the model does not declare a training context length; pass an explicit context size"
+            )
         n_ctx = n_ctx_train
     n_batch_req = _positive_int("n_batch", params.n_batch)
     n_ubatch_req = _positive_int("n_ubatch", params.n_ubatch, allow_zero=True)
@@ -165,33 +175,45 @@ def resolve_cparams(params: ContextParams, hparams) -> CParams:
     if n_layer and hk and hk % blk_k != 0:
         raise CParamsError(
             f"K cache type {type_info(type_k).name} with block size {blk_k} does not divide "
-            f"n_embd_head_k={hk}; choose another --cache-type-k")
+            f"n_embd_head_k={hk}; choose another --cache-type-k"
+        )
     if n_layer and hv and hv % blk_v != 0:
         raise CParamsError(
             f"V cache type {type_info(type_v).name} with block size {blk_v} does not divide "
-            f"n_embd_head_v={hv}; choose another --cache-type-v")
+            f"n_embd_head_v={hv}; choose another --cache-type-v"
+        )
 
     n_threads = params.n_threads
     if n_threads is not None:
         n_threads = _positive_int("n_threads", n_threads)
 
     if n_ctx_train and n_ctx_seq > n_ctx_train:
-        warnings.append(f"n_ctx_seq ({n_ctx_seq}) > n_ctx_train ({n_ctx_train}) -- "
-                        "possible training context overflow")
+        warnings.append(f"n_ctx_seq ({n_ctx_seq}) > n_ctx_train ({n_ctx_train}) -- possible training context overflow")
     for w in warnings:  # returned to the caller, who shows them once (the CLI prints them)
         log.info("%s", w)
 
     cp = CParams(
-        n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_batch=n_batch, n_ubatch=n_ubatch,
-        n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, flash_attn=flash,
-        swa_full=bool(params.swa_full), kv_unified=bool(params.kv_unified),
-        n_threads=n_threads, n_ctx_train=n_ctx_train, causal_attn=causal, warnings=warnings,
+        n_ctx=n_ctx,
+        n_ctx_seq=n_ctx_seq,
+        n_batch=n_batch,
+        n_ubatch=n_ubatch,
+        n_seq_max=n_seq_max,
+        type_k=type_k,
+        type_v=type_v,
+        flash_attn=flash,
+        swa_full=bool(params.swa_full),
+        kv_unified=bool(params.kv_unified),
+        n_threads=n_threads,
+        n_ctx_train=n_ctx_train,
+        causal_attn=causal,
+        warnings=warnings,
     )
     check_kv_fits(cp, hparams)
     return cp
 
 
 # ---- will the KV cache fit in memory? ------------------------------------------------------------
+
 
 def available_memory() -> int | None:
     """Bytes the kernel says can be allocated without swapping (MemAvailable); None if unknown."""
@@ -212,14 +234,16 @@ def kv_cache_bytes(cp: CParams, hparams) -> tuple[int, int]:
     iSWA model only their window (pad256(min(n_ctx_seq, n_swa * n_seq + n_ubatch)) per stream)
     unless --swa-full. Mirrors the sizes runtime/memory/kv_cache*.py allocates."""
     from kvchat.kernels.ggml_types import row_bytes
+
     n_layer = int(getattr(hparams, "n_layer", 0) or 0)
     if not n_layer or not hasattr(hparams, "n_embd_k_gqa"):
         return 0, 0
     n_swa = int(getattr(hparams, "n_swa", 0) or 0)
     has_kv = getattr(hparams, "has_kv", lambda il: True)
     is_swa = getattr(hparams, "is_swa", lambda il: False)
-    swa_cells = pad_to(min(cp.n_ctx_seq, n_swa * (cp.n_seq_max if cp.kv_unified else 1) + cp.n_ubatch),
-                       N_CTX_PAD) * cp.n_stream
+    swa_cells = (
+        pad_to(min(cp.n_ctx_seq, n_swa * (cp.n_seq_max if cp.kv_unified else 1) + cp.n_ubatch), N_CTX_PAD) * cp.n_stream
+    )
     total = per_token = 0
     for il in range(n_layer):
         if not has_kv(il):
@@ -253,10 +277,11 @@ def check_kv_fits(cp: CParams, hparams, available: int | None = None) -> None:
     fit = (available - fixed) // per_token if per_token else 0
     fit = fit // (N_CTX_PAD * cp.n_stream) * (N_CTX_PAD * cp.n_stream)
     seqs = f" for {cp.n_seq_max} sequences" if cp.n_seq_max > 1 else ""
-    hint = (f"the largest -c that fits is {fit}" if fit >= N_CTX_PAD else
-            "not even the smallest context fits")
+    hint = f"the largest -c that fits is {fit}" if fit >= N_CTX_PAD else "not even the smallest context fits"
     if type_info(cp.type_k).block_size == 1:
         hint += " (a quantized cache, -ctk q8_0 -ctv q8_0, holds about twice as many)"
-    raise CParamsError(f"-c {cp.n_ctx}{seqs} needs {_gib(total)} of KV cache "
-                       f"({type_info(cp.type_k).name}/{type_info(cp.type_v).name}) but this machine "
-                       f"has {_gib(available)} of memory available; {hint}")
+    raise CParamsError(
+        f"-c {cp.n_ctx}{seqs} needs {_gib(total)} of KV cache "
+        f"({type_info(cp.type_k).name}/{type_info(cp.type_v).name}) but this machine "
+        f"has {_gib(available)} of memory available; {hint}"
+    )

@@ -12,6 +12,7 @@ ends for a reason that is data — `StopReason` — so each caller words it for 
 to do when the sequence is full is the caller's policy (`make_room`): the chat's context shift,
 or stopping.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,10 +27,11 @@ from kvchat.runtime.errors import KvchatError
 
 class StopReason(str, Enum):
     """Why a generation ended. A str, so `stats.stop == "eog"` reads naturally."""
-    EOG = "eog"                  # the model ended its turn (an end-of-generation token)
-    LIMIT = "limit"              # max_tokens reached
+
+    EOG = "eog"  # the model ended its turn (an end-of-generation token)
+    LIMIT = "limit"  # max_tokens reached
     INTERRUPTED = "interrupted"  # the stop event was set, or the abort callback stopped a decode
-    CTX_FULL = "ctx_full"        # no room for the next token and make_room could not make any
+    CTX_FULL = "ctx_full"  # no room for the next token and make_room could not make any
 
     def __str__(self) -> str:
         return self.value
@@ -56,6 +58,7 @@ class DecodeError(KvchatError):
 
 def _one_seq_batch(tokens, pos0, seq_id, all_logits=False):
     from kvchat.runtime.batch import Batch
+
     return Batch.one_seq(tokens, pos0, seq_id, all_logits=all_logits)
 
 
@@ -64,8 +67,9 @@ def n_batch_of(ctx) -> int:
     return int(getattr(getattr(ctx, "cparams", None), "n_batch", 0) or 0)
 
 
-def decode_pieces(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="last",
-                  batch_factory: Optional[Callable] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def decode_pieces(
+    ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="last", batch_factory: Optional[Callable] = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call;
     after each call yield (idx i64 [m], rows f32 [m, n_vocab]): the indices into `ids` of that
     piece's output tokens and their logits (the context's buffer: use them before advancing).
@@ -89,15 +93,20 @@ def decode_pieces(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="
     make = batch_factory or _one_seq_batch
     step = n_batch_of(ctx) or n
     for i in range(0, n, step):
-        piece = ids[i:i + step]
+        piece = ids[i : i + step]
         if mask is not None:
-            want = mask[i:i + step].copy()
+            want = mask[i : i + step].copy()
             idx = np.nonzero(want)[0].astype(np.int64) + i
             if not want.any():
                 want[-1] = True  # a decode computes at least one output; not yielded
             from kvchat.runtime.batch import Batch
-            batch = Batch(piece, pos=np.arange(pos0 + i, pos0 + i + piece.size, dtype=np.int64),
-                          seq_ids=[seq] * int(piece.size), logits=want)
+
+            batch = Batch(
+                piece,
+                pos=np.arange(pos0 + i, pos0 + i + piece.size, dtype=np.int64),
+                seq_ids=[seq] * int(piece.size),
+                logits=want,
+            )
         elif outputs == "all":
             idx = np.arange(i, i + piece.size, dtype=np.int64)
             batch = make(piece, pos0 + i, seq, all_logits=True)
@@ -110,13 +119,19 @@ def decode_pieces(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="
         if rc != 0:
             raise DecodeError(_decode_failure(ctx, rc, len(piece), pos0 + i), rc, i)
         if idx.size:
-            yield idx, (ctx.get_logits() if mask is not None or outputs == "all"
-                        else ctx.get_logits_ith(-1)[None, :])
+            yield idx, (ctx.get_logits() if mask is not None or outputs == "all" else ctx.get_logits_ith(-1)[None, :])
 
 
-def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: str = "last",
-                  on_logits: Optional[Callable[[int, np.ndarray], None]] = None,
-                  batch_factory: Optional[Callable] = None) -> Optional[np.ndarray]:
+def decode_tokens(
+    ctx,
+    ids: Sequence[int],
+    pos0: int,
+    seq: int = 0,
+    *,
+    logits: str = "last",
+    on_logits: Optional[Callable[[int, np.ndarray], None]] = None,
+    batch_factory: Optional[Callable] = None,
+) -> Optional[np.ndarray]:
     """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call
     (decode_pieces, consumed).
 
@@ -130,8 +145,9 @@ def decode_tokens(ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, logits: s
     if logits not in ("last", "all", "none"):
         raise ValueError(f"decode_tokens: logits must be 'last', 'all' or 'none', not {logits!r}")
     rows = []
-    for idx, r in decode_pieces(ctx, ids, pos0, seq, outputs="all" if logits == "all" else "last",
-                                batch_factory=batch_factory):
+    for idx, r in decode_pieces(
+        ctx, ids, pos0, seq, outputs="all" if logits == "all" else "last", batch_factory=batch_factory
+    ):
         if logits == "all" and on_logits is not None:
             on_logits(int(idx[0]), r)
         elif logits == "all":
@@ -160,6 +176,7 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
 @dataclass
 class Step:
     """One generated token. `logits` f32 [n_vocab] are the model's raw scores it was drawn from."""
+
     token: int
     logits: np.ndarray
     index: int  # 0 for the first generated token
@@ -176,8 +193,9 @@ class Generation:
     decoded (the last one usually is not: it is sampled, yielded, and the limit stops), `.seconds`
     the wall time spent inside the loop, `.pos` the position the next token would take."""
 
-    def __init__(self, ctx, sample, logits, pos, seq, max_tokens, is_eog, stop_event, make_room,
-                 on_decoded, batch_factory):
+    def __init__(
+        self, ctx, sample, logits, pos, seq, max_tokens, is_eog, stop_event, make_room, on_decoded, batch_factory
+    ):
         self.ctx = ctx
         self.sample = sample
         self.logits = logits
@@ -224,8 +242,7 @@ class Generation:
             if 0 <= self.max_tokens <= self.n_sampled:
                 return StopReason.LIMIT  # before decoding a token nobody will sample from
             try:
-                self.logits = decode_tokens(self.ctx, [token], self.pos, self.seq,
-                                            batch_factory=self.batch_factory)
+                self.logits = decode_tokens(self.ctx, [token], self.pos, self.seq, batch_factory=self.batch_factory)
             except Interrupted:
                 return StopReason.INTERRUPTED
             self.pos += 1
@@ -234,12 +251,21 @@ class Generation:
                 self.on_decoded(token, self.logits)
 
 
-def generate(ctx, sample: Callable[[np.ndarray], int], *, prompt: Sequence[int] = (),
-             logits: Optional[np.ndarray] = None, pos0: int = 0, seq: int = 0,
-             max_tokens: int = -1, is_eog: Optional[Callable[[int], bool]] = None,
-             stop_event=None, make_room: Optional[Callable[[int, int], Optional[int]]] = None,
-             on_decoded: Optional[Callable[[int, np.ndarray], None]] = None,
-             batch_factory: Optional[Callable] = None) -> Generation:
+def generate(
+    ctx,
+    sample: Callable[[np.ndarray], int],
+    *,
+    prompt: Sequence[int] = (),
+    logits: Optional[np.ndarray] = None,
+    pos0: int = 0,
+    seq: int = 0,
+    max_tokens: int = -1,
+    is_eog: Optional[Callable[[int], bool]] = None,
+    stop_event=None,
+    make_room: Optional[Callable[[int, int], Optional[int]]] = None,
+    on_decoded: Optional[Callable[[int, np.ndarray], None]] = None,
+    batch_factory: Optional[Callable] = None,
+) -> Generation:
     """Generate tokens on sequence `seq`: sample, yield, decode, repeat.
 
     Start from `prompt` (decoded first at pos0, in n_batch pieces) or, when the caller has
@@ -258,8 +284,9 @@ def generate(ctx, sample: Callable[[np.ndarray], int], *, prompt: Sequence[int] 
         pos0 += len(prompt)
     if logits is None:
         raise ValueError("generate: give a prompt or the logits to start from")
-    return Generation(ctx, sample, logits, pos0, seq, max_tokens, is_eog, stop_event, make_room,
-                      on_decoded, batch_factory)
+    return Generation(
+        ctx, sample, logits, pos0, seq, max_tokens, is_eog, stop_event, make_room, on_decoded, batch_factory
+    )
 
 
 def warm_up(ctx, token: int, seq: int = 0, n_prompt: int = 2) -> None:

@@ -7,6 +7,7 @@ implies, so a model that loads is one the engine can run. Defaults follow llama.
 n_head_kv = n_head, head sizes = n_embd / n_head unless key_length / value_length say otherwise,
 n_rot = head size, rope base 10000, no sliding window. This module names no architecture.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,9 +111,13 @@ class HParams:
     def rope_args(self, il: int, n_ctx_seq: int) -> dict:
         """Keyword arguments of kvchat.kernels.rope for layer il: n_rot (0 for a NoPE layer), freq_base,
         freq_scale, freq_factors, attn_factor."""
-        return dict(n_rot=self.n_rot if self.has_rope(il) else 0, freq_base=self.rope_base(il),
-                    freq_scale=self.rope_scale(il), freq_factors=self.rope_factors(il, n_ctx_seq),
-                    attn_factor=self.rope_attn_factor)
+        return dict(
+            n_rot=self.n_rot if self.has_rope(il) else 0,
+            freq_base=self.rope_base(il),
+            freq_scale=self.rope_scale(il),
+            freq_factors=self.rope_factors(il, n_ctx_seq),
+            attn_factor=self.rope_attn_factor,
+        )
 
     @property
     def can_shift(self) -> bool:
@@ -154,16 +159,20 @@ def read_common(gf: GGUFFile, arch, given: dict | None = None) -> dict:
     n_ff = given["n_ff"] if "n_ff" in given else scalar_int(gf, k("feed_forward_length"), 1, MAX_DIM)
     n_ctx_train = gf.get_int(k("context_length"), min_value=1)
     n_head = given["n_head"] if "n_head" in given else scalar_int(gf, k("attention.head_count"), 1, MAX_DIM)
-    n_head_kv = (given["n_head_kv"] if "n_head_kv" in given
-                 else scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head))
+    n_head_kv = (
+        given["n_head_kv"]
+        if "n_head_kv" in given
+        else scalar_int(gf, k("attention.head_count_kv"), 1, MAX_DIM, default=n_head)
+    )
     if n_head % n_head_kv:
-        gf.fail(k("attention.head_count_kv"),
-                f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        gf.fail(k("attention.head_count_kv"), f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     if k("attention.key_length") not in gf.metadata or k("attention.value_length") not in gf.metadata:
         if n_embd % n_head:
-            gf.fail(k("attention.head_count"),
-                    f"embedding_length {n_embd} is not divisible by head_count {n_head} "
-                    f"(and no key_length/value_length given)")
+            gf.fail(
+                k("attention.head_count"),
+                f"embedding_length {n_embd} is not divisible by head_count {n_head} "
+                f"(and no key_length/value_length given)",
+            )
     head_k = scalar_int(gf, k("attention.key_length"), 1, MAX_DIM, default=n_embd // n_head)
     head_v = scalar_int(gf, k("attention.value_length"), 1, MAX_DIM, default=n_embd // n_head)
     n_rot = scalar_int(gf, k("rope.dimension_count"), 1, MAX_DIM, default=head_k)
@@ -191,13 +200,30 @@ def read_common(gf: GGUFFile, arch, given: dict | None = None) -> dict:
     attn_factor = positive(gf, k("rope.scaling.attn_factor"), 1.0)
 
     return dict(
-        arch=arch.name, n_vocab=_vocab_size(gf, arch.name), n_ctx_train=n_ctx_train, n_embd=n_embd,
-        n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=head_k,
-        n_embd_head_v=head_v, n_ff=n_ff, norm_eps=norm_eps, rope_type=arch.rope_type, n_rot=n_rot,
-        rope_freq_base=rope_base, rope_freq_scale=rope_scale, rope_freq_base_swa=rope_base, n_swa=0,
-        swa_layers=[False] * n_layer, use_qk_norm=arch.qk_norm,
-        tied_output="output.weight" not in gf.tensors, kq_scale=1.0 / math.sqrt(head_k),
-        rope_scaling_type=scaling, n_ctx_orig=n_ctx_orig, rope_attn_factor=attn_factor,
+        arch=arch.name,
+        n_vocab=_vocab_size(gf, arch.name),
+        n_ctx_train=n_ctx_train,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_embd_head_k=head_k,
+        n_embd_head_v=head_v,
+        n_ff=n_ff,
+        norm_eps=norm_eps,
+        rope_type=arch.rope_type,
+        n_rot=n_rot,
+        rope_freq_base=rope_base,
+        rope_freq_scale=rope_scale,
+        rope_freq_base_swa=rope_base,
+        n_swa=0,
+        swa_layers=[False] * n_layer,
+        use_qk_norm=arch.qk_norm,
+        tied_output="output.weight" not in gf.tensors,
+        kq_scale=1.0 / math.sqrt(head_k),
+        rope_scaling_type=scaling,
+        n_ctx_orig=n_ctx_orig,
+        rope_attn_factor=attn_factor,
     )
 
 
@@ -229,7 +255,9 @@ def rope_factor_tensor(gf: GGUFFile, name: str, n_rot: int) -> np.ndarray | None
     if ti is None:
         return None
     if tuple(ti.shape) != (n_rot // 2,) or int(ti.ggml_type) != 0:
-        gf.fail(f"tensor {name}", f"must be F32 of shape [{n_rot // 2}], got {type_name(ti.ggml_type)} {list(ti.shape)}")
+        gf.fail(
+            f"tensor {name}", f"must be F32 of shape [{n_rot // 2}], got {type_name(ti.ggml_type)} {list(ti.shape)}"
+        )
     ff = np.ascontiguousarray(ti.data).reshape(-1).view(np.float32).copy()
     if not np.all(np.isfinite(ff)) or np.any(ff <= 0):
         gf.fail(f"tensor {name}", "frequency factors must be finite and positive")

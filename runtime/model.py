@@ -8,6 +8,7 @@ gate|up into one), so each layer issues fewer, larger matmul launches; that copi
 never dequantizes them. The packed layouts are cached on disk per model file
 (runtime/weights/cache.py): a warm start maps them and does not read the packed tensors' rows.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,16 +23,29 @@ from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.split import open_gguf
 from kvchat.runtime.hparams import HParams
-from kvchat.runtime.weights.os_memory import map_large_allocations, release_library_pages, trim_heap
 from kvchat.runtime.weights.cache import open_store
-
+from kvchat.runtime.weights.os_memory import map_large_allocations, release_library_pages, trim_heap
 
 # llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
 LLAMA_FTYPE_NAMES = {
-    0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
-    10: "Q2_K - Medium", 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large",
-    14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium",
-    18: "Q6_K", 25: "IQ4_NL", 32: "BF16",
+    0: "all F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K - Medium",
+    11: "Q3_K - Small",
+    12: "Q3_K - Medium",
+    13: "Q3_K - Large",
+    14: "Q4_K - Small",
+    15: "Q4_K - Medium",
+    16: "Q5_K - Small",
+    17: "Q5_K - Medium",
+    18: "Q6_K",
+    25: "IQ4_NL",
+    32: "BF16",
 }
 
 
@@ -79,7 +93,9 @@ class Model:
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)
             weights = load_weights(gf, hp, arch)
-            release_file_pages(gf.raw)  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
+            release_file_pages(
+                gf.raw
+            )  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
             trim_heap()
         except BaseException:
             gf.close()
@@ -122,6 +138,7 @@ class Model:
 
 
 # ---- loading -------------------------------------------------------------------------------
+
 
 def _qmatrix(gf: GGUFFile, name: str, packs=None) -> QMatrix:
     """A matrix tensor as a QMatrix on its file rows: its packing mapped from the weight cache
@@ -232,9 +249,11 @@ def load_group(gf: GGUFFile, specs: dict, fusions=(), packs=None) -> dict:
         has_bias = any(b is not None for b in biases)
         if f.bias_into is not None and (has_bias or f.bias_into not in specs):
             sizes = [specs[p].shape[1] for p in f.parts]
-            out[f.bias_into] = np.concatenate(
-                [b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)]
-            ) if has_bias else None
+            out[f.bias_into] = (
+                np.concatenate([b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)])
+                if has_bias
+                else None
+            )
             out.update({b: None for b in f.biases})  # folded into bias_into
         infos = [gf.tensors.get(specs[p].name) for p in f.parts]
         fused = None
@@ -261,8 +280,10 @@ def load_weights(gf: GGUFFile, hp: HParams, arch) -> Weights:
     out_spec = model_specs.get("output")
     if "tok_embd" in model_specs and out_spec is not None and out_spec.name in gf.tensors:
         embd = _token_rows(gf, model_specs.pop("tok_embd").name)  # its own head: only looked up
-    w = Weights(**load_group(gf, model_specs, packs=packs),
-                layers=[Layer(**load_group(gf, specs, arch.fusions, packs)) for specs in schema.layers])
+    w = Weights(
+        **load_group(gf, model_specs, packs=packs),
+        layers=[Layer(**load_group(gf, specs, arch.fusions, packs)) for specs in schema.layers],
+    )
     if embd is not None:
         w.tok_embd = embd
     if getattr(w, "output", None) is None:

@@ -9,6 +9,7 @@ of 0 (or below) keeps only the most likely candidate: greedy decoding, ties goin
 The sampler keeps no token history of its own: callers pass the recent tokens (the tail of the
 sequence held in the cache), so regenerating or undoing an answer never leaves stale penalties.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -22,13 +23,14 @@ MIN_KEEP = 1  # every filter keeps at least this many candidates
 @dataclass
 class SamplingParams:
     """User-facing sampling settings; defaults are llama.cpp's."""
+
     temp: float = 0.8
-    top_k: int = 40            # <= 0: off
-    top_p: float = 0.95        # >= 1: off
-    min_p: float = 0.05        # <= 0: off
+    top_k: int = 40  # <= 0: off
+    top_p: float = 0.95  # >= 1: off
+    min_p: float = 0.05  # <= 0: off
     repeat_penalty: float = 1.0  # 1.0: off
-    repeat_last_n: int = 64    # 0: off, -1: the whole history passed in
-    seed: int | None = None    # None: a random seed, chosen once per Sampler
+    repeat_last_n: int = 64  # 0: off, -1: the whole history passed in
+    seed: int | None = None  # None: a random seed, chosen once per Sampler
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +55,7 @@ class SamplingParams:
 
 
 # ---- the chain steps; each takes and returns (ids i64 [n], logits f64 [n]) ---------------------
+
 
 def apply_repetition_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
     """Penalise every token id seen in `recent` once: positive logits divided, negative multiplied.
@@ -120,11 +123,12 @@ def temperature(ids: np.ndarray, logits: np.ndarray, temp: float):
     """Scale logits by 1/temp; temp <= 0 keeps only the best candidate (greedy)."""
     if temp <= 0.0:
         best = int(np.argmax(logits))  # first maximum: candidates are sorted, ties by id
-        return ids[best:best + 1], logits[best:best + 1]
+        return ids[best : best + 1], logits[best : best + 1]
     return ids, logits / temp
 
 
 # ---- the chain ---------------------------------------------------------------------------------
+
 
 def check_logits(logits: np.ndarray) -> None:
     """ModelOutputError unless the logits can be sampled: no NaN, no +inf, not all -inf.
@@ -132,17 +136,20 @@ def check_logits(logits: np.ndarray) -> None:
     -inf alone is fine (masked tokens, --ignore-eos); the rest only comes from damaged weights,
     and sampling it would pick token 0 forever or fail deep inside argmax."""
     from kvchat.runtime.errors import ModelOutputError
+
     x = np.asarray(logits)
     if x.size and np.isfinite(x).all():
         return
     if x.size == 0:
         raise ModelOutputError("the model produced no logits")
     if np.isnan(x).any():
-        raise ModelOutputError("the model produced NaN logits: its weights are damaged "
-                               "(re-download or re-convert the model file)")
+        raise ModelOutputError(
+            "the model produced NaN logits: its weights are damaged (re-download or re-convert the model file)"
+        )
     if np.isposinf(x).any():
-        raise ModelOutputError("the model produced infinite logits: its weights are damaged "
-                               "(re-download or re-convert the model file)")
+        raise ModelOutputError(
+            "the model produced infinite logits: its weights are damaged (re-download or re-convert the model file)"
+        )
     if not np.isfinite(x).any():
         raise ModelOutputError("every token has probability zero (all logits are -inf)")
 

@@ -9,6 +9,7 @@ attention off, add_special and parse_special on). What is checked, as issue 9 bi
 - the long prompt in one batch, in 7-token ubatches and token by token: bit-identical logits;
 - the greedy continuation of the reference prompt.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def all_logits(model, tokens, n_ubatch=512, call=None, **params) -> np.ndarray:
     step = call or len(tokens)
     rows = []
     for p0 in range(0, len(tokens), step):
-        assert ctx.decode(Batch.one_seq(tokens[p0:p0 + step], p0, all_logits=True)) == 0, ctx.last_error
+        assert ctx.decode(Batch.one_seq(tokens[p0 : p0 + step], p0, all_logits=True)) == 0, ctx.last_error
         rows.append(ctx.get_logits().copy())
     return np.concatenate(rows)
 
@@ -77,8 +78,15 @@ def logprobs_cli(name: str, prompt: str, tmp_path: Path, top: int = 64) -> dict:
 
     f = tmp_path / "prompt.txt"
     f.write_text(prompt, encoding="utf-8")
-    s = ChatSettings(model=str(model_path(name)), ctx_size=2048, batch_size=2048, ubatch_size=512,
-                     cache_type_k="f32", cache_type_v="f32", flash_attn="off")
+    s = ChatSettings(
+        model=str(model_path(name)),
+        ctx_size=2048,
+        batch_size=2048,
+        ubatch_size=512,
+        cache_type_k="f32",
+        cache_type_v="f32",
+        flash_attn="off",
+    )
     return json.loads(run_logprobs(s, f, top, parse_special=True))
 
 
@@ -150,13 +158,33 @@ def check_chat_and_run_q8(name: str, tmp_path: Path, capsys, monkeypatch) -> Non
     try:
         assert m.ftype_name == "Q8_0"
         from kvchat.runtime.text.chat_template import ChatTemplate
+
         text = ChatTemplate.from_gguf(m.gguf, m.vocab).render([{"role": "user", "content": "Once upon a time"}])
         prompt = m.vocab.tokenize(text, add_special=True, parse_special=True)
         want = m.vocab.detokenize(greedy_ids(m, prompt, 8))
     finally:
         m.close()
-    main(["run", "-m", str(q8), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-c", "2048",
-          "-ctk", "f32", "-ctv", "f32", "-fa", "off"])  # greedy_ids' settings
+    main(
+        [
+            "run",
+            "-m",
+            str(q8),
+            "-p",
+            "Once upon a time",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "-c",
+            "2048",
+            "-ctk",
+            "f32",
+            "-ctv",
+            "f32",
+            "-fa",
+            "off",
+        ]
+    )  # greedy_ids' settings
     assert capsys.readouterr().out.strip() == want.strip()  # the answer, without the reply's leading space
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n"))
     main(["chat", "-m", str(q8), "-n", "8", "--temp", "0", "-c", "512"])

@@ -4,6 +4,7 @@ locks' release) run when it returns, as at the end of a process. The kernels are
 for the whole test session, which is what makes the CLI contract tests cheap; the tests about
 processes themselves (signals, closed descriptors, a lock held by another process, the
 interpreter's start-up locale) run a real one instead."""
+
 from __future__ import annotations
 
 import atexit
@@ -24,6 +25,7 @@ def kvchat(*args, input=None, env=None, cwd=None, text=True, stdin_errors="surro
     stdin_errors ("strict" is what PYTHONIOENCODING=utf-8:strict gives a process); `env` entries
     are set for the call; text=False gives stdout/stderr as bytes, as subprocess.run does."""
     from kvchat.cli.app import main
+
     argv = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
     data = input.encode("utf-8", "surrogateescape") if isinstance(input, str) else (input or b"")
     stdin, stdout, stderr = _stream(data, stdin_errors), _stream(), _stream()

@@ -1,9 +1,11 @@
 """Shared fixtures: tiny models written by tests/gguf_factory.py (the fast lane), and the two
 real models, fetched once into KVCHAT_CACHE (default ~/.cache/kvchat), for agreement with llama.cpp.
 
-`python -m pytest -q -n 2 -m "not real_model"` (README's fast lane) runs without the real models: every test that asks for
+`python -m pytest -q -n 2 -m "not real_model"` (README's fast lane) runs without the real models: every test that
+asks for
 `smollm2_path` / `gemma3_path` is marked `real_model` here, whatever its module says.
 """
+
 import json
 import os
 import sys
@@ -43,6 +45,7 @@ def tiny_model(tmp_path_factory):
     """tiny_model(arch="llama", **opts) -> Path of a tiny random GGUF (ChatML template, the
     factory's vocabulary), written once per session for each distinct (arch, opts)."""
     from tests.gguf_factory import write_tiny_model
+
     made = {}
     root = tmp_path_factory.mktemp("tiny_models")
 
@@ -60,11 +63,13 @@ def tiny_chat(tmp_path_factory) -> Path:
     """A tiny llama with the ChatML template that answers in printable text and never ends its
     turn by itself (tests/gguf_factory.write_tiny_chat_model): the CLI contract tests' model."""
     from tests.gguf_factory import write_tiny_chat_model
+
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat") / "tiny-chat.gguf")
 
 
 def _model(name):
     from kvchat.cli.sources.models import resolve_model
+
     return resolve_model(name)
 
 

@@ -5,6 +5,7 @@ kernels/, element by element in numpy. ``fma32`` is an exact
 single-rounding fused multiply-add on float32 values (float64 product and sum made
 round-to-odd before the final rounding to float32, so no double rounding).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,6 +66,7 @@ def silu_reference(x: np.ndarray) -> np.ndarray:
 
 def _libm():
     import ctypes
+
     lib = ctypes.CDLL("libm.so.6")
     for name, n in (("cosf", 1), ("sinf", 1), ("powf", 2)):
         getattr(lib, name).restype = ctypes.c_float

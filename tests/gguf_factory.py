@@ -24,6 +24,7 @@ Options beyond the signature's sizes:
   schema's optional tensors to write too, output_tokens=(ids...) writes an output.weight that
   makes the model say only those tokens (write_tiny_chat_model uses it).
 """
+
 from __future__ import annotations
 
 import math
@@ -103,14 +104,37 @@ def spm_vocab():
     return tokens, types, None, scores, specials
 
 
-def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
-                     n_head_kv: int = 2, n_ff: int = 128, n_vocab: int | None = None,
-                     weight_type: int = GGMLType.F32, seed: int = 0, **overrides) -> Path:
+def write_tiny_model(
+    path,
+    arch: str = "llama",
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int | None = None,
+    weight_type: int = GGMLType.F32,
+    seed: int = 0,
+    **overrides,
+) -> Path:
     """Write a valid tiny random model of `arch` to `path` and return the path (see module doc)."""
-    opts = dict(head_dim=None, n_ctx_train=512, rope_freq_base=10000.0, n_swa=16, swa_pattern=None,
-                tied=True, qkv_bias=arch == "qwen2", vocab="spm" if arch == "gemma3" else "bpe",
-                chat_template=CHATML, metadata=None, drop_tensors=(), norm_eps=1e-6,
-                extra_tensors=None, optional_tensors=(), output_tokens=None)
+    opts = dict(
+        head_dim=None,
+        n_ctx_train=512,
+        rope_freq_base=10000.0,
+        n_swa=16,
+        swa_pattern=None,
+        tied=True,
+        qkv_bias=arch == "qwen2",
+        vocab="spm" if arch == "gemma3" else "bpe",
+        chat_template=CHATML,
+        metadata=None,
+        drop_tensors=(),
+        norm_eps=1e-6,
+        extra_tensors=None,
+        optional_tensors=(),
+        output_tokens=None,
+    )
     unknown = set(overrides) - set(opts)
     if unknown:
         raise TypeError(f"unknown write_tiny_model options: {sorted(unknown)}")
@@ -183,7 +207,8 @@ def write_tiny_model(path, arch: str = "llama", n_layer: int = 2, n_embd: int = 
             continue
         if not required:
             wanted = (name == "output.weight" and (not opts["tied"] or opts["output_tokens"])) or (
-                opts["qkv_bias"] and name.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias")))
+                opts["qkv_bias"] and name.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias"))
+            )
             if not wanted and name not in opts["optional_tensors"]:
                 continue
         if name == "output.weight" and opts["output_tokens"] is not None:
@@ -216,7 +241,7 @@ def printable_token_ids() -> list[int]:
     and its merged words: what a tiny chat model should say so a terminal shows it plainly."""
     tokens = bpe_vocab()[0]
     table = gpt2_byte_chars()
-    wanted = {table[b] for b in range(0x20, 0x7f)} | {t for t in tokens[259:]}
+    wanted = {table[b] for b in range(0x20, 0x7F)} | {t for t in tokens[259:]}
     return [i for i, t in enumerate(tokens) if t in wanted]
 
 
@@ -231,12 +256,28 @@ def write_tiny_chat_model(path, seed: int = 0, **overrides) -> Path:
 
 def _hparams_for_shapes(arch, n_layer, n_embd, n_head, n_head_kv, head, n_ff, n_vocab) -> HParams:
     """Just enough of an HParams for expected_tensors() to list the shapes."""
-    return HParams(arch=arch, n_vocab=n_vocab, n_ctx_train=1, n_embd=n_embd, n_layer=n_layer,
-                   n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=head, n_embd_head_v=head,
-                   n_ff=n_ff, norm_eps=1e-6, rope_type=get_arch(arch).rope_type, n_rot=head,
-                   rope_freq_base=1e4, rope_freq_scale=1.0, rope_freq_base_swa=1e4, n_swa=0,
-                   swa_layers=[False] * n_layer, use_qk_norm=get_arch(arch).qk_norm,
-                   tied_output=True)
+    return HParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=1,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_embd_head_k=head,
+        n_embd_head_v=head,
+        n_ff=n_ff,
+        norm_eps=1e-6,
+        rope_type=get_arch(arch).rope_type,
+        n_rot=head,
+        rope_freq_base=1e4,
+        rope_freq_scale=1.0,
+        rope_freq_base_swa=1e4,
+        n_swa=0,
+        swa_layers=[False] * n_layer,
+        use_qk_norm=get_arch(arch).qk_norm,
+        tied_output=True,
+    )
 
 
 def _add_weight(w: gguf.GGUFWriter, name: str, shape: tuple, weight_type: int, rng) -> None:
@@ -314,7 +355,7 @@ def split_gguf_file(src, out_prefix, n_split: int) -> list[Path]:
         w.add_key_value("split.no", i, VT.UINT16)
         w.add_key_value("split.count", n_split, VT.UINT16)
         w.add_key_value("split.tensors.count", len(tensors), VT.INT32)
-        for t in tensors[bounds[i]:bounds[i + 1]]:
+        for t in tensors[bounds[i] : bounds[i + 1]]:
             # t.data is numpy-ordered (float types) or [rows, row bytes] u8 (quantized types)
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
         w.write_header_to_file()

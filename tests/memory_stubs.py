@@ -5,27 +5,52 @@ rows through mctx.cpy_k/cpy_v for every layer, reads the mask - and returns logi
 on what the mask lets it see, so tests can compare runs. It can be told to raise on the Nth
 ubatch (a compute failure) to exercise the rollback.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from kvchat.runtime.memory.attn_rotation import rotate
-
 from kvchat.kernels.quants import dequantize
 from kvchat.kernels.rope import rope_inplace
 from kvchat.runtime.hparams import HParams
+from kvchat.runtime.memory.attn_rotation import rotate
 
 
-def make_hparams(n_layer=2, n_head_kv=2, head_dim=32, n_vocab=64, n_ctx_train=4096, n_swa=0,
-                 swa_layers=None, rope_type="neox", arch="llama") -> HParams:
+def make_hparams(
+    n_layer=2,
+    n_head_kv=2,
+    head_dim=32,
+    n_vocab=64,
+    n_ctx_train=4096,
+    n_swa=0,
+    swa_layers=None,
+    rope_type="neox",
+    arch="llama",
+) -> HParams:
     if swa_layers is None:
         swa_layers = [False] * n_layer
     return HParams(
-        arch=arch, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_embd=n_head_kv * head_dim * 2,
-        n_layer=n_layer, n_head=n_head_kv * 2, n_head_kv=n_head_kv, n_embd_head_k=head_dim,
-        n_embd_head_v=head_dim, n_ff=64, norm_eps=1e-6, rope_type=rope_type, n_rot=head_dim,
-        rope_freq_base=10000.0, rope_freq_scale=1.0, rope_freq_base_swa=1000.0, n_swa=n_swa,
-        swa_layers=list(swa_layers), use_qk_norm=False, tied_output=True)
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
+        n_embd=n_head_kv * head_dim * 2,
+        n_layer=n_layer,
+        n_head=n_head_kv * 2,
+        n_head_kv=n_head_kv,
+        n_embd_head_k=head_dim,
+        n_embd_head_v=head_dim,
+        n_ff=64,
+        norm_eps=1e-6,
+        rope_type=rope_type,
+        n_rot=head_dim,
+        rope_freq_base=10000.0,
+        rope_freq_scale=1.0,
+        rope_freq_base_swa=1000.0,
+        n_swa=n_swa,
+        swa_layers=list(swa_layers),
+        use_qk_norm=False,
+        tied_output=True,
+    )
 
 
 def raw_k(hp: HParams, il: int, tokens: np.ndarray) -> np.ndarray:
@@ -72,14 +97,13 @@ class StubModel:
         k, tk = mctx.get_k(0)
         self.seen.append((ub.n_tokens, mask.shape[1]))
         # logits depend on the visible keys: sum of the first K value of every visible cell
-        k0 = dequantize(k[0, :mask.shape[1]], tk, hp.n_embd_k_gqa(0))[:, 0]  # [n_kv]
+        k0 = dequantize(k[0, : mask.shape[1]], tk, hp.n_embd_k_gqa(0))[:, 0]  # [n_kv]
         vis = np.where(np.isfinite(mask), 1.0, 0.0)  # [n_tokens, n_kv]
         score = vis @ k0  # [n_tokens]
         cnt = vis.sum(axis=1)
         out = ub.output
         v = np.arange(hp.n_vocab, dtype=np.float64)
-        logits = np.cos(score[out, None] + cnt[out, None] * 0.01 * v[None, :]
-                        + ub.token[out, None] * 0.001)
+        logits = np.cos(score[out, None] + cnt[out, None] * 0.01 * v[None, :] + ub.token[out, None] * 0.001)
         return logits.astype(np.float32)
 
 
@@ -88,8 +112,18 @@ def cells_snapshot(kv) -> list:
     out = []
     for s, c in enumerate(kv.cells):
         seq_ranges = [(c.seq_pos_min(q), c.seq_pos_max(q)) for q in range(c.n_seq_max)]
-        out.append((c.pos.copy(), c.seq.copy(), c.shift.copy(), c.ext.copy(), kv.heads[s],
-                    c.get_used(), c.used_max_p1(), seq_ranges))
+        out.append(
+            (
+                c.pos.copy(),
+                c.seq.copy(),
+                c.shift.copy(),
+                c.ext.copy(),
+                kv.heads[s],
+                c.get_used(),
+                c.used_max_p1(),
+                seq_ranges,
+            )
+        )
     return out
 
 

@@ -5,6 +5,7 @@ The terminal side answers prompt_toolkit's cursor-position requests like a real 
 (without that it cannot know its height and hides the bottom toolbar). The toolbar
 ("ctx N/256 · f16/f16") appearing again is the sign the chat waits for input.
 """
+
 import os
 import re
 import sys
@@ -37,15 +38,38 @@ class Chat:
     pytest-xdist's workers) stays on one line for the tests' substring checks."""
 
     def __init__(self, model, tmp_path, *args, env=None, ready=True, cwd=ROOT):
-        e = dict(os.environ, TERM="xterm", PYTHONPATH=str(ROOT), KVCHAT_CACHE=str(tmp_path / "cache"),
-                 COLUMNS="200", LINES="50")
+        e = dict(
+            os.environ,
+            TERM="xterm",
+            PYTHONPATH=str(ROOT),
+            KVCHAT_CACHE=str(tmp_path / "cache"),
+            COLUMNS="200",
+            LINES="50",
+        )
         e.pop("PROMPT_TOOLKIT_NO_CPR", None)
         e.pop("KVCHAT_DEBUG", None)
         e.update(env or {})
-        self.child = pexpect.spawn(sys.executable, ["-c", "from kvchat.cli.app import main; main()", "chat",
-                                                    "-m", str(model), "-c", "256", "--temp", "0", *args],
-                                   env=e, encoding="utf-8", codec_errors="replace", timeout=TIMEOUT,
-                                   dimensions=(50, 200), cwd=str(cwd))
+        self.child = pexpect.spawn(
+            sys.executable,
+            [
+                "-c",
+                "from kvchat.cli.app import main; main()",
+                "chat",
+                "-m",
+                str(model),
+                "-c",
+                "256",
+                "--temp",
+                "0",
+                *args,
+            ],
+            env=e,
+            encoding="utf-8",
+            codec_errors="replace",
+            timeout=TIMEOUT,
+            dimensions=(50, 200),
+            cwd=str(cwd),
+        )
         self.ctx_used = None
         if ready:
             self.wait(READY)

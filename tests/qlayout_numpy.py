@@ -4,12 +4,14 @@
 It is the repack as it was written first: every value unpacked with numpy, stacked, transposed
 and packed. Same arrays, same bytes; only slower (a dozen passes and temporaries per matrix).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.qlayout import EMPTY_I8, EMPTY_U16, FORMATS, IQ4_NL_VALUES, R, Packed, QFormat
+from kvchat.kernels.qlayout import EMPTY_I8, EMPTY_U16, FORMATS, IQ4_NL_VALUES, Packed, QFormat, R
+
 
 def _f16_bits(b: np.ndarray) -> np.ndarray:
     """Two bytes (last axis) -> the u16 f16 bit pattern."""
@@ -94,7 +96,7 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
         d = _f16_bits(blk[..., 0:2])
         mm = _f16_bits(blk[..., 2:4]) if fmt.lmin else None
         if t in (GGMLType.Q4_0, GGMLType.Q4_1):
-            qs = blk[..., bsz - 16:]
+            qs = blk[..., bsz - 16 :]
             v = np.concatenate([qs & 15, qs >> 4], -1)
         elif t == GGMLType.Q8_0:
             v = blk[..., 2:].view(np.int8)
@@ -103,12 +105,13 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
             v = IQ4_NL_VALUES[np.concatenate([qs & 15, qs >> 4], -1)]
         else:  # q5_0, q5_1: nibble plus a fifth bit from the 32-bit qh word
             off = 2 if t == GGMLType.Q5_0 else 4
-            qh = _bits(np.ascontiguousarray(blk[..., off:off + 4]).view("<u4")[..., 0], 32)
-            qs = blk[..., off + 4:]
+            qh = _bits(np.ascontiguousarray(blk[..., off : off + 4]).view("<u4")[..., 0], 32)
+            qs = blk[..., off + 4 :]
             v = (np.concatenate([qs & 15, qs >> 4], -1) | (qh << 4)).astype(np.uint8)
         q = _pack_values(np.ascontiguousarray(v), m, fmt)
-        return Packed(q, _interleave_rows(d, m), EMPTY_U16 if mm is None else _interleave_rows(mm, m),
-                      EMPTY_I8, EMPTY_I8)
+        return Packed(
+            q, _interleave_rows(d, m), EMPTY_U16 if mm is None else _interleave_rows(mm, m), EMPTY_I8, EMPTY_I8
+        )
 
     nsb = k // 256
     blk = raw.reshape(m, nsb, raw.shape[1] // nsb)
@@ -137,7 +140,7 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
         d = _f16_bits(blk[..., 108:110])
         dmin = None
         low = np.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], 3)  # [m, nsb, 2, 4, 32]
-        hbit = ((hm[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1)
+        hbit = (hm[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
         v = (low + 4 * hbit.reshape(m, nsb, 2, 4, 32)).astype(np.uint8).reshape(m, nsb * 16, 16)  # q + 4
     else:  # q2_K
         scb, qs = blk[..., 0:16], blk[..., 16:80].reshape(m, nsb, 2, 32)
@@ -147,6 +150,10 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
     q = _pack_values(np.ascontiguousarray(v), m, fmt)
     n_sub = k // fmt.sub
     neg_dmin = EMPTY_U16 if dmin is None else _interleave_rows(dmin ^ np.uint16(0x8000), m)  # -dmin, exact
-    return Packed(q, _interleave_rows(d, m), neg_dmin,
-                  _interleave_rows(sc.reshape(m, n_sub).astype(np.int8), m),
-                  EMPTY_I8 if mn is None else _interleave_rows(mn.reshape(m, n_sub).astype(np.int8), m))
+    return Packed(
+        q,
+        _interleave_rows(d, m),
+        neg_dmin,
+        _interleave_rows(sc.reshape(m, n_sub).astype(np.int8), m),
+        EMPTY_I8 if mn is None else _interleave_rows(mn.reshape(m, n_sub).astype(np.int8), m),
+    )

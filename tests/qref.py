@@ -4,6 +4,7 @@ Written from ggml-cpu's x86 quantize_row_q8_0 / _q8_1 (id = 127 / amax, round ha
 f16 d; q8_1's s = f16(d * sum q)) and quantize_row_q8_K_ref (first x of largest |x|,
 iscale = -127 / max, min(127, round), d = 1 / iscale), element by element in float32.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,11 +4,13 @@ sequence's conv and SSM state through mctx.get_r/get_s, runs the real conv and s
 writes the new states with cpy_r/cpy_s - and returns logits that depend on those states. Its
 attention layers (hybrid) write K/V like memory_stubs.StubModel. It can fail on the Nth ubatch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+from memory_stubs import roped_k, v_rows
 
 from kvchat.kernels.conv import conv_with_state
 from kvchat.kernels.ssm_scan import scan
@@ -17,8 +19,6 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.hparams import HParams
 from kvchat.runtime.memory.hybrid import MemoryHybrid
 from kvchat.runtime.memory.recurrent import MemoryRecurrent
-
-from memory_stubs import roped_k, v_rows
 
 D_CONV, D_INNER, D_STATE = 4, 8, 4
 
@@ -41,11 +41,28 @@ def make_rhparams(recurrent_layers=(True, True), n_vocab=64) -> RecurrentHParams
     """arch names the memory the Context creates first (mamba: recurrent, lfm2: hybrid)."""
     n_layer = len(recurrent_layers)
     return RecurrentHParams(
-        arch="mamba" if all(recurrent_layers) else "lfm2", n_vocab=n_vocab, n_ctx_train=4096, n_embd=16, n_layer=n_layer, n_head=2,
-        n_head_kv=1, n_embd_head_k=8, n_embd_head_v=8, n_ff=16, norm_eps=1e-6, rope_type="neox",
-        n_rot=8, rope_freq_base=10000.0, rope_freq_scale=1.0, rope_freq_base_swa=10000.0, n_swa=0,
-        swa_layers=[False] * n_layer, use_qk_norm=False, tied_output=True,
-        recurrent_layers=list(recurrent_layers))
+        arch="mamba" if all(recurrent_layers) else "lfm2",
+        n_vocab=n_vocab,
+        n_ctx_train=4096,
+        n_embd=16,
+        n_layer=n_layer,
+        n_head=2,
+        n_head_kv=1,
+        n_embd_head_k=8,
+        n_embd_head_v=8,
+        n_ff=16,
+        norm_eps=1e-6,
+        rope_type="neox",
+        n_rot=8,
+        rope_freq_base=10000.0,
+        rope_freq_scale=1.0,
+        rope_freq_base_swa=10000.0,
+        n_swa=0,
+        swa_layers=[False] * n_layer,
+        use_qk_norm=False,
+        tied_output=True,
+        recurrent_layers=list(recurrent_layers),
+    )
 
 
 def _layer_inputs(il, tokens):
@@ -106,12 +123,15 @@ class RecurrentStubModel:
 def make_rctx(hybrid=False, n_seq_max=1, n_ctx=256, n_ubatch=512, fail_at=None, unified=True):
     """A Context over the stub with a recurrent (or hybrid: layer 1 attention) memory."""
     hp = make_rhparams((True, False, True) if hybrid else (True, True))
-    ctx = Context(RecurrentStubModel(hp, fail_at), ContextParams(
-        n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, n_seq_max=n_seq_max, kv_unified=unified))
+    ctx = Context(
+        RecurrentStubModel(hp, fail_at),
+        ContextParams(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, n_seq_max=n_seq_max, kv_unified=unified),
+    )
     cp = ctx.cparams
     if hybrid:
-        ctx.memory = MemoryHybrid(hp, cp.type_k, cp.type_v, cp.v_trans, cp.kv_unified,
-                                  cp.n_ctx_seq, max(1, cp.n_seq_max), cp.n_seq_max)
+        ctx.memory = MemoryHybrid(
+            hp, cp.type_k, cp.type_v, cp.v_trans, cp.kv_unified, cp.n_ctx_seq, max(1, cp.n_seq_max), cp.n_seq_max
+        )
     else:
         ctx.memory = MemoryRecurrent(hp, max(1, cp.n_seq_max), cp.n_seq_max)
     return ctx

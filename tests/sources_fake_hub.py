@@ -11,6 +11,7 @@ makes the next GET of that file stop after n bytes (the connection is dropped mi
 `add_repo(..., token=T)` makes a gated repo: without `Authorization: Bearer T` the hub answers
 403 with X-Error-Code GatedRepo, as it does for a gated model whose terms were not accepted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,9 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def add_repo(self, repo: str, files: dict[str, bytes | Path], commit: str | None = None,
-                 token: str | None = None) -> str:
+    def add_repo(
+        self, repo: str, files: dict[str, bytes | Path], commit: str | None = None, token: str | None = None
+    ) -> str:
         blobs = {name: (data.read_bytes() if isinstance(data, Path) else data) for name, data in files.items()}
         commit = commit or hashlib.sha1(repo.encode() + b"".join(blobs[n] for n in sorted(blobs))).hexdigest()
         self.repos[repo] = {"sha": commit, "files": blobs, "token": token}
@@ -100,11 +102,26 @@ def _handler(hub: FakeHub):
             r = self._repo(repo, rev)
             if r is None:
                 return
-            siblings = [{"rfilename": n, "size": len(b), "blobId": hashlib.sha1(b).hexdigest(),
-                         "lfs": {"size": len(b), "sha256": hashlib.sha256(b).hexdigest(), "pointerSize": 134}}
-                        for n, b in sorted(r["files"].items())]
-            data = json.dumps({"_id": repo, "id": repo, "modelId": repo, "sha": r["sha"], "private": False,
-                               "tags": ["gguf"], "siblings": siblings}).encode()
+            siblings = [
+                {
+                    "rfilename": n,
+                    "size": len(b),
+                    "blobId": hashlib.sha1(b).hexdigest(),
+                    "lfs": {"size": len(b), "sha256": hashlib.sha256(b).hexdigest(), "pointerSize": 134},
+                }
+                for n, b in sorted(r["files"].items())
+            ]
+            data = json.dumps(
+                {
+                    "_id": repo,
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": r["sha"],
+                    "private": False,
+                    "tags": ["gguf"],
+                    "siblings": siblings,
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

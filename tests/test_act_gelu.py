@@ -1,6 +1,7 @@
 """GeGLU as ggml's CPU backend computes it (kernels/gelu_table.py): the GELU table against
 llama.cpp's own table and against ggml_gelu_f32's expression, and the branch-free f16 lookup
 against the plain one (numpy's round-to-nearest-even half conversion) bit for bit."""
+
 import ctypes
 import ctypes.util
 import os
@@ -73,10 +74,10 @@ def test_geglu_gives_ggmls_bits_on_a_stride_of_all_float32_patterns():
     """Every 4099th bit pattern (normals, subnormals, ±0, NaNs, ±inf), the half-rounding ties
     and the subnormal/normal half boundary densely, both saturation edges; odd widths run the
     vector loop's remainder. (All 2^32 gate values were checked once: docs/performance.md.)"""
-    pats = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    pats = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
     h = _HALVES[_READ].astype(np.float16)
     ties = h.astype(np.float32) + np.abs(np.spacing(h)).astype(np.float32) / 2  # halfway to the next half
-    sub = np.linspace(-2 ** -13, 2 ** -13, 40001, dtype=np.float32)
+    sub = np.linspace(-(2**-13), 2**-13, 40001, dtype=np.float32)
     edges = np.concatenate([np.nextafter(np.float32(v), np.float32([-np.inf, np.inf])) for v in (-10, 10)])
     g = np.concatenate([pats, ties, sub, edges, np.float32([-10, 10, 0.0, -0.0, np.inf, -np.inf])])
     u = np.random.default_rng(3).standard_normal(g.size).astype(np.float32)
@@ -104,5 +105,5 @@ def test_geglu_is_the_table_value_times_up():
     np.testing.assert_array_equal(t, t.astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(geglu(x, u), t * u)
     xh = x.astype(np.float16).astype(np.float64)  # the tanh form at the half-rounded x, to half precision
-    exact = 0.5 * xh * (1 + np.tanh(np.sqrt(2 / np.pi) * xh * (1 + 0.044715 * xh ** 2)))
+    exact = 0.5 * xh * (1 + np.tanh(np.sqrt(2 / np.pi) * xh * (1 + 0.044715 * xh**2)))
     np.testing.assert_allclose(geglu(x, np.ones_like(x)), exact, rtol=1e-3, atol=2.5e-7)

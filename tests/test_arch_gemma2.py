@@ -1,5 +1,6 @@
 """gemma2 (attention and final soft-capping, SWA on even layers, GeGLU through ggml's f16 GELU
 table) against llama.cpp on the tiny reference model gemma2_s1, and on factory variants."""
+
 import numpy as np
 import pytest
 
@@ -25,6 +26,7 @@ def check_default_swa_cache_splits(flash_attn):
     (kq_start), so all 300 positions are bit-identical across every split anyway; and with
     --swa-full (one cache size for every split) as well."""
     from kvchat.runtime.model import Model
+
     tokens = arch_refs.load_ref(NAME)["logits"][2]["tokens"]
     assert len(tokens) > 256 + 32  # past the wrap by more than the window
     m = Model.load(arch_refs.model_path(NAME))
@@ -51,6 +53,7 @@ def test_the_swa_cache_is_a_ring_and_kq_start_names_each_tokens_oldest_cell(monk
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.memory.kv_cache_context import KVCacheContext
     from kvchat.runtime.model import Model
+
     tokens = arch_refs.load_ref(NAME)["logits"][2]["tokens"]
     m = Model.load(arch_refs.model_path(NAME))
     seen = []
@@ -80,14 +83,16 @@ def test_the_swa_cache_is_a_ring_and_kq_start_names_each_tokens_oldest_cell(monk
 
 def test_hparams_and_the_iswa_memory(tmp_path):
     from kvchat.runtime.model import Model
+
     m = Model.load(arch_refs.model_path(NAME))
     hp = m.hparams
     assert hp.swa_layers == [True, False, True, False] and hp.n_swa == 32
     assert (hp.attn_logit_softcap, hp.final_logit_softcap) == (50.0, 30.0)
-    assert hp.embed_scale == 8.0 and hp.kq_scale == pytest.approx(32 ** -0.5) and hp.rope_freq_base == 10000.0
+    assert hp.embed_scale == 8.0 and hp.kq_scale == pytest.approx(32**-0.5) and hp.rope_freq_base == 10000.0
     assert m.weights.output is m.weights.tok_embd
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
+
     assert type(Context(m, ContextParams(**arch_refs.REF_PARAMS)).memory).__name__ == "KVCacheISWA"
     m.close()
 
@@ -95,6 +100,7 @@ def test_hparams_and_the_iswa_memory(tmp_path):
 def test_gelu_table_is_ggml_s():
     """f16(gelu(f16(x))) inside (-10, 10), 0 / x outside (tests/test_act_gelu.py: bit for bit)."""
     from kvchat.kernels.act import geglu
+
     x = np.linspace(-12, 12, 4001, dtype=np.float32)[None, :]
     one = np.ones_like(x)
     got = geglu(x, one)
@@ -112,13 +118,19 @@ def test_factory_gemma2_swa_pattern_and_softcap_keys(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.hparams import HParams
     from tests.gguf_factory import write_tiny_model
-    p = write_tiny_model(tmp_path / "g.gguf", arch="gemma2", n_layer=6, vocab="spm",
-                         metadata={"gemma2.attention.sliding_window": 16,
-                                   "gemma2.attn_logit_softcapping": 20.0})
+
+    p = write_tiny_model(
+        tmp_path / "g.gguf",
+        arch="gemma2",
+        n_layer=6,
+        vocab="spm",
+        metadata={"gemma2.attention.sliding_window": 16, "gemma2.attn_logit_softcapping": 20.0},
+    )
     hp = HParams.from_gguf(GGUFFile(p))
     assert hp.swa_layers == [True, False] * 3 and hp.n_swa == 16
     assert hp.attn_logit_softcap == 20.0 and hp.final_logit_softcap == 30.0
     from kvchat.runtime.model import Model
+
     m = Model.load(p)
     logits = arch_refs.all_logits(m, list(range(5, 45)))
     assert np.isfinite(logits).all() and np.abs(logits).max() <= 30.0  # final soft-cap

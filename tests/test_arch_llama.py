@@ -1,5 +1,6 @@
 """llama with Llama-3.1/3.2 RoPE scaling (rope_freqs.weight) against llama.cpp on the tiny
 reference model llama3rope_s1, and on factory variants."""
+
 import numpy as np
 import pytest
 
@@ -14,12 +15,15 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 
 # ---- factory variants --------------------------------------------------------------------
 
+
 def _model(tmp_path, name, factors=None, **kw):
     from kvchat.runtime.model import Model
     from tests.gguf_factory import write_tiny_model
+
     extra = {} if factors is None else {"rope_freqs.weight": np.asarray(factors, np.float32)}
-    return Model.load(write_tiny_model(tmp_path / name, arch="llama", n_layer=2, extra_tensors=extra,
-                                       rope_freq_base=500000.0, **kw))
+    return Model.load(
+        write_tiny_model(tmp_path / name, arch="llama", n_layer=2, extra_tensors=extra, rope_freq_base=500000.0, **kw)
+    )
 
 
 def _logits(model, tokens, pos0=0):
@@ -30,6 +34,7 @@ def _at(model, tokens, pos0):
     from kvchat.runtime.batch import Batch
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
+
     ctx = Context(model, ContextParams(**arch_refs.REF_PARAMS))
     assert ctx.decode(Batch.one_seq(tokens, pos0, all_logits=True)) == 0
     return ctx.get_logits().copy()
@@ -51,6 +56,7 @@ def test_context_shift_re_ropes_keys_with_the_factors(tmp_path):
     from kvchat.runtime.batch import Batch
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
+
     m = _model(tmp_path, "s.gguf", factors=[1, 1, 1, 1, 3.29, 32, 32, 32])
     ctx = Context(m, ContextParams(**arch_refs.REF_PARAMS))
     assert ctx.decode(Batch.one_seq(TOKENS, 0)) == 0
@@ -63,5 +69,6 @@ def test_context_shift_re_ropes_keys_with_the_factors(tmp_path):
 
 def test_rope_freqs_of_the_wrong_size_is_a_one_line_error(tmp_path):
     from kvchat.runtime.errors import ModelFileError
+
     with pytest.raises(ModelFileError, match=r"rope_freqs.weight.*shape \[8\]"):
         _model(tmp_path, "bad.gguf", factors=np.ones(5))

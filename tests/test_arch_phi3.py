@@ -1,5 +1,6 @@
 """phi3 (fused attn_qkv, gate|up in ffn_up, partial rotary, LongRoPE) against llama.cpp on the
 tiny reference model phi3_s1, and on factory variants."""
+
 import numpy as np
 import pytest
 
@@ -19,10 +20,11 @@ def test_the_context_size_picks_the_longrope_factor_set():
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.model import Model
+
     m = Model.load(arch_refs.model_path(NAME))
     hp = m.hparams
     assert hp.rope_factors(0, 1024) is hp.rope_factors_short and hp.rope_factors(0, 1280) is hp.rope_factors_long
-    assert hp.rope_attn_factor == pytest.approx(1.5 ** 0.5, rel=1e-6) and hp.n_rot == 12
+    assert hp.rope_attn_factor == pytest.approx(1.5**0.5, rel=1e-6) and hp.n_rot == 12
     tokens = arch_refs.load_ref(NAME)["logits"][2]["tokens"][:64]
     out = {}
     for n_ctx in (512, 1024, 2048):
@@ -36,16 +38,27 @@ def test_the_context_size_picks_the_longrope_factor_set():
 
 def _phi3(tmp_path, name, fused=True, **kw):
     from tests.gguf_factory import write_tiny_model
+
     n_layer = 2
-    opt = [f"blk.{il}.attn_qkv.weight" for il in range(n_layer)] if fused else \
-        [f"blk.{il}.attn_{x}.weight" for il in range(n_layer) for x in "qkv"]
-    return write_tiny_model(tmp_path / name, arch="phi3", n_layer=n_layer, optional_tensors=opt,
-                            metadata={"phi3.rope.dimension_count": 12}, **kw)
+    opt = (
+        [f"blk.{il}.attn_qkv.weight" for il in range(n_layer)]
+        if fused
+        else [f"blk.{il}.attn_{x}.weight" for il in range(n_layer) for x in "qkv"]
+    )
+    return write_tiny_model(
+        tmp_path / name,
+        arch="phi3",
+        n_layer=n_layer,
+        optional_tensors=opt,
+        metadata={"phi3.rope.dimension_count": 12},
+        **kw,
+    )
 
 
 def test_fused_or_separate_qkv_load_and_neither_is_a_one_line_error(tmp_path):
     from kvchat.runtime.errors import ModelFileError
     from kvchat.runtime.model import Model
+
     for fused in (True, False):
         m = Model.load(_phi3(tmp_path, f"p{fused}.gguf", fused=fused))
         L = m.weights.layers[0]

@@ -1,5 +1,6 @@
 """The architecture seam: every registered arch is one self-contained module, and the generic
 layers (hparams, model, memory interface) name no architecture."""
+
 from __future__ import annotations
 
 import re

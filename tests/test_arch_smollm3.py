@@ -1,5 +1,6 @@
 """smollm3 (NoPE on every fourth layer) against llama.cpp on the tiny reference model
 smollm3_s1, and on factory variants."""
+
 import numpy as np
 
 from tests import arch_refs
@@ -15,6 +16,7 @@ def test_every_fourth_layer_has_no_rope(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.hparams import HParams
     from tests.gguf_factory import write_tiny_model
+
     hp = HParams.from_gguf(GGUFFile(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=8)))
     assert [il for il in range(8) if not hp.has_rope(il)] == [3, 7]
     assert hp.rope_args(3, 2048)["n_rot"] == 0 and hp.rope_args(2, 2048)["n_rot"] == hp.n_rot
@@ -28,6 +30,7 @@ def test_context_shift_leaves_nope_keys_and_matches_a_fresh_decode(tmp_path):
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.model import Model
     from tests.gguf_factory import write_tiny_model
+
     m = Model.load(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=4))
     tokens = list(range(5, 41))
     ctx = Context(m, ContextParams(**arch_refs.REF_PARAMS))

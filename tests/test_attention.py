@@ -4,6 +4,7 @@ The cache rows are made with gguf-py's reference quantizer (random blocks for iq
 cannot quantize) and dequantized with gguf-py for the reference, so the kernels' in-place block
 reading is checked independently of kernels/quants.py's own round trip.
 """
+
 import gguf
 import gguf.quants as gq
 import numpy as np
@@ -85,10 +86,21 @@ def _setup(type_k, type_v, n_tokens, n_head, n_head_kv, dk, n_kv, kv_size, n_str
 def test_flash_matches_reference_for_every_k_type(type_k, shape):
     n_tokens, n_head, n_head_kv = shape
     type_v = type_k
-    q, kraw, kval, vraw, vval, mask, ts = _setup(type_k, type_v, n_tokens, n_head, n_head_kv, 64,
-                                                 n_kv=103, kv_size=128, n_stream=1, seed=n_tokens)
-    got = attention(q, kraw[:, :103], GGMLType[type_k.upper()], vraw[:, :103],
-                    GGMLType[type_v.upper()], mask, ts, n_head_kv, 0.125, round_q=False)
+    q, kraw, kval, vraw, vval, mask, ts = _setup(
+        type_k, type_v, n_tokens, n_head, n_head_kv, 64, n_kv=103, kv_size=128, n_stream=1, seed=n_tokens
+    )
+    got = attention(
+        q,
+        kraw[:, :103],
+        GGMLType[type_k.upper()],
+        vraw[:, :103],
+        GGMLType[type_v.upper()],
+        mask,
+        ts,
+        n_head_kv,
+        0.125,
+        round_q=False,
+    )
     ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
@@ -97,8 +109,9 @@ def test_flash_matches_reference_for_every_k_type(type_k, shape):
 @pytest.mark.parametrize("type_k", ["f16", "q8_0", "q4_0"])
 def test_classic_path_with_transposed_v(type_k, type_v):
     n_tokens, n_head, n_head_kv, dk, n_kv, kv_size = 37, 6, 2, 64, 96, 256
-    q, kraw, kval, vraw, vval, mask, ts = _setup(type_k, type_v, n_tokens, n_head, n_head_kv, dk,
-                                                 n_kv, kv_size, 1, seed=3)
+    q, kraw, kval, vraw, vval, mask, ts = _setup(
+        type_k, type_v, n_tokens, n_head, n_head_kv, dk, n_kv, kv_size, 1, seed=3
+    )
     # transposed V cache: [n_stream, n_embd_v_gqa, kv_size * elem] bytes
     vt_vals = vval  # [1, n_kv, n_head_kv, dk]
     eb = 4 if type_v == "f32" else 2
@@ -106,21 +119,45 @@ def test_classic_path_with_transposed_v(type_k, type_v):
     full[0, :n_kv] = vt_vals[0].reshape(n_kv, -1)
     vt_raw, _ = _make_rows(np.ascontiguousarray(full[0].T), type_v, None)
     vt_raw = vt_raw.reshape(1, n_head_kv * dk, kv_size * eb)
-    got = attention(q, kraw[:, :n_kv], GGMLType[type_k.upper()], vt_raw, GGMLType[type_v.upper()],
-                    mask, ts, n_head_kv, 0.125, flash=False, round_q=False)
+    got = attention(
+        q,
+        kraw[:, :n_kv],
+        GGMLType[type_k.upper()],
+        vt_raw,
+        GGMLType[type_v.upper()],
+        mask,
+        ts,
+        n_head_kv,
+        0.125,
+        flash=False,
+        round_q=False,
+    )
     ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    flash = attention(q, kraw[:, :n_kv], GGMLType[type_k.upper()], vraw[:, :n_kv],
-                      GGMLType[type_v.upper()], mask, ts, n_head_kv, 0.125, flash=True, round_q=False)
+    flash = attention(
+        q,
+        kraw[:, :n_kv],
+        GGMLType[type_k.upper()],
+        vraw[:, :n_kv],
+        GGMLType[type_v.upper()],
+        mask,
+        ts,
+        n_head_kv,
+        0.125,
+        flash=True,
+        round_q=False,
+    )
     np.testing.assert_allclose(got, flash, rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_k_v_types_softcap_and_two_streams():
     n_tokens, n_head, n_head_kv, dk, n_kv = 6, 4, 2, 64, 64
-    q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q5_1", n_tokens, n_head, n_head_kv, dk,
-                                                 n_kv, 64, n_stream=2, seed=5)
-    got = attention(q * 4, kraw, GGMLType.Q8_0, vraw, GGMLType.Q5_1, mask, ts, n_head_kv, 0.125,
-                    softcap=2.0, round_q=False)
+    q, kraw, kval, vraw, vval, mask, ts = _setup(
+        "q8_0", "q5_1", n_tokens, n_head, n_head_kv, dk, n_kv, 64, n_stream=2, seed=5
+    )
+    got = attention(
+        q * 4, kraw, GGMLType.Q8_0, vraw, GGMLType.Q5_1, mask, ts, n_head_kv, 0.125, softcap=2.0, round_q=False
+    )
     ref = _reference(q * 4, kval, vval, mask, ts, n_head_kv, 0.125, 2.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
@@ -145,6 +182,7 @@ def test_q_rounding_follows_ggml_vec_dot_type(type_k):
 
 def test_fast_f16_row_is_exact_for_every_half():
     from kvchat.kernels.attention_tiles import _f16_row_fast
+
     h = np.arange(65536, dtype=np.uint16)
     got = np.empty(65536, dtype=np.float32)
     _f16_row_fast(h.view(np.uint8), got)
@@ -155,9 +193,11 @@ def test_fast_f16_row_is_exact_for_every_half():
 
 # --- flash-decoding: chunks of cells spread over threads, partial softmaxes folded in order ---
 
+
 def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1):
     """Run the flash kernel with groups of cpu chunks as units (split) or each unit walking all chunks."""
     from kvchat.kernels.attention import _NO_PARTIALS, _flash_attn_par, _flash_attn_ser, _partials, _values_per_bytes
+
     n_tokens, n_head = q.shape[:2]
     dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
@@ -166,9 +206,30 @@ def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True
     n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
     fn = _flash_attn_par if parallel else _flash_attn_ser
     start = np.zeros(n_tokens, dtype=np.int64)
-    fn(np.ascontiguousarray(q), k, int(tk), v, int(tv), np.ascontiguousarray(mask), start, ts.astype(np.int32),
-       int(n_head_kv), np.float32(scale), np.float32(softcap), tb, split, cpu, n_units, pm, ps, pacc, bm, bs,
-       bacc, out)
+    fn(
+        np.ascontiguousarray(q),
+        k,
+        int(tk),
+        v,
+        int(tv),
+        np.ascontiguousarray(mask),
+        start,
+        ts.astype(np.int32),
+        int(n_head_kv),
+        np.float32(scale),
+        np.float32(softcap),
+        tb,
+        split,
+        cpu,
+        n_units,
+        pm,
+        ps,
+        pacc,
+        bm,
+        bs,
+        bacc,
+        out,
+    )
     return out.reshape(n_tokens, -1)
 
 
@@ -214,14 +275,24 @@ def test_split_two_streams_and_softcap():
     np.testing.assert_array_equal(got, one)
 
 
-@pytest.mark.parametrize("n_tokens,n_kv,n_threads,split", [
-    (1, 4352, 2, True), (1, 4352, 4, True), (7, 1000, 2, True), (1, 256, 2, False), (512, 4608, 2, False),
-    (3, 4100, 1, False), (300, 700, 2, False)])
+@pytest.mark.parametrize(
+    "n_tokens,n_kv,n_threads,split",
+    [
+        (1, 4352, 2, True),
+        (1, 4352, 4, True),
+        (7, 1000, 2, True),
+        (1, 256, 2, False),
+        (512, 4608, 2, False),
+        (3, 4100, 1, False),
+        (300, 700, 2, False),
+    ],
+)
 def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, split):
     """Few queries and several chunks: groups of chunks become the units, about four per thread,
     every chunk in exactly one group; otherwise (prompts, one thread, a single chunk) every unit
     walks all chunks."""
     from kvchat.kernels.attention import CHUNK, flash_plan
+
     tb, got_split, cpu = flash_plan(n_tokens, 3, n_kv, 1, n_threads)
     n_ch = -(-n_kv // CHUNK)
     assert (tb, got_split) == (min(32, n_tokens), split)
@@ -235,10 +306,10 @@ def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, sp
 def test_attention_splits_long_decode_and_matches_reference():
     """Through the public entry: one token over 1200 cells with 2 threads takes the split path."""
     from kvchat.kernels.attention import flash_plan
+
     assert flash_plan(1, 3, 1200, 1, 2)[1]
     q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q8_0", 1, 9, 3, 64, 1200, 1280, 1, seed=19)
-    got = attention(q, kraw[:, :1200], GGMLType.Q8_0, vraw[:, :1200], GGMLType.Q8_0, mask, ts, 3, 0.125,
-                    n_threads=2)
+    got = attention(q, kraw[:, :1200], GGMLType.Q8_0, vraw[:, :1200], GGMLType.Q8_0, mask, ts, 3, 0.125, n_threads=2)
     ref = _reference(q, kval, vval, mask, ts, 3, 0.125, 0.0)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
@@ -273,7 +344,7 @@ def _swa_mask(n_tokens, n_kv, past, n_swa):
     """Token t at cell past + t sees the n_swa cells up to and including its own."""
     mask = np.full((n_tokens, n_kv), -np.inf, dtype=np.float32)
     for t in range(n_tokens):
-        mask[t, max(0, past + t + 1 - n_swa): past + t + 1] = 0.0
+        mask[t, max(0, past + t + 1 - n_swa) : past + t + 1] = 0.0
     return mask
 
 
@@ -289,8 +360,19 @@ def _alone(q, k, tk, v, tv, mask, ts, n_head_kv, flash, i):
     as a one-token decode at that point would see), one thread."""
     n = int(np.flatnonzero(mask[i] == 0.0).max()) + 1
     vv = v[:, :n] if flash else v
-    return attention(q[i:i + 1], k[:, :n], tk, vv, tv, mask[i:i + 1, :n], ts[i:i + 1], n_head_kv, 0.125,
-                     flash=flash, n_threads=1)[0]
+    return attention(
+        q[i : i + 1],
+        k[:, :n],
+        tk,
+        vv,
+        tv,
+        mask[i : i + 1, :n],
+        ts[i : i + 1],
+        n_head_kv,
+        0.125,
+        flash=flash,
+        n_threads=1,
+    )[0]
 
 
 def _threads_and_thresholds(monkeypatch):
@@ -327,8 +409,7 @@ def test_each_row_is_bit_identical_to_the_row_computed_alone(type_k, flash, monk
     alone = np.stack([_alone(q, k, tk, v, tv, mask, ts, 3, flash, i) for i in range(n_max)])
     for n_threads, _ in _threads_and_thresholds(monkeypatch):
         for n in BATCH_SIZES:
-            got = attention(q[-n:], k, tk, v, tv, mask[-n:], ts[-n:], 3, 0.125, flash=flash,
-                            n_threads=n_threads)
+            got = attention(q[-n:], k, tk, v, tv, mask[-n:], ts[-n:], 3, 0.125, flash=flash, n_threads=n_threads)
             np.testing.assert_array_equal(got, alone[-n:], err_msg=f"n={n} threads={n_threads}")
 
 
@@ -339,7 +420,6 @@ def test_sliding_window_rows_and_other_companions_are_invariant(flash, monkeypat
     visible in the last, partial tile matches as well. GQA 8 heads over 2."""
     import numba
 
-    import kvchat.kernels.attention as ka
     n_max, n_kv = 64, 433
     q, k, _, v, _, _, ts = _setup("f16", "f16", n_max, 8, 2, 64, n_kv, 512, 1, seed=29)
     if not flash:
@@ -352,16 +432,29 @@ def test_sliding_window_rows_and_other_companions_are_invariant(flash, monkeypat
         for n_threads in (1, 2):
             numba.set_num_threads(n_threads)
             monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", 0)
-            got = attention(q[pick], k, GGMLType.F16, v, GGMLType.F16, mask[pick], ts[pick], 2, 0.125,
-                            flash=flash, n_threads=n_threads)
+            got = attention(
+                q[pick],
+                k,
+                GGMLType.F16,
+                v,
+                GGMLType.F16,
+                mask[pick],
+                ts[pick],
+                2,
+                0.125,
+                flash=flash,
+                n_threads=n_threads,
+            )
             np.testing.assert_array_equal(got, alone[pick])
             one = mask[-1:].copy()
             one[0, :] = -np.inf
             one[0, n_kv - 1] = 0.0  # only the last cell: a partial tile of a partial chunk
-            got = attention(q[-1:], k, GGMLType.F16, v, GGMLType.F16, one, ts[-1:], 2, 0.125, flash=flash,
-                            n_threads=n_threads)
-            np.testing.assert_array_equal(got[0], _alone(q[-1:], k, GGMLType.F16, v, GGMLType.F16, one,
-                                                         ts[-1:], 2, flash, 0))
+            got = attention(
+                q[-1:], k, GGMLType.F16, v, GGMLType.F16, one, ts[-1:], 2, 0.125, flash=flash, n_threads=n_threads
+            )
+            np.testing.assert_array_equal(
+                got[0], _alone(q[-1:], k, GGMLType.F16, v, GGMLType.F16, one, ts[-1:], 2, flash, 0)
+            )
             monkeypatch.undo()
     finally:
         numba.set_num_threads(n_threads0)
@@ -371,7 +464,6 @@ def test_two_streams_rows_are_invariant(monkeypatch):
     """Two streams (token blocks of one token): rows match the rows computed alone."""
     import numba
 
-    import kvchat.kernels.attention as ka
     q, k, _, v, _, mask, ts = _setup("q8_0", "q8_0", 16, 9, 3, 64, 600, 600, n_stream=2, seed=31)
     alone = np.stack([_alone(q, k, GGMLType.Q8_0, v, GGMLType.Q8_0, mask, ts, 3, True, i) for i in range(16)])
     n_threads0 = numba.get_num_threads()
@@ -415,8 +507,17 @@ def _ring_case(flash, ring_size, n_pos, n_swa, rows, seed=31):
         mask[i, held & (cell <= p) & (cell > p - n_swa)] = 0.0
     start = (rows - n_swa + 1).clip(0) % ring_size
     ts = np.zeros(rows.size, dtype=np.int32)
-    return (q[rows], kraw.reshape(1, ring_size, -1), GGMLType.F16, vraw, GGMLType.F16, mask, ts, n_head_kv,
-            0.125), start
+    return (
+        q[rows],
+        kraw.reshape(1, ring_size, -1),
+        GGMLType.F16,
+        vraw,
+        GGMLType.F16,
+        mask,
+        ts,
+        n_head_kv,
+        0.125,
+    ), start
 
 
 @pytest.mark.parametrize("n_pos", [300, 600])
@@ -433,15 +534,22 @@ def test_a_wrapped_sliding_window_ring_gives_the_bits_of_the_unwrapped_cache(fla
     want = attention(*lin, flash=flash, n_threads=1, start=s_lin)
     np.testing.assert_array_equal(attention(*lin, flash=flash, n_threads=1), want)
     for n_threads, min_work in _threads_and_thresholds(monkeypatch):
-        np.testing.assert_array_equal(attention(*ring, flash=flash, n_threads=n_threads, start=s_ring),
-                                      want, err_msg=f"threads={n_threads} min_work={min_work}")
+        np.testing.assert_array_equal(
+            attention(*ring, flash=flash, n_threads=n_threads, start=s_ring),
+            want,
+            err_msg=f"threads={n_threads} min_work={min_work}",
+        )
         for i in (0, 20, 31, 32, 33, 50, 75):  # alone, on both sides of the wrap
             one, s_one = _ring_case(flash, 256, n_pos, 40, [rows[i]])
-            np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
-                                          want[i], err_msg=f"row {rows[i]}")
+            np.testing.assert_array_equal(
+                attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0], want[i], err_msg=f"row {rows[i]}"
+            )
             one, s_one = _ring_case(flash, 768, n_pos, 40, [rows[i]])  # split over 3 chunks
-            np.testing.assert_array_equal(attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
-                                          want[i], err_msg=f"row {rows[i]}, unwrapped")
+            np.testing.assert_array_equal(
+                attention(*one, flash=flash, n_threads=n_threads, start=s_one)[0],
+                want[i],
+                err_msg=f"row {rows[i]}, unwrapped",
+            )
     assert not np.array_equal(attention(*ring, flash=flash, n_threads=1), want)  # cell order differs
 
 
@@ -454,10 +562,28 @@ def test_vhsum16_lanes_are_the_bits_of_sixteen_separate_vhsums():
 
     @njit(cache=False)
     def both(x, side, alone):  # x [16 * 16] f32 -> side [16], alone [16]
-        vstore(side, 0, vhsum16(vload(x, 0), vload(x, 16), vload(x, 32), vload(x, 48), vload(x, 64),
-                                vload(x, 80), vload(x, 96), vload(x, 112), vload(x, 128), vload(x, 144),
-                                vload(x, 160), vload(x, 176), vload(x, 192), vload(x, 208), vload(x, 224),
-                                vload(x, 240)))
+        vstore(
+            side,
+            0,
+            vhsum16(
+                vload(x, 0),
+                vload(x, 16),
+                vload(x, 32),
+                vload(x, 48),
+                vload(x, 64),
+                vload(x, 80),
+                vload(x, 96),
+                vload(x, 112),
+                vload(x, 128),
+                vload(x, 144),
+                vload(x, 160),
+                vload(x, 176),
+                vload(x, 192),
+                vload(x, 208),
+                vload(x, 224),
+                vload(x, 240),
+            ),
+        )
         for i in range(16):
             alone[i] = vhsum(vload(x, 16 * i))
 

@@ -1,4 +1,5 @@
 """Batch validation, completion, and the three split strategies."""
+
 import numpy as np
 import pytest
 
@@ -48,21 +49,24 @@ def test_output_all_overrides():
     assert ok and ba.output.all()
 
 
-@pytest.mark.parametrize("batch, mem, needle", [
-    (Batch([1, 100]), None, "invalid token[1] = 100"),
-    (Batch([-1]), None, "invalid token[0] = -1"),
-    (Batch([1], seq_ids=[[4]]), None, "invalid seq_id[0] = 4"),
-    (Batch([1], seq_ids=[[]]), None, "no sequence id"),
-    (Batch([1], seq_ids=[[1, 1]]), None, "twice"),
-    (Batch([1, 2], pos=[5, 6]), FakeMemory({0: (0, 3)}), "Y = X + 1"),
-    (Batch([1, 2], pos=[0, 2]), None, "not continuous"),
-    (Batch([1, 2, 3], pos=[1, 0, 2]), None, "decreasing"),
-    (Batch([1, 2], pos=[0, 0], seq_ids=[[0, 1], [1]]), FakeMemory({0: (0, 3), 1: (0, 5)}), "Y = X + 1"),
-    (Batch([1], pos=[6], seq_ids=[[0, 1]]), FakeMemory({0: (2, 5), 1: (0, 5)}), "diverged"),
-    (Batch([1, 2, 3], pos=[0, 1, 3], seq_ids=[[0, 1], [0, 2], [0]]), None, "not continuous"),
-    (Batch([1, 2, 3], pos=[2, 1, 3], seq_ids=[[0, 1], [0, 1], [0]]), None, "decreasing"),
-    (Batch([1], pos=[-2]), None, "positions"),
-])
+@pytest.mark.parametrize(
+    "batch, mem, needle",
+    [
+        (Batch([1, 100]), None, "invalid token[1] = 100"),
+        (Batch([-1]), None, "invalid token[0] = -1"),
+        (Batch([1], seq_ids=[[4]]), None, "invalid seq_id[0] = 4"),
+        (Batch([1], seq_ids=[[]]), None, "no sequence id"),
+        (Batch([1], seq_ids=[[1, 1]]), None, "twice"),
+        (Batch([1, 2], pos=[5, 6]), FakeMemory({0: (0, 3)}), "Y = X + 1"),
+        (Batch([1, 2], pos=[0, 2]), None, "not continuous"),
+        (Batch([1, 2, 3], pos=[1, 0, 2]), None, "decreasing"),
+        (Batch([1, 2], pos=[0, 0], seq_ids=[[0, 1], [1]]), FakeMemory({0: (0, 3), 1: (0, 5)}), "Y = X + 1"),
+        (Batch([1], pos=[6], seq_ids=[[0, 1]]), FakeMemory({0: (2, 5), 1: (0, 5)}), "diverged"),
+        (Batch([1, 2, 3], pos=[0, 1, 3], seq_ids=[[0, 1], [0, 2], [0]]), None, "not continuous"),
+        (Batch([1, 2, 3], pos=[2, 1, 3], seq_ids=[[0, 1], [0, 1], [0]]), None, "decreasing"),
+        (Batch([1], pos=[-2]), None, "positions"),
+    ],
+)
 def test_invalid_batches_rejected_with_reason(batch, mem, needle):
     ba, ok = init(batch, memory=mem)
     assert not ok

@@ -1,6 +1,7 @@
 """A generated token's one-token batch takes BatchAllocator's and split_simple's short paths
 (runtime/batch.py: _init_one, UBatch.one_token); they must leave exactly the state, the answer
 and the error message the general pass gives, for valid and invalid batches alike."""
+
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ CASES = [  # (batch, memory, output_all)
     (Batch([7], pos=[11]), MEM, False),  # gap after position 9: refused
     (Batch([7], pos=[0]), None, False),
     (Batch([7], pos=[-1]), MEM, False),
-    (Batch([7], pos=[2 ** 31 - 1]), None, False),
+    (Batch([7], pos=[2**31 - 1]), None, False),
     (Batch([7], seq_ids=[1]), MEM, False),
     (Batch([7], seq_ids=[[2]], pos=[0]), MEM, False),
     (Batch([7], seq_ids=[3], pos=[4]), MEM, False),
@@ -70,8 +71,9 @@ def test_one_seq_batch_is_the_checked_constructors():
     for toks, pos0, seq, all_logits in (([5], 3, 0, False), ([5, 6, 7], 0, 2, True), ([], 4, 1, False)):
         a = Batch.one_seq(toks, pos0, seq, all_logits=all_logits)
         n = len(toks)
-        b = Batch(toks, pos=np.arange(pos0, pos0 + n), seq_ids=[[seq]] * n,
-                  logits=np.ones(n, bool) if all_logits else None)
+        b = Batch(
+            toks, pos=np.arange(pos0, pos0 + n), seq_ids=[[seq]] * n, logits=np.ones(n, bool) if all_logits else None
+        )
         for k in Batch.__slots__:
             x, y = getattr(a, k), getattr(b, k)
             if isinstance(y, np.ndarray):

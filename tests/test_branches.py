@@ -2,12 +2,13 @@
 a fork shares every cell (nothing decoded), each branch continues as a solo conversation would,
 dropping a branch frees exactly its own cells, a context shift never moves shared cells, and
 /alts + /pick keep one answer's cells."""
+
 import numpy as np
 import pytest
 
 from kvchat.runtime.chat.branches import BranchConversation, Branches
-from kvchat.runtime.context import Context
 from kvchat.runtime.chat.conversation import ContextFull, ConversationConfig, FullCause
+from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.model import Model
@@ -17,15 +18,29 @@ from tests.gguf_factory import write_tiny_model
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return Model.load(write_tiny_model(tmp_path_factory.mktemp("br") / "q.gguf", arch="qwen3", n_layer=2,
-                                       n_embd=128, n_head=4, n_head_kv=2, n_ff=96))
+    return Model.load(
+        write_tiny_model(
+            tmp_path_factory.mktemp("br") / "q.gguf",
+            arch="qwen3",
+            n_layer=2,
+            n_embd=128,
+            n_head=4,
+            n_head_kv=2,
+            n_ff=96,
+        )
+    )
 
 
 def conv_on(model, n_ctx=1024, n_seq_max=4, temp=0.0, n_predict=6, events=None, **cfg):
     ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n_seq_max))
-    return BranchConversation(ctx, model.vocab, None, Sampler(SamplingParams(temp=temp, seed=3)),
-                              ConversationConfig(raw=True, n_predict=n_predict, **cfg),
-                              notify=(events.append if events is not None else None))
+    return BranchConversation(
+        ctx,
+        model.vocab,
+        None,
+        Sampler(SamplingParams(temp=temp, seed=3)),
+        ConversationConfig(raw=True, n_predict=n_predict, **cfg),
+        notify=(events.append if events is not None else None),
+    )
 
 
 def used(ctx):
@@ -70,7 +85,7 @@ def test_dropping_a_branch_frees_exactly_its_own_cells(model):
     assert br.drop("b") == own
     np.testing.assert_array_equal(cells.pos, np.where(cells.seq[:, 0], before_pos, -1))
     assert cells.get_used() == c.n_cached
-    assert not cells.seq[:, 1].any() and cells.seq[:c.n_cached, 0].all()
+    assert not cells.seq[:, 1].any() and cells.seq[: c.n_cached, 0].all()
 
 
 def test_a_context_shift_that_would_move_shared_cells_is_refused(model):

@@ -1,4 +1,5 @@
 """`kvchat bench` on a tiny random model: llama-bench's tests, table and JSON."""
+
 import json
 
 from typer.testing import CliRunner
@@ -16,9 +17,28 @@ def _bench(*args):
 
 def test_bench_json_has_pp_and_tg_rows_with_depth(tmp_path):
     path = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", weight_type=GGMLType.Q8_0, n_head=2, n_head_kv=1)
-    r = _bench("-m", path, "-p", "16", "-n", "4", "-r", "2", "-d", "8", "-ctk", "q8_0", "-ctv", "q8_0",
-               "-fa", "on", "-t", "1", "--json")
-    rows = json.loads(r.stdout[r.stdout.index("["):])
+    r = _bench(
+        "-m",
+        path,
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "2",
+        "-d",
+        "8",
+        "-ctk",
+        "q8_0",
+        "-ctv",
+        "q8_0",
+        "-fa",
+        "on",
+        "-t",
+        "1",
+        "--json",
+    )
+    rows = json.loads(r.stdout[r.stdout.index("[") :])
     assert [row["test"] for row in rows] == ["pp16 @ d8", "tg4 @ d8"]
     for row in rows:
         assert len(row["samples_ts"]) == 2 and all(s > 0 for s in row["samples_ts"])
@@ -40,5 +60,6 @@ def test_bench_table_in_llama_bench_form(tmp_path):
 
 def test_model_label_uses_the_files_ftype_name(smollm2_path, gemma3_path):
     from kvchat.runtime.model import Model
+
     assert Model.load(smollm2_path).ftype_name == "Q4_1"
     assert Model.load(gemma3_path).ftype_name == "Q4_K - Medium"

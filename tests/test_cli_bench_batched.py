@@ -1,4 +1,5 @@
 """`kvchat bench-batched` on a tiny random model: llama-batched-bench's grid, table and skips."""
+
 import json
 
 from typer.testing import CliRunner
@@ -33,7 +34,17 @@ def test_shared_prompt_table_and_a_test_too_big_for_the_context_is_skipped(tmp_p
     r = _run("-m", path, "-npp", "200", "-ntg", "4", "-npl", "1,2,16", "-pps", "-c", "256")
     lines = [l for l in r.stdout.splitlines() if l.startswith("|")]
     assert [c.strip() for c in lines[0].split("|")[1:-1]] == [
-        "PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s"]
+        "PP",
+        "TG",
+        "B",
+        "N_KV",
+        "T_PP s",
+        "S_PP t/s",
+        "T_TG s",
+        "S_TG t/s",
+        "T s",
+        "S t/s",
+    ]
     body = [[c.strip() for c in l.split("|")[1:-1]] for l in lines[2:]]
     assert [(b[0], b[1], b[2], b[3]) for b in body] == [("200", "4", "1", "204"), ("200", "4", "2", "208")]
     assert n_kv_required(200, 4, 16, True) == 264  # > 256 cells: skipped, and said so
@@ -42,8 +53,7 @@ def test_shared_prompt_table_and_a_test_too_big_for_the_context_is_skipped(tmp_p
 
 def test_separate_streams_per_sequence(tmp_path):
     path = write_tiny_model(tmp_path / "tiny.gguf", arch="llama")
-    r = _run("-m", path, "-npp", "8", "-ntg", "3", "-npl", "2", "--no-kv-unified", "-pps",
-             "--output-format", "jsonl")
+    r = _run("-m", path, "-npp", "8", "-ntg", "3", "-npl", "2", "--no-kv-unified", "-pps", "--output-format", "jsonl")
     rows = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
     assert len(rows) == 1 and rows[0]["n_kv"] == 8 + 2 * 3
 

@@ -2,6 +2,7 @@
 /branch forks without decoding, the toolbar names the branch, /branches shows what is shared,
 /drop frees only the branch's own cells, /alts N + /pick K keep one answer, and a session file
 saves every branch and resumes them all (each continuing as it would have without the save)."""
+
 import re
 
 import pytest
@@ -14,8 +15,9 @@ pexpect = pytest.importorskip("pexpect")
 
 @pytest.fixture
 def chat_factory(tmp_path):
-    model = write_tiny_model(tmp_path / "tiny.gguf", arch="qwen3", n_layer=2, n_embd=128, n_head=4,
-                             n_head_kv=2, n_ff=96)
+    model = write_tiny_model(
+        tmp_path / "tiny.gguf", arch="qwen3", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=96
+    )
     chats = []
 
     def make(*args):

@@ -1,5 +1,6 @@
 """`kvchat chat` driven in a pseudo-terminal, as a user would, on SmolLM2 (greedy, -c 256);
 the driver is tests/pty_chat.py."""
+
 import re
 
 import pytest
@@ -50,6 +51,7 @@ def test_two_turns_regen_save_resume(chat_factory, tmp_path):
     assert resumed.exit() == 0
     # --session saved after the turn: the file grew by the new exchange
     from kvchat.cli.session.session import read_session
+
     data = read_session(session)
     assert [m["role"] for m in data.messages][-2:] == ["user", "assistant"]
     assert data.messages[-2]["content"] == "Say my name once more."
@@ -57,6 +59,7 @@ def test_two_turns_regen_save_resume(chat_factory, tmp_path):
 
 def test_corrupted_and_mismatched_sessions_leave_live_chat_intact(chat_factory, tmp_path):
     from kvchat.cli.session.session import decode_session, encode_session
+
     chat = chat_factory("-n", "16")
     chat.say("My name is Zoltan. Please remember it.")
     good = tmp_path / "good.kvs"
@@ -110,6 +113,7 @@ def test_ctrl_c_stops_answer_then_next_turn(chat_factory):
 
 def test_multiline_input_and_history(chat_factory, tmp_path):
     from kvchat.cli.session.session import read_session
+
     chat = chat_factory("-n", "4")
     chat.say('"""')  # opens a block: the next lines belong to one message
     chat.say("Line one.")
@@ -126,18 +130,23 @@ def test_multiline_input_and_history(chat_factory, tmp_path):
     assert "+First" in history and "+second" in history  # prompt_toolkit's FileHistory format
 
 
-LONG = ("The history of the bicycle spans more than two centuries. Early designs had no pedals and "
-        "riders pushed themselves along with their feet. Later, pedals were attached to the front "
-        "wheel, and the wheel grew larger to go faster, which made falls dangerous. The safety "
-        "bicycle, with two wheels of equal size and a chain driving the rear wheel, solved this. "
-        "Pneumatic tyres made riding comfortable, and bicycles soon became cheap and popular.")
+LONG = (
+    "The history of the bicycle spans more than two centuries. Early designs had no pedals and "
+    "riders pushed themselves along with their feet. Later, pedals were attached to the front "
+    "wheel, and the wheel grew larger to go faster, which made falls dangerous. The safety "
+    "bicycle, with two wheels of equal size and a chain driving the rear wheel, solved this. "
+    "Pneumatic tyres made riding comfortable, and bicycles soon became cheap and popular."
+)
 
 
 def test_context_shift_runs_far_past_the_context(chat_factory):
     chat = chat_factory("-n", "48")
     outputs = []
-    for q in ("Summarise this text: " + LONG, "Summarise it again, shorter: " + LONG,
-              "What was the main invention? " + LONG):
+    for q in (
+        "Summarise this text: " + LONG,
+        "Summarise it again, shorter: " + LONG,
+        "What was the main invention? " + LONG,
+    ):
         outputs.append(chat.say(q))
     text = "".join(outputs)
     assert re.search(r"context full: dropped \d+ tokens after the first \d+", text)

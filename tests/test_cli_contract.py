@@ -5,6 +5,7 @@ without re-processing, Ctrl-C stops an answer. Most calls run `kvchat.cli.app.ma
 tests/test_cli_run.py holds the contract tests that run on both this model and SmolLM2 (the
 `any_model` ones: stdout-only answers, corrupt and resumed sessions) and SmolLM2's agreement
 with llama.cpp's answers."""
+
 import os
 import signal
 import subprocess
@@ -31,16 +32,19 @@ def greedy_text(model_path, prompt_ids, n):
     from kvchat.runtime.generate import generate
     from kvchat.runtime.model import Model
     from kvchat.runtime.text.vocab import StreamDecoder
+
     m = Model.load(model_path)
     ctx = Context(m, ContextParams(n_ctx=256))
     dec = StreamDecoder(m.vocab)
-    text = "".join(dec.feed(s.token) for s in generate(ctx, lambda x: int(np.argmax(x)), prompt=prompt_ids,
-                                                       max_tokens=n))
+    text = "".join(
+        dec.feed(s.token) for s in generate(ctx, lambda x: int(np.argmax(x)), prompt=prompt_ids, max_tokens=n)
+    )
     return text + dec.flush()
 
 
 def test_raw_answer_is_exactly_the_engines_greedy_continuation(tiny_chat):
     from kvchat.runtime.model import Model
+
     ids = Model.load(tiny_chat).vocab.tokenize("hello world", add_special=True)
     r = kvchat("run", "-m", tiny_chat, "--raw", "--temp", "0", "-n", "12", "-c", "256", "-p", "hello world")
     assert r.returncode == 0, r.stderr
@@ -81,8 +85,18 @@ def test_run_session_that_is_a_directory_is_refused(tiny_chat, tmp_path):
 
 
 def test_piped_chat_answers_each_line_and_refuses_bad_set_values(tiny_chat):
-    r = kvchat("chat", "-m", tiny_chat, "-c", "256", "--temp", "0", "-n", "5",
-               input="hello\n/set top-k -5\n/set temp nan\n/set n-predict 3\nagain\n/stats\n/exit\n")
+    r = kvchat(
+        "chat",
+        "-m",
+        tiny_chat,
+        "-c",
+        "256",
+        "--temp",
+        "0",
+        "-n",
+        "5",
+        input="hello\n/set top-k -5\n/set temp nan\n/set n-predict 3\nagain\n/stats\n/exit\n",
+    )
     assert r.returncode == 0, r.stderr
     assert "error: /set top-k: must be >= 0 (got -5)" in r.stderr
     assert "error: /set temp: must be a finite number (got nan)" in r.stderr
@@ -92,10 +106,24 @@ def test_piped_chat_answers_each_line_and_refuses_bad_set_values(tiny_chat):
 
 def test_ctrl_c_stops_a_run_with_exit_130_and_keeps_what_was_said(tiny_chat):
     """--ignore-eos with a context that shifts forever: only Ctrl-C ends it."""
-    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "run", "-m", str(tiny_chat), "-c", "256",
-           "-n", "-1", "--ignore-eos", "-p", "go on"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli.app import main; main()",
+        "run",
+        "-m",
+        str(tiny_chat),
+        "-c",
+        "256",
+        "-n",
+        "-1",
+        "--ignore-eos",
+        "-p",
+        "go on",
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
     try:
         first = p.stdout.read(20)  # some of the answer has streamed
         assert len(first) == 20

@@ -2,6 +2,7 @@
 model — incremental turns, /regen, /save and /load (refusals leave the chat intact), resume with
 --session, Ctrl-C during an answer, context shift and its absence, /set checks. What the answers
 say is SmolLM2's business (tests/test_cli_chat_pty.py); here only what the chat does with them."""
+
 import re
 
 import pytest
@@ -18,6 +19,7 @@ def chat_factory(tiny_chat, tmp_path):
 
 def test_turns_regen_sessions_and_refused_loads(chat_factory, tmp_path):
     from kvchat.cli.session.session import decode_session, encode_session, read_session
+
     chat = chat_factory("-n", "12")
     chat.say("My name is Zoltan.")
     first = chat.ctx_used
@@ -70,7 +72,7 @@ def test_ctrl_c_context_shift_and_its_absence(chat_factory):
     assert 0 < chat.ctx_used <= 256
     stats = chat.say("/stats")
     assert int(re.search(r"(\d+) in total", stats).group(1)) >= 256  # up to -c 256 and past it:
-    assert int(re.search(r"(\d+) dropped", stats).group(1)) > 0       # a shift made room
+    assert int(re.search(r"(\d+) dropped", stats).group(1)) > 0  # a shift made room
     chat.say("/set n-predict 8")
     before = chat.ctx_used
     chat.say("And then?")

@@ -1,27 +1,49 @@
 """cli/options.py is the one table of flags: the same range checks refuse a bad value given as a
 flag (a usage error before any model is loaded) and through /set in the chat (an error line, the
 chat goes on); /set and /help list exactly the table's live options."""
+
 import math
 
 import pytest
 from typer.testing import CliRunner
 
 from kvchat.cli.app import app
-from kvchat.cli.options import BY_NAME, LIVE, LIVE_BY_KEY, OPTIONS, ChatSettings, parse_value
 from kvchat.cli.chat.render import Renderer
 from kvchat.cli.chat.repl import COMMANDS, Repl
+from kvchat.cli.options import BY_NAME, LIVE, LIVE_BY_KEY, OPTIONS, ChatSettings, parse_value
 from kvchat.runtime.chat.conversation import ConversationConfig
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
 from tests.test_conversation import make
 
 # issue 10's list, and a few neighbours
-REFUSED = [("top-k", "-5"), ("n-predict", "-7"), ("temp", "-1"), ("temp", "nan"), ("temp", "inf"),
-           ("top-p", "nan"), ("top-p", "5"), ("keep", "-9"), ("min-p", "1.5"), ("seed", "-2"),
-           ("repeat-penalty", "0"), ("repeat-last-n", "-2"), ("temp", "warm"), ("context-shift", "maybe")]
-ACCEPTED = [("seed", "-1", None), ("seed", "7", 7), ("temp", "0", 0.0), ("top-k", "0", 0),
-            ("n-predict", "-1", -1), ("keep", "-1", -1), ("top-p", "1", 1.0),
-            ("context-shift", "off", False), ("ignore-eos", "on", True)]
+REFUSED = [
+    ("top-k", "-5"),
+    ("n-predict", "-7"),
+    ("temp", "-1"),
+    ("temp", "nan"),
+    ("temp", "inf"),
+    ("top-p", "nan"),
+    ("top-p", "5"),
+    ("keep", "-9"),
+    ("min-p", "1.5"),
+    ("seed", "-2"),
+    ("repeat-penalty", "0"),
+    ("repeat-last-n", "-2"),
+    ("temp", "warm"),
+    ("context-shift", "maybe"),
+]
+ACCEPTED = [
+    ("seed", "-1", None),
+    ("seed", "7", 7),
+    ("temp", "0", 0.0),
+    ("top-k", "0", 0),
+    ("n-predict", "-1", -1),
+    ("keep", "-1", -1),
+    ("top-p", "1", 1.0),
+    ("context-shift", "off", False),
+    ("ignore-eos", "on", True),
+]
 
 
 def flag_of(key):
@@ -90,13 +112,32 @@ def test_unknown_set_parameter_suggests_the_closest():
 
 def test_help_and_set_list_the_live_options_of_the_table():
     keys = [o.key for o in LIVE]
-    assert keys == ["cache-type-k", "cache-type-v", "keep", "context-shift", "n-predict", "temp", "top-k", "top-p", "min-p",
-                    "repeat-penalty", "repeat-last-n", "seed", "ignore-eos", "show-timings", "markdown"]
+    assert keys == [
+        "cache-type-k",
+        "cache-type-v",
+        "keep",
+        "context-shift",
+        "n-predict",
+        "temp",
+        "top-k",
+        "top-p",
+        "min-p",
+        "repeat-penalty",
+        "repeat-last-n",
+        "seed",
+        "ignore-eos",
+        "show-timings",
+        "markdown",
+    ]
     assert COMMANDS["/set"] == f"/set PARAM VALUE ({', '.join(keys)}); /set alone lists"
     sampling = set(SamplingParams().to_dict())
     for o in LIVE:
-        where = {"sampling": sampling, "conversation": set(vars(ConversationConfig())),
-                 "output": set(vars(ChatSettings())), "cache": {"cache_type_k", "cache_type_v"}}[o.live]
+        where = {
+            "sampling": sampling,
+            "conversation": set(vars(ConversationConfig())),
+            "output": set(vars(ChatSettings())),
+            "cache": {"cache_type_k", "cache_type_v"},
+        }[o.live]
         assert o.name in where, o.name
 
 

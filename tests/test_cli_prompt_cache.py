@@ -1,6 +1,7 @@
 """`kvchat run`'s persistent prefix cache through the CLI (tiny model): the second run of a long
 prompt restores all but its last tokens and prints the same answer; a damaged entry is one
 warning; --no-prompt-cache leaves the directory alone; the size limit holds."""
+
 import pytest
 from typer.testing import CliRunner
 
@@ -36,7 +37,9 @@ def test_second_run_reuses_the_prefix_and_answers_the_same(tiny, tmp_path):
     assert n0 == 0 and m1 == m and m > 300
     assert m - n1 <= 128 and (m - n1) <= 0.1 * m + 128  # only the last partial block is decoded
     assert second.stdout == first.stdout
-    assert run("-m", tiny, "-f", doc, "--temp", "0", "-n", "8", "-c", "2048", "--no-prompt-cache").stdout == first.stdout
+    assert (
+        run("-m", tiny, "-f", doc, "--temp", "0", "-n", "8", "-c", "2048", "--no-prompt-cache").stdout == first.stdout
+    )
 
 
 def test_damaged_entry_warns_once_and_no_prompt_cache_touches_nothing(tiny, tmp_path):

@@ -1,5 +1,6 @@
 """`kvchat run` on SmolLM2 and on the tiny ChatML model, run in this process (tests/cli_inproc.py):
 stdout carries only the answer, errors are one line."""
+
 import json
 
 import numpy as np
@@ -9,13 +10,19 @@ from tests.cli_inproc import kvchat
 
 # tests that take smollm2_path are marked real_model by tests/conftest.py; --help and usage
 # errors need no model and run in the fast lane
-CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-               "<|im_end|>\n<|im_start|>user\nWhat is a KV cache in a transformer?<|im_end|>\n"
-               "<|im_start|>assistant\n")
+CHAT_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\nWhat is a KV cache in a transformer?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
-@pytest.fixture(params=[pytest.param("tiny_chat", id="tiny"),
-                        pytest.param("smollm2_path", id="smollm2", marks=pytest.mark.real_model)])
+@pytest.fixture(
+    params=[
+        pytest.param("tiny_chat", id="tiny"),
+        pytest.param("smollm2_path", id="smollm2", marks=pytest.mark.real_model),
+    ]
+)
 def any_model(request):
     """The contract tests that hold for any chat model: on the tiny ChatML model (fast lane) and
     on SmolLM2."""
@@ -30,13 +37,13 @@ def greedy(reference_dir):
 def smollm2_reference(greedy, prompt, kv_type="f16"):
     """The greedy.json entry of SmolLM2 for this prompt and cache type (its ids fit its
     49152-token vocabulary)."""
-    return next(g for g in greedy if g["prompt"] == prompt and g["kv_type"] == kv_type
-                and max(g["ids"]) < 49152)
+    return next(g for g in greedy if g["prompt"] == prompt and g["kv_type"] == kv_type and max(g["ids"]) < 49152)
 
 
 def prefix_text(smollm2_path, ids):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.text.vocab import Vocab
+
     gf = GGUFFile(smollm2_path)
     try:
         return Vocab.from_gguf(gf).detokenize(ids)
@@ -66,8 +73,9 @@ def test_greedy_chat_answer_matches_llama_cpp(smollm2_path, greedy):
     from kvchat.runtime.generate import decode_tokens
     from kvchat.runtime.model import Model
 
-    r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "24", "-c", "256",
-               "-p", "What is a KV cache in a transformer?")
+    r = kvchat(
+        "run", "-m", smollm2_path, "--temp", "0", "-n", "24", "-c", "256", "-p", "What is a KV cache in a transformer?"
+    )
     assert r.returncode == 0, r.stderr
     path = smollm2_reference(greedy, CHAT_PROMPT, "f16")["ids"]
     assert r.stdout.startswith(prefix_text(smollm2_path, path[:1]))
@@ -94,8 +102,7 @@ def test_greedy_chat_answer_matches_llama_cpp(smollm2_path, greedy):
 
 def test_raw_completion_matches_llama_cpp(smollm2_path, greedy):
     ref = smollm2_reference(greedy, "Once upon a time")
-    r = kvchat("run", "-m", smollm2_path, "--raw", "--temp", "0", "-n", "4", "-c", "256",
-               "-p", "Once upon a time")
+    r = kvchat("run", "-m", smollm2_path, "--raw", "--temp", "0", "-n", "4", "-c", "256", "-p", "Once upon a time")
     assert r.returncode == 0, r.stderr
     # no template: the text continues the prompt itself (", the city of")
     assert r.stdout == prefix_text(smollm2_path, ref["ids"][:4]) + "\n"
@@ -105,15 +112,27 @@ def test_stdout_is_only_the_answer_and_timings_go_to_stderr(any_model, tmp_path)
     smollm2_path = any_model
     prompt_file = tmp_path / "q.txt"
     prompt_file.write_text("Name a colour.", encoding="utf-8")
-    r = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "6", "-c", "256", "-f", prompt_file,
-               "--show-timings", "--verbose-prompt")
+    r = kvchat(
+        "run",
+        "-m",
+        smollm2_path,
+        "--temp",
+        "0",
+        "-n",
+        "6",
+        "-c",
+        "256",
+        "-f",
+        prompt_file,
+        "--show-timings",
+        "--verbose-prompt",
+    )
     assert r.returncode == 0, r.stderr
     assert "t/s" not in r.stdout and "Prompt:" not in r.stdout and "->" not in r.stdout
     assert "[ Prompt: " in r.stderr and " t/s | Generation: " in r.stderr and " t/s ]" in r.stderr
     assert "'<|im_start|>'" in r.stderr  # --verbose-prompt lists the prompt tokens
     # the same prompt on stdin gives the same (greedy) answer
-    r2 = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "6", "-c", "256",
-                input="Name a colour.")
+    r2 = kvchat("run", "-m", smollm2_path, "--temp", "0", "-n", "6", "-c", "256", input="Name a colour.")
     assert r2.returncode == 0 and r2.stdout == r.stdout
     assert len(r.stdout.strip()) > 0
 
@@ -150,11 +169,36 @@ def test_help_groups_flags_with_defaults():
     out = r.stdout
     for panel in ("Model", "Context and KV cache", "Sampling", "Conversation", "Output", "Input"):
         assert panel in out
-    for flag in ("--ctx-size", "-ctk", "--cache-type-v", "-fa", "--swa-full", "--keep", "--no-context-shift",
-                 "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
-                 "--seed", "-sys", "--chat-template-file", "--threads", "--ignore-eos", "--session",
-                 "--show-timings", "--verbose-prompt", "--markdown", "-ub", "--batch-size", "--n-predict",
-                 "--raw", "--prompt", "--file"):
+    for flag in (
+        "--ctx-size",
+        "-ctk",
+        "--cache-type-v",
+        "-fa",
+        "--swa-full",
+        "--keep",
+        "--no-context-shift",
+        "--temp",
+        "--top-k",
+        "--top-p",
+        "--min-p",
+        "--repeat-penalty",
+        "--repeat-last-n",
+        "--seed",
+        "-sys",
+        "--chat-template-file",
+        "--threads",
+        "--ignore-eos",
+        "--session",
+        "--show-timings",
+        "--verbose-prompt",
+        "--markdown",
+        "-ub",
+        "--batch-size",
+        "--n-predict",
+        "--raw",
+        "--prompt",
+        "--file",
+    ):
         assert flag in out, flag
     for default in ("4096", "0.8", "0.95", "0.05", "40", "64", "f16", "auto"):
         assert default in out
@@ -176,21 +220,37 @@ def test_run_with_session_continues_the_conversation(any_model, tmp_path):
     follow-up sees the first exchange and only its own new tokens are decoded."""
     smollm2_path = any_model
     from kvchat.cli.session.session import decode_session
+
     sess = tmp_path / "s.kvs"
-    r1 = kvchat("run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
-                "-p", "My name is Ada.")
+    r1 = kvchat(
+        "run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess, "-p", "My name is Ada."
+    )
     assert r1.returncode == 0, r1.stderr
     first = decode_session(sess.read_bytes())
     assert [m["role"] for m in first.messages] == ["user", "assistant"]
     assert first.messages[1]["content"].strip() == r1.stdout.strip()
-    r2 = kvchat("run", "-m", smollm2_path, "-c", "512", "--temp", "0", "-n", "12", "--session", sess,
-                "--show-timings", "-p", "What is my name?")
+    r2 = kvchat(
+        "run",
+        "-m",
+        smollm2_path,
+        "-c",
+        "512",
+        "--temp",
+        "0",
+        "-n",
+        "12",
+        "--session",
+        sess,
+        "--show-timings",
+        "-p",
+        "What is my name?",
+    )
     assert r2.returncode == 0, r2.stderr
     assert f"resumed {sess}: {len(first.tokens)} tokens in the cache" in " ".join(r2.stderr.split())
     second = decode_session(sess.read_bytes())
     assert [m["content"] for m in second.messages[:2]] == [m["content"] for m in first.messages]
     assert second.messages[2]["content"] == "What is my name?"
-    assert second.tokens[:len(first.tokens)] == first.tokens  # the cached prefix was kept
+    assert second.tokens[: len(first.tokens)] == first.tokens  # the cached prefix was kept
 
 
 def test_run_session_that_is_a_directory_is_refused(smollm2_path, tmp_path):
@@ -201,10 +261,12 @@ def test_run_session_that_is_a_directory_is_refused(smollm2_path, tmp_path):
 
 def test_usage_errors_are_one_line_with_a_hint():
     """Unknown options, bad values and missing arguments: one `error:` line, exit 2, no box."""
-    for args, needle in ((["run", "-p", "hi", "--temp", "-1"], "'--temp'"),
-                         (["info", "--bogus"], "No such option: --bogus"),
-                         (["frobnicate"], "No such command 'frobnicate'"),
-                         (["pull"], "Missing argument")):
+    for args, needle in (
+        (["run", "-p", "hi", "--temp", "-1"], "'--temp'"),
+        (["info", "--bogus"], "No such option: --bogus"),
+        (["frobnicate"], "No such command 'frobnicate'"),
+        (["pull"], "Missing argument"),
+    ):
         r = kvchat(*args)
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()

@@ -1,6 +1,7 @@
 """`kvchat run -np N` and `kvchat run --prompts-file F -np N` through the CLI: answers on stdout in
 input order (numbered or --jsonl), each equal to what `kvchat run` alone prints; progress lines
 on stderr; bad requests reported in their own line; one-line errors for impossible setups."""
+
 import json
 
 import pytest
@@ -12,8 +13,15 @@ from tests.gguf_factory import write_tiny_model
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("cli_par") / "q.gguf", arch="qwen3", n_layer=2,
-                            n_embd=128, n_head=4, n_head_kv=2, n_ff=96)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("cli_par") / "q.gguf",
+        arch="qwen3",
+        n_layer=2,
+        n_embd=128,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=96,
+    )
 
 
 def run(*args, ok=True):
@@ -28,8 +36,7 @@ def jsonl(r):
 
 
 def test_np_jsonl_answers_equal_single_runs_with_seed_s_plus_i(tiny):
-    r = run("-m", tiny, "-p", "hello there", "-np", "3", "-n", "6", "--temp", "0.9", "-s", "70",
-            "--jsonl", "-c", "512")
+    r = run("-m", tiny, "-p", "hello there", "-np", "3", "-n", "6", "--temp", "0.9", "-s", "70", "--jsonl", "-c", "512")
     rows = jsonl(r)
     assert [x["index"] for x in rows] == [0, 1, 2] and [x["seed"] for x in rows] == [70, 71, 72]
     for x in rows:
@@ -46,15 +53,19 @@ def test_np_numbered_blocks_without_jsonl(tiny):
 
 def test_prompts_file_results_in_input_order_with_a_bad_line_reported(tiny, tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text("\n".join([
-        json.dumps({"prompt": "first question"}),
-        "{not json",
-        json.dumps({"messages": [{"role": "user", "content": "second question"}]}),
-        json.dumps({"prompt": "word " * 400}),
-        json.dumps({"prompt": "third"}),
-    ]) + "\n")
-    r = run("-m", tiny, "--prompts-file", f, "-np", "2", "-n", "4", "--temp", "0", "-s", "1",
-            "--jsonl", "-c", "512")
+    f.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "first question"}),
+                "{not json",
+                json.dumps({"messages": [{"role": "user", "content": "second question"}]}),
+                json.dumps({"prompt": "word " * 400}),
+                json.dumps({"prompt": "third"}),
+            ]
+        )
+        + "\n"
+    )
+    r = run("-m", tiny, "--prompts-file", f, "-np", "2", "-n", "4", "--temp", "0", "-s", "1", "--jsonl", "-c", "512")
     rows = jsonl(r)
     assert [x["index"] for x in rows] == [0, 1, 2, 3, 4]
     assert "not JSON" in rows[1]["error"] and rows[1]["stop"] == "error"

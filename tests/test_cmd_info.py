@@ -1,5 +1,6 @@
 """`kvchat info`: the numbers it prints (KV bytes per token per cache type, weight formats) and
 its behaviour on unsupported and broken files."""
+
 from __future__ import annotations
 
 import re
@@ -49,19 +50,27 @@ def test_kv_bytes_real_models(smollm2_path, gemma3_path):
 def test_info_smollm2_text(smollm2_path):
     text, err = render(GGUFFile(smollm2_path))
     assert err is None
-    for field, value in (("architecture", "llama"), ("layers", "30"),
-                         ("attention heads", "9 (kv heads 3, 3 per group)"),
-                         ("head dims", "k 64, v 64, rope 64"), ("rope", "norm, base 100000"),
-                         ("vocabulary", "49152 tokens, tokenizer gpt2 (pre: smollm)"),
-                         ("chat template", "yes"), ("sliding window", "none")):
+    for field, value in (
+        ("architecture", "llama"),
+        ("layers", "30"),
+        ("attention heads", "9 (kv heads 3, 3 per group)"),
+        ("head dims", "k 64, v 64, rope 64"),
+        ("rope", "norm, base 100000"),
+        ("vocabulary", "49152 tokens, tokenizer gpt2 (pre: smollm)"),
+        ("chat template", "yes"),
+        ("sliding window", "none"),
+    ):
         assert row(text, field, value), (field, value)
     assert re.search(r"q4_1\s+│\s+210\s+│", text)
     assert re.search(r"f16\s+│\s+22\.50 KiB\s+│\s+22\.50 MiB", text)
 
 
 def test_info_tiny_gemma3(tmp_path):
-    gf = GGUFFile(write_tiny_model(tmp_path / "g.gguf", arch="gemma3", n_layer=6, n_head_kv=1,
-                                   weight_type=GGMLType.Q8_0, chat_template=None))
+    gf = GGUFFile(
+        write_tiny_model(
+            tmp_path / "g.gguf", arch="gemma3", n_layer=6, n_head_kv=1, weight_type=GGMLType.Q8_0, chat_template=None
+        )
+    )
     text, err = render(gf)
     assert err is None
     assert row(text, "sliding window", "16 tokens on 5 of 6 layers (every 6th layer global)")
@@ -82,6 +91,7 @@ def test_info_unsupported_arch_describes_then_fails(tmp_path):
 
 def test_info_cli_errors_are_one_line(tmp_path, capsys):
     from kvchat.cli.app import main
+
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\0\0\0" + b"\xff" * 16)
     with pytest.raises(SystemExit) as ei:

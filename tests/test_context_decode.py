@@ -1,21 +1,24 @@
 """Context.decode: return codes, outputs, and all-or-nothing memory semantics."""
+
 import time
 
 import numpy as np
 import pytest
+from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
-
 
 def make(n_ctx=256, n_seq_max=3, n_ubatch=4, fail_at=None, abort=None, hp=None, **kw):
     hp = hp or make_hparams(n_layer=2)
     model = StubModel(hp, fail_at=fail_at)
-    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n_seq_max, n_ubatch=n_ubatch,
-                                       n_batch=n_ctx, **kw), abort_callback=abort)
+    ctx = Context(
+        model,
+        ContextParams(n_ctx=n_ctx, n_seq_max=n_seq_max, n_ubatch=n_ubatch, n_batch=n_ctx, **kw),
+        abort_callback=abort,
+    )
     return ctx, model
 
 
@@ -24,8 +27,10 @@ def used_rows(kv):
     out = {}
     for s, c in enumerate(kv.cells):
         for i in np.flatnonzero(c.pos >= 0).tolist():
-            out[(s, i)] = [(l.k[s, i].tobytes(), (l.v[s][:, kv.trans_cols(np.array([i]))] if kv.v_trans
-                            else l.v[s, i]).tobytes()) for l in kv.layers]
+            out[(s, i)] = [
+                (l.k[s, i].tobytes(), (l.v[s][:, kv.trans_cols(np.array([i]))] if kv.v_trans else l.v[s, i]).tobytes())
+                for l in kv.layers
+            ]
     return out
 
 
@@ -146,13 +151,16 @@ def test_memory_error_returns_minus_2():
     assert ctx.memory.seq_pos_max(0) == -1
 
 
-@pytest.mark.parametrize("batch, needle", [
-    (Batch([1, 64]), "invalid token[1] = 64"),
-    (Batch([1], seq_ids=[[3]]), "invalid seq_id"),
-    (Batch([1, 2], pos=[3, 4]), None),  # fine on an empty memory
-    (Batch(np.zeros(300, np.int64)), "exceeds n_batch"),
-    (Batch(np.zeros(0, np.int64)), "n_tokens == 0"),
-])
+@pytest.mark.parametrize(
+    "batch, needle",
+    [
+        (Batch([1, 64]), "invalid token[1] = 64"),
+        (Batch([1], seq_ids=[[3]]), "invalid seq_id"),
+        (Batch([1, 2], pos=[3, 4]), None),  # fine on an empty memory
+        (Batch(np.zeros(300, np.int64)), "exceeds n_batch"),
+        (Batch(np.zeros(0, np.int64)), "n_tokens == 0"),
+    ],
+)
 def test_invalid_batches_return_minus_1(batch, needle):
     ctx, model = make()
     code = ctx.decode(batch)
@@ -184,6 +192,7 @@ def test_swa_rollback_restores_overwritten_cells_and_their_rows():
 
 def test_n_threads_applied():
     import numba
+
     ctx, _ = make(n_threads=1)
     assert ctx.n_threads == 1 and numba.get_num_threads() == 1
     ctx.set_n_threads(10**6)

@@ -5,6 +5,7 @@ predicts the next token from a position-weighted hash of everything in the cache
 mistake in what is cached (a wrong token, a gap, a stale cell) changes the greedy answer, and
 decode() refuses a batch whose positions do not continue the sequence.
 """
+
 import json
 from types import SimpleNamespace
 
@@ -12,8 +13,7 @@ import numpy as np
 import pytest
 
 from kvchat.cli.wording import event_text
-from kvchat.runtime.chat.conversation import (Conversation, ConversationConfig, Interrupted, PromptTooLong,
-                                  common_prefix)
+from kvchat.runtime.chat.conversation import Conversation, ConversationConfig, Interrupted, PromptTooLong, common_prefix
 from kvchat.runtime.errors import KvchatError, SessionError
 from kvchat.runtime.sampling import Sampler, SamplingParams
 
@@ -136,11 +136,16 @@ class FakeContext:
 def make(n_ctx=64, system="SYS", eog_at=None, **cfg):
     ctx = FakeContext(n_ctx=n_ctx, eog_at=eog_at)
     notes = []
-    conv = Conversation(ctx, FakeVocab(), FakeTemplate(), Sampler(SamplingParams(temp=0.0, seed=1)),
-                        ConversationConfig(system_prompt=system, **cfg),
-                        notify=lambda event: notes.append(event_text(event)),
-                        batch_factory=lambda toks, pos0, seq: (list(toks), pos0, seq),
-                        stream_decoder=FakeDecoder)
+    conv = Conversation(
+        ctx,
+        FakeVocab(),
+        FakeTemplate(),
+        Sampler(SamplingParams(temp=0.0, seed=1)),
+        ConversationConfig(system_prompt=system, **cfg),
+        notify=lambda event: notes.append(event_text(event)),
+        batch_factory=lambda toks, pos0, seq: (list(toks), pos0, seq),
+        stream_decoder=FakeDecoder,
+    )
     ctx.abort_callback = conv.stop_event.is_set
     return conv, ctx, notes
 
@@ -192,7 +197,7 @@ def test_first_turn_then_only_new_tokens():
     assert s2.n_prompt == len(full2) - len(prompt1) - 4
     assert ctx.n_decoded - before == s2.n_prompt + s2.n_gen_decoded
     consistent(conv, ctx)
-    assert conv.tokens[:len(full2)] == full2
+    assert conv.tokens[: len(full2)] == full2
 
 
 def test_end_of_turn_stops_answer():
@@ -215,7 +220,7 @@ def test_regen_samples_again_without_prefill():
     assert len(conv.messages) == 3 and conv.messages[-1]["role"] == "assistant"
     consistent(conv, ctx)
     prompt = tok("[s]SYS|[u]hi|[a]")
-    assert conv.tokens[:len(prompt)] == prompt and len(conv.tokens) == len(prompt) + 5
+    assert conv.tokens[: len(prompt)] == prompt and len(conv.tokens) == len(prompt) + 5
 
 
 def test_regen_without_answer_is_an_error():
@@ -279,7 +284,7 @@ def test_context_shift_keeps_prefix_drops_half():
     for _ in range(120):
         if len(seq) + 1 > 64:
             d = (len(seq) - n_keep) // 2
-            seq = seq[:n_keep] + seq[n_keep + d:]
+            seq = seq[:n_keep] + seq[n_keep + d :]
         t = next_token(last_decoded, None)
         answer.append(t)
         if len(answer) < 120:

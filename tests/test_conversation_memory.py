@@ -1,6 +1,7 @@
 """The conversation engine checks what the memory lets it do: a refused partial `seq_rm`
 (a recurrent state) or a sliding window that no longer holds the cells a rewound prefix needs
 both mean "decode the prompt whole" — never an answer from a cache that does not match."""
+
 import numpy as np
 import pytest
 
@@ -53,7 +54,7 @@ def test_regen_on_a_memory_without_partial_removal_still_answers_from_the_prompt
     assert ctx.memory.refused >= 1 and s.n_prompt == len(prompt)
     assert s.n_gen == first.n_gen and conv.messages[-1]["role"] == "assistant"
     consistent(conv, ctx)
-    assert conv.tokens[:len(prompt)] == prompt
+    assert conv.tokens[: len(prompt)] == prompt
 
 
 def test_repair_empties_a_sequence_it_cannot_cut():
@@ -69,6 +70,7 @@ def test_repair_empties_a_sequence_it_cannot_cut():
 @pytest.fixture(scope="module")
 def gemma3(tiny_model):
     from kvchat.runtime.model import Model
+
     return Model.load(tiny_model("gemma3", n_swa=8, n_ctx_train=2048))
 
 
@@ -76,11 +78,17 @@ def real_conv(model, n_predict=100):
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.text.chat_template import ChatTemplate
-    ctx = Context(model, ContextParams(n_ctx=1024, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32",
-                                       flash_attn="off"))
-    return Conversation(ctx, model.vocab, ChatTemplate.from_gguf(model.gguf, model.vocab),
-                        Sampler(SamplingParams(temp=0.0, seed=1)),
-                        ConversationConfig(n_predict=n_predict, ignore_eos=True))
+
+    ctx = Context(
+        model, ContextParams(n_ctx=1024, n_batch=64, n_ubatch=64, type_k="f32", type_v="f32", flash_attn="off")
+    )
+    return Conversation(
+        ctx,
+        model.vocab,
+        ChatTemplate.from_gguf(model.gguf, model.vocab),
+        Sampler(SamplingParams(temp=0.0, seed=1)),
+        ConversationConfig(n_predict=n_predict, ignore_eos=True),
+    )
 
 
 TURNS = ["hello world", "the chat and the world", "hello hello", "the world and the chat"]

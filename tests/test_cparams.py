@@ -1,11 +1,11 @@
 """ContextParams -> CParams resolution, as llama_context's constructor does it."""
+
 import pytest
+from memory_stubs import make_hparams
 
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.cparams import QUANT_V_NEEDS_FA, ContextParams, resolve_cparams
 from kvchat.runtime.errors import CParamsError, KvchatError
-
-from memory_stubs import make_hparams
 
 
 def resolve(**kw):
@@ -63,16 +63,19 @@ def test_quantized_v_without_flash_attention_is_refused_with_llamacpp_message():
     assert QUANT_V_NEEDS_FA == "quantized V cache was requested, but this requires Flash Attention"
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(type_k="q4_K"), "valid cache types"),
-    (dict(type_v="f17"), "valid cache types"),
-    (dict(flash_attn="maybe"), "on, off or auto"),
-    (dict(n_seq_max=257), "n_seq_max must be <= 256"),
-    (dict(n_ctx=-5), "n_ctx"),
-    (dict(n_batch=0), "n_batch"),
-    (dict(n_ubatch=-1), "n_ubatch"),
-    (dict(n_threads=0), "n_threads"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(type_k="q4_K"), "valid cache types"),
+        (dict(type_v="f17"), "valid cache types"),
+        (dict(flash_attn="maybe"), "on, off or auto"),
+        (dict(n_seq_max=257), "n_seq_max must be <= 256"),
+        (dict(n_ctx=-5), "n_ctx"),
+        (dict(n_batch=0), "n_batch"),
+        (dict(n_ubatch=-1), "n_ubatch"),
+        (dict(n_threads=0), "n_threads"),
+    ],
+)
 def test_bad_values_raise_user_errors(kw, needle):
     with pytest.raises(CParamsError) as e:
         resolve(n_ctx=kw.pop("n_ctx", 256), **kw)

@@ -1,4 +1,5 @@
 """cli/fast_params.py converts command-line values as typer's pydantic adapters do, without pydantic."""
+
 import os
 import subprocess
 import sys
@@ -10,10 +11,52 @@ import typer
 from kvchat.cli import fast_params
 from kvchat.cli.app import COMMANDS, make_app
 
-VALUES = ["0", "-0", "1", "-1", "7", "007", "+3", " 3", "3 ", "3_0", "1.5", "1.0", "-2.25", ".5", "5.",
-          "1e3", "1e400", "nan", "inf", "-inf", "abc", "", "０", "99999999999999999999999",
-          "123456789012345678", "on", "OFF", "Auto", "f16", "q8_0", "/etc/passwd", "/nonexistent/x",
-          "relative/file.txt", "-", "~", 0, 1, -1, 2048, 0.8, 1.0, float("nan"), True, False]
+VALUES = [
+    "0",
+    "-0",
+    "1",
+    "-1",
+    "7",
+    "007",
+    "+3",
+    " 3",
+    "3 ",
+    "3_0",
+    "1.5",
+    "1.0",
+    "-2.25",
+    ".5",
+    "5.",
+    "1e3",
+    "1e400",
+    "nan",
+    "inf",
+    "-inf",
+    "abc",
+    "",
+    "０",
+    "99999999999999999999999",
+    "123456789012345678",
+    "on",
+    "OFF",
+    "Auto",
+    "f16",
+    "q8_0",
+    "/etc/passwd",
+    "/nonexistent/x",
+    "relative/file.txt",
+    "-",
+    "~",
+    0,
+    1,
+    -1,
+    2048,
+    0.8,
+    1.0,
+    float("nan"),
+    True,
+    False,
+]
 
 
 def _params(name):
@@ -40,6 +83,7 @@ def _outcome(fn):
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_flag_converts_every_value_exactly_as_typer_does(name):
     from typer._coercion import build_runtime_param
+
     command, params = _params(name)
     ctx = _context(command)
     checked = 0
@@ -56,6 +100,7 @@ def test_every_flag_converts_every_value_exactly_as_typer_does(name):
 
 def test_fast_values_skip_typer_adapter_and_odd_ones_use_it():
     from typer._coercion import build_runtime_param
+
     command, params = _params("run")
     by_name = {p.name: p for p in params}
     ctx = _context(command)
@@ -79,19 +124,49 @@ def test_fast_values_skip_typer_adapter_and_odd_ones_use_it():
 def test_kvchat_run_parses_its_flags_without_importing_pydantic(tmp_path):
     """A whole `kvchat run` with typed flags (ints, floats, a choice, a path) up to its first
     user error never imports pydantic; the error line and exit code are the usual ones."""
-    code = ("import sys\nfrom kvchat.cli.app import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
-            "    print('exit', e.code, 'pydantic' in sys.modules)\n")
+    code = (
+        "import sys\nfrom kvchat.cli.app import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    print('exit', e.code, 'pydantic' in sys.modules)\n"
+    )
     prompt = tmp_path / "p.txt"
     prompt.write_text("hi")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    out = subprocess.run([sys.executable, "-c", code, "run", "-m", str(tmp_path / "none.gguf"), "-f",
-                          str(prompt), "-n", "16", "--temp", "0.5", "-fa", "ON", "-c", "512", "-s", "3"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "run",
+            "-m",
+            str(tmp_path / "none.gguf"),
+            "-f",
+            str(prompt),
+            "-n",
+            "16",
+            "--temp",
+            "0.5",
+            "-fa",
+            "ON",
+            "-c",
+            "512",
+            "-s",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.stdout.strip() == "exit 1 False"
     assert out.stderr.startswith(f"error: model '{tmp_path / 'none.gguf'}' not found")
-    bad = subprocess.run([sys.executable, "-c", code, "run", "-m", "x", "-p", "hi", "-np", "0"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-c", code, "run", "-m", "x", "-p", "hi", "-np", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert bad.stdout.strip() == "exit 2 True"  # typer's own conversion words the refusal
     assert "Input should be greater than or equal to 1" in bad.stderr
 

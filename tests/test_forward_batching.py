@@ -16,6 +16,7 @@ SmolLM2 for the real thing (f16 and q8_0 caches, flash on and off, 1 and 2 threa
 for the real iSWA cache (600 tokens through its 512-token window); a tiny gemma3 with a sliding
 window of 8 for iSWA at every split; a tiny qwen3 with two sequences.
 """
+
 import numba
 import numpy as np
 import pytest
@@ -63,8 +64,7 @@ def test_smollm2_batch_splits_agree_exactly(smollm2_path, reference_dir, cache, 
     assert np.isfinite(one).all() and one.std() > 1.0  # real logits, not a degenerate output
     np.testing.assert_array_equal(_logits_by_ubatch(model, tokens, n_ubatch=512, **kw), one)
     numba.set_num_threads(1)
-    np.testing.assert_array_equal(_logits_by_ubatch(model, tokens[:200], n_ubatch=7, n_threads=1, **kw),
-                                  one[:200])
+    np.testing.assert_array_equal(_logits_by_ubatch(model, tokens[:200], n_ubatch=7, n_threads=1, **kw), one[:200])
     np.testing.assert_array_equal(_logits_token_by_token(model, tokens[:100], n_threads=1, **kw), one[:100])
 
 
@@ -86,8 +86,9 @@ def test_gemma3_batch_splits_agree_exactly(gemma3_path, reference_dir, restore_t
 
 @pytest.mark.parametrize("cache,flash", [("f16", "on"), ("f16", "off"), ("q8_0", "on")])
 def test_tiny_gemma3_swa_batch_splits_agree(tmp_path, cache, flash):
-    path = write_tiny_model(tmp_path / "g.gguf", arch="gemma3", n_layer=4, n_embd=128, n_head=4,
-                            n_head_kv=1, n_ff=96, n_swa=8)
+    path = write_tiny_model(
+        tmp_path / "g.gguf", arch="gemma3", n_layer=4, n_embd=128, n_head=4, n_head_kv=1, n_ff=96, n_swa=8
+    )
     model = Model.load(path)
     tokens = list(np.random.default_rng(0).integers(6, model.hparams.n_vocab, 70))
     kw = dict(type_k=cache, type_v=cache, flash_attn=flash)
@@ -101,21 +102,24 @@ def test_two_sequences_in_one_batch_do_not_see_each_other(tmp_path):
     """Sequences a and b in one batch: a's rows equal a decoded alone; b's rows equal b decoded
     in its own call after a (the same cells 20..34). b decoded alone sits at cells 0..14 instead,
     so its sums are grouped into other 32-cell tiles: equal within float rounding only."""
-    path = write_tiny_model(tmp_path / "q.gguf", arch="qwen3", n_layer=2, n_embd=128, n_head=4,
-                            n_head_kv=2, n_ff=96)
+    path = write_tiny_model(tmp_path / "q.gguf", arch="qwen3", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=96)
     model = Model.load(path)
     a = list(range(10, 30))
     b = list(range(40, 55))
     alone_a = _logits_by_ubatch(model, a, n_ubatch=64)
     alone_b = _logits_by_ubatch(model, b, n_ubatch=64)
     ctx = Context(model, ContextParams(n_ctx=256, n_seq_max=2))
-    batch = Batch(a + b, pos=list(range(len(a))) + list(range(len(b))),
-                  seq_ids=[[0]] * len(a) + [[1]] * len(b), logits=[True] * (len(a) + len(b)))
+    batch = Batch(
+        a + b,
+        pos=list(range(len(a))) + list(range(len(b))),
+        seq_ids=[[0]] * len(a) + [[1]] * len(b),
+        logits=[True] * (len(a) + len(b)),
+    )
     assert ctx.decode(batch) == 0, ctx.last_error
     got = ctx.get_logits().copy()
-    np.testing.assert_array_equal(got[:len(a)], alone_a)
+    np.testing.assert_array_equal(got[: len(a)], alone_a)
     after = Context(model, ContextParams(n_ctx=256, n_seq_max=2))
     assert after.decode(Batch.one_seq(a, 0, seq_id=0, all_logits=True)) == 0, after.last_error
     assert after.decode(Batch.one_seq(b, 0, seq_id=1, all_logits=True)) == 0, after.last_error
-    np.testing.assert_array_equal(got[len(a):], after.get_logits())
-    np.testing.assert_allclose(got[len(a):], alone_b, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(got[len(a) :], after.get_logits())
+    np.testing.assert_allclose(got[len(a) :], alone_b, rtol=0, atol=1e-5)

@@ -16,6 +16,7 @@
    (mean < 0.15, top-1 equal where llama.cpp's margin > 0.55, at most 2 % flips above 0.1) to
    catch regressions: a wrong norm, RoPE or mask moves these by far more than 0.15.
 """
+
 import json
 
 import gguf
@@ -31,8 +32,8 @@ from kvchat.runtime.hparams import HParams
 from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
-
 # ---- float64 reference forward ---------------------------------------------------------------
+
 
 def _w(gf, name):
     ti = gf.tensors.get(name)
@@ -55,7 +56,7 @@ def _mm(gf, x, name):
 
 
 def _rms(x, w, eps):
-    y = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+    y = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
     return y * w if w is not None else y
 
 
@@ -131,8 +132,17 @@ def reference_forward(path, tokens):
 
 
 def decode_all(model, tokens, n_ubatch=512, type_k="f16", type_v="f16", flash="on", n_ctx=512):
-    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=max(512, len(tokens)), n_ubatch=n_ubatch,
-                                       type_k=type_k, type_v=type_v, flash_attn=flash))
+    ctx = Context(
+        model,
+        ContextParams(
+            n_ctx=n_ctx,
+            n_batch=max(512, len(tokens)),
+            n_ubatch=n_ubatch,
+            type_k=type_k,
+            type_v=type_v,
+            flash_attn=flash,
+        ),
+    )
     assert ctx.decode(Batch.one_seq(list(tokens), 0, all_logits=True)) == 0, ctx.last_error
     return ctx.get_logits().copy()
 
@@ -147,11 +157,11 @@ TINY = [
 
 
 @pytest.mark.parametrize("arch,opts", TINY, ids=[f"{a}-{i}" for i, (a, _) in enumerate(TINY)])
-@pytest.mark.parametrize("cache,flash,tol", [("f32", "on", 2e-4), ("f16", "off", 5e-3),
-                                               ("q8_0", "on", 5e-2)])
+@pytest.mark.parametrize("cache,flash,tol", [("f32", "on", 2e-4), ("f16", "off", 5e-3), ("q8_0", "on", 5e-2)])
 def test_tiny_models_match_float64_reference(tmp_path, arch, opts, cache, flash, tol):
-    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=3, n_embd=128, n_head=4,
-                            n_head_kv=2, n_ff=96, **opts)
+    path = write_tiny_model(
+        tmp_path / f"{arch}.gguf", arch=arch, n_layer=3, n_embd=128, n_head=4, n_head_kv=2, n_ff=96, **opts
+    )
     model = Model.load(path)
     tokens = np.random.default_rng(1).integers(3, model.hparams.n_vocab, 30)
     ref = reference_forward(path, tokens)
@@ -186,13 +196,14 @@ def test_only_flagged_outputs_are_computed(tmp_path):
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     from kvchat.runtime.errors import ModelFileError
-    path = write_tiny_model(tmp_path / "m.gguf", arch="llama",
-                            metadata={"general.architecture": "rwkv6"})
+
+    path = write_tiny_model(tmp_path / "m.gguf", arch="llama", metadata={"general.architecture": "rwkv6"})
     with pytest.raises(ModelFileError, match=r"rwkv6.*supported.*llama.*qwen2.*qwen3.*gemma3"):
         Model.load(path)
 
 
 # ---- real models vs llama.cpp ----------------------------------------------------------------
+
 
 def _log_softmax(x):
     x = x.astype(np.float64)
@@ -237,13 +248,13 @@ def test_real_model_logits_match_llama_cpp(name, request, reference_dir):
 def test_hadamard_rotation_of_quantized_caches(tmp_path, monkeypatch):
     """Quantized K/V are stored Hadamard-rotated as llama.cpp does: same math, smaller error."""
     from kvchat.runtime.memory import attn_rotation, kv_cache
+
     h = attn_rotation.hadamard(64)
     np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
     assert attn_rotation.rotation_sizes(_hp(64, 64), GGMLType.Q4_0, GGMLType.Q4_0) == (64, 64)
     assert attn_rotation.rotation_sizes(_hp(256, 256), GGMLType.Q8_0, GGMLType.F16) == (256, 0)
     assert attn_rotation.rotation_sizes(_hp(64, 64), GGMLType.F16, GGMLType.F16) == (0, 0)
-    path = write_tiny_model(tmp_path / "m.gguf", arch="llama", n_layer=2, n_embd=128, n_head=2,
-                            n_head_kv=1, n_ff=96)
+    path = write_tiny_model(tmp_path / "m.gguf", arch="llama", n_layer=2, n_embd=128, n_head=2, n_head_kv=1, n_ff=96)
     model = Model.load(path)
     tokens = np.random.default_rng(1).integers(3, model.hparams.n_vocab, 40)
     ref = reference_forward(path, tokens)
@@ -255,6 +266,7 @@ def test_hadamard_rotation_of_quantized_caches(tmp_path, monkeypatch):
 
 def _hp(dk, dv):
     from types import SimpleNamespace
+
     return SimpleNamespace(n_embd_head_k=dk, n_embd_head_v=dv)
 
 
@@ -262,16 +274,19 @@ def test_q_is_rounded_like_ggml_for_quantized_and_bf16_keys():
     """ggml's K·Q converts Q to K's vec_dot type (q8_0/q8_1 blocks for quantized K, bf16 for
     bf16 K); f32/f16 K leave Q alone. Checked against gguf-py's own round trip."""
     from kvchat.runtime.arch.blocks import round_q_like_ggml
+
     q = np.random.default_rng(3).standard_normal((5, 4 * 64)).astype(np.float32) * 3  # [n, heads*dk]
     for t in (GGMLType.F32, GGMLType.F16):
         assert round_q_like_ggml(q, t) is q
-    want = gguf.quants.dequantize(gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0),
-                                  gguf.GGMLQuantizationType.Q8_0)
+    want = gguf.quants.dequantize(
+        gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    )
     for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
         got = round_q_like_ggml(q, t)
         np.testing.assert_array_equal(got, want)
         assert not np.array_equal(got, q)
-    want_bf16 = gguf.quants.dequantize(gguf.quants.quantize(q, gguf.GGMLQuantizationType.BF16),
-                                       gguf.GGMLQuantizationType.BF16)
+    want_bf16 = gguf.quants.dequantize(
+        gguf.quants.quantize(q, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    )
     np.testing.assert_array_equal(round_q_like_ggml(q, GGMLType.BF16), want_bf16)
     assert np.array_equal(round_q_like_ggml(q[2:3], GGMLType.Q4_0)[0], round_q_like_ggml(q, GGMLType.Q4_0)[2])

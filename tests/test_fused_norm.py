@@ -1,6 +1,7 @@
 """The residual-add + RMSNorm kernels (kernels/fused_norm.py): bit-identical to the unfused steps
 they replace, batch-invariant (a row alone == the row in a batch, on the serial and parallel
 twins), and close to a float64 reference."""
+
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ def _rows(n, seed, scale=3.0):
 
 
 def _ref_norm(x64, w):
-    return x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + EPS) * w
+    return x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + EPS) * w
 
 
 @pytest.mark.parametrize("n", [1, 5, 40])
@@ -64,10 +65,10 @@ def test_fused_norm_rows_are_batch_invariant(monkeypatch, par_min):
     hb2 = norm_add_rms_norm(ab, w_post, xb2, w_next, EPS)
     monkeypatch.setattr(parallel, "RMS_NORM_PAR_MIN_ROWS", 16)  # single rows: the default twin
     for t in (0, 17, n - 1):
-        x1 = x[t:t + 1].copy()
-        np.testing.assert_array_equal(add_rms_norm(x1, a[t:t + 1], w_next, EPS)[0], hb[t])
+        x1 = x[t : t + 1].copy()
+        np.testing.assert_array_equal(add_rms_norm(x1, a[t : t + 1], w_next, EPS)[0], hb[t])
         np.testing.assert_array_equal(x1[0], xb[t])
-        a1, x2 = a[t:t + 1].copy(), x[t:t + 1].copy()
+        a1, x2 = a[t : t + 1].copy(), x[t : t + 1].copy()
         np.testing.assert_array_equal(norm_add_rms_norm(a1, w_post, x2, w_next, EPS)[0], hb2[t])
         np.testing.assert_array_equal(x2[0], xb2[t])
 

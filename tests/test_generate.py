@@ -1,4 +1,5 @@
 """runtime/generate.py on a tiny random model: decode_tokens' pieces, generate's steps and stops."""
+
 import threading
 
 import numpy as np
@@ -6,8 +7,15 @@ import pytest
 
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
-from kvchat.runtime.generate import (DecodeError, Interrupted, StopReason, decode_tokens, generate,
-                              log_softmax_at, warm_up)
+from kvchat.runtime.generate import (
+    DecodeError,
+    Interrupted,
+    StopReason,
+    decode_tokens,
+    generate,
+    log_softmax_at,
+    warm_up,
+)
 from kvchat.runtime.model import Model
 
 
@@ -17,8 +25,11 @@ def model(tiny_model):
 
 
 def make_ctx(model, n_ctx=256, n_batch=64, n_ubatch=64, abort=None):
-    return Context(model, ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, type_k="f32",
-                                        type_v="f32", flash_attn="off"), abort_callback=abort)
+    return Context(
+        model,
+        ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, type_k="f32", type_v="f32", flash_attn="off"),
+        abort_callback=abort,
+    )
 
 
 IDS = [int(t) for t in np.random.default_rng(5).integers(3, 250, 40)]
@@ -144,8 +155,13 @@ def test_log_softmax_at_is_exact_for_huge_logits():
 def test_on_logits_streams_each_piece_instead_of_keeping_them(model):
     whole = decode_tokens(make_ctx(model), IDS, 0, logits="all")
     seen = []
-    got = decode_tokens(make_ctx(model, n_batch=16, n_ubatch=16), IDS, 0, logits="all",
-                        on_logits=lambda i, rows: seen.append((i, rows.copy())))
+    got = decode_tokens(
+        make_ctx(model, n_batch=16, n_ubatch=16),
+        IDS,
+        0,
+        logits="all",
+        on_logits=lambda i, rows: seen.append((i, rows.copy())),
+    )
     assert got is None and [i for i, _ in seen] == [0, 16, 32]
     assert np.array_equal(np.concatenate([r for _, r in seen]), whole)
 
@@ -154,6 +170,7 @@ def test_decode_pieces_yields_only_the_masked_outputs(model):
     """perplexity's use: only positions 25..38 scored; the first piece (0..15) has none and
     yields nothing, the rows equal those of an all-logits decode bit for bit."""
     from kvchat.runtime.generate import decode_pieces
+
     whole = decode_tokens(make_ctx(model), IDS, 0, logits="all")
     mask = np.zeros(40, dtype=bool)
     mask[25:39] = True

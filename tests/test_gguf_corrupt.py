@@ -1,5 +1,6 @@
 """Hand-crafted corrupt GGUF files: each must fail fast with a one-line ModelFileError that
 names the file and the offending field — never another exception, never a long allocation."""
+
 from __future__ import annotations
 
 import random
@@ -12,7 +13,8 @@ from gguf import GGUFValueType as GVT
 
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.errors import ModelFileError
-from kvchat.runtime.gguf.file import GGUFFile, GGUFValueType as VT
+from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.gguf.file import GGUFValueType as VT
 from kvchat.runtime.hparams import HParams
 from tests.gguf_factory import write_tiny_model
 
@@ -44,14 +46,20 @@ ARCH = kv_str("general.architecture", "llama")
 
 def tinfo(name, dims, ttype=GGMLType.F32, offset=0, n_dims=None) -> bytes:
     n_dims = len(dims) if n_dims is None else n_dims
-    return (s(name) + struct.pack("<I", n_dims) + b"".join(struct.pack("<Q", d) for d in dims)
-            + struct.pack("<IQ", ttype, offset))
+    return (
+        s(name)
+        + struct.pack("<I", n_dims)
+        + b"".join(struct.pack("<Q", d) for d in dims)
+        + struct.pack("<IQ", ttype, offset)
+    )
 
 
-def gguf_bytes(kvs=(ARCH,), tensors=(), data_size=0, magic=b"GGUF", version=3,
-               n_tensors=None, n_kv=None, alignment=32) -> bytes:
-    head = magic + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
-                               len(kvs) if n_kv is None else n_kv)
+def gguf_bytes(
+    kvs=(ARCH,), tensors=(), data_size=0, magic=b"GGUF", version=3, n_tensors=None, n_kv=None, alignment=32
+) -> bytes:
+    head = magic + struct.pack(
+        "<IQQ", version, len(tensors) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv
+    )
     body = head + b"".join(kvs) + b"".join(tensors)
     body += b"\0" * (-len(body) % alignment)
     return body + b"\0" * data_size
@@ -80,8 +88,7 @@ def expect_error(tmp_path, data: bytes, *words, name="bad.gguf", limit_s=1.0):
 
 # ----------------------------------------------------------------------------- container
 def test_minimal_valid_file_loads(tmp_path):
-    data = gguf_bytes(tensors=[tinfo("a", (8, 2)), tinfo("b", (32,), GGMLType.Q8_0, offset=64)],
-                      data_size=64 + 34)
+    data = gguf_bytes(tensors=[tinfo("a", (8, 2)), tinfo("b", (32,), GGMLType.Q8_0, offset=64)], data_size=64 + 34)
     gf = load(tmp_path, data)
     assert gf.arch == "llama" and gf.version == 3 and gf.alignment == 32
     assert gf.tensors["a"].data.shape == (2, 32) and gf.tensors["b"].data.shape == (1, 34)
@@ -105,20 +112,25 @@ def test_truncated_header(tmp_path, size):
 
 def test_every_truncation_of_a_valid_file_fails_cleanly(tmp_path):
     """Cutting a valid file at any byte gives ModelFileError (and the whole file loads)."""
-    data = gguf_bytes(kvs=[ARCH, kv_arr("x.arr", VT.UINT16, 3, b"\1\0\2\0\3\0"),
-                           kv_arr("x.strs", VT.STRING, 2, s("ab") + s("c"))],
-                      tensors=[tinfo("t", (4,))], data_size=16)
+    data = gguf_bytes(
+        kvs=[ARCH, kv_arr("x.arr", VT.UINT16, 3, b"\1\0\2\0\3\0"), kv_arr("x.strs", VT.STRING, 2, s("ab") + s("c"))],
+        tensors=[tinfo("t", (4,))],
+        data_size=16,
+    )
     assert load(tmp_path, data).metadata["x.strs"] == ["ab", "c"]
     for cut in range(len(data)):  # header, padding or tensor data: every cut must be caught
         with pytest.raises(ModelFileError):
             load(tmp_path, data[:cut])
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("tensor_count", dict(n_tensors=1 << 40)),
-    ("kv_count", dict(n_kv=1 << 31)),
-    ("tensor_count", dict(n_tensors=1000)),  # under the cap, but not in 1 KB
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("tensor_count", dict(n_tensors=1 << 40)),
+        ("kv_count", dict(n_kv=1 << 31)),
+        ("tensor_count", dict(n_tensors=1000)),  # under the cap, but not in 1 KB
+    ],
+)
 def test_huge_counts(tmp_path, field, kwargs):
     expect_error(tmp_path, gguf_bytes(**kwargs), field)
 
@@ -136,8 +148,12 @@ def test_string_value_past_end(tmp_path):
 
 def test_string_in_array_past_end(tmp_path):
     body = s("ok") + struct.pack("<Q", 1 << 20) + b"xx"
-    expect_error(tmp_path, gguf_bytes(kvs=[ARCH, kv_arr("tokenizer.ggml.tokens", VT.STRING, 2, body)]),
-                 "tokenizer.ggml.tokens[1]", "past the end")
+    expect_error(
+        tmp_path,
+        gguf_bytes(kvs=[ARCH, kv_arr("tokenizer.ggml.tokens", VT.STRING, 2, body)]),
+        "tokenizer.ggml.tokens[1]",
+        "past the end",
+    )
 
 
 @pytest.mark.parametrize("n", [1 << 40, (1 << 30) - 1])
@@ -159,8 +175,9 @@ def test_bad_value_type(tmp_path):
 
 
 def test_bad_array_element_type(tmp_path):
-    expect_error(tmp_path, gguf_bytes(kvs=[ARCH, kv_arr("x.y", 99, 1, b"\0" * 8)]),
-                 "x.y", "invalid array element type 99")
+    expect_error(
+        tmp_path, gguf_bytes(kvs=[ARCH, kv_arr("x.y", 99, 1, b"\0" * 8)]), "x.y", "invalid array element type 99"
+    )
 
 
 def test_bad_bool(tmp_path):
@@ -177,8 +194,7 @@ def test_invalid_utf8_key(tmp_path):
 
 
 def test_duplicate_key(tmp_path):
-    expect_error(tmp_path, gguf_bytes(kvs=[ARCH, kv_u32("x.n", 1), kv_u32("x.n", 2)]),
-                 "x.n", "duplicate metadata key")
+    expect_error(tmp_path, gguf_bytes(kvs=[ARCH, kv_u32("x.n", 1), kv_u32("x.n", 2)]), "x.n", "duplicate metadata key")
 
 
 def test_duplicate_tensor(tmp_path):
@@ -193,17 +209,24 @@ def test_bad_alignment(tmp_path, align):
 
 
 def test_alignment_wrong_type(tmp_path):
-    expect_error(tmp_path, gguf_bytes(kvs=[ARCH, kv_str("general.alignment", "32")]),
-                 "general.alignment", "integer")
+    expect_error(tmp_path, gguf_bytes(kvs=[ARCH, kv_str("general.alignment", "32")]), "general.alignment", "integer")
 
 
 def test_custom_alignment_is_honoured(tmp_path):
-    data = gguf_bytes(kvs=[ARCH, kv_u32("general.alignment", 64)],
-                      tensors=[tinfo("a", (8,)), tinfo("b", (8,), offset=64)], data_size=128, alignment=64)
+    data = gguf_bytes(
+        kvs=[ARCH, kv_u32("general.alignment", 64)],
+        tensors=[tinfo("a", (8,)), tinfo("b", (8,), offset=64)],
+        data_size=128,
+        alignment=64,
+    )
     gf = load(tmp_path, data)
     assert gf.alignment == 64 and gf.data_offset % 64 == 0
-    data = gguf_bytes(kvs=[ARCH, kv_u32("general.alignment", 64)],
-                      tensors=[tinfo("a", (8,)), tinfo("b", (8,), offset=32)], data_size=128, alignment=64)
+    data = gguf_bytes(
+        kvs=[ARCH, kv_u32("general.alignment", 64)],
+        tensors=[tinfo("a", (8,)), tinfo("b", (8,), offset=32)],
+        data_size=128,
+        alignment=64,
+    )
     expect_error(tmp_path, data, "b", "not a multiple of the alignment 64")
 
 
@@ -223,8 +246,9 @@ def test_element_count_overflow(tmp_path):
 
 
 def test_unknown_tensor_type(tmp_path):
-    expect_error(tmp_path, gguf_bytes(tensors=[tinfo("w", (32,), ttype=99)], data_size=64),
-                 "w", "unknown ggml type id 99")
+    expect_error(
+        tmp_path, gguf_bytes(tensors=[tinfo("w", (32,), ttype=99)], data_size=64), "w", "unknown ggml type id 99"
+    )
 
 
 def test_row_not_multiple_of_block(tmp_path):
@@ -307,55 +331,72 @@ def hparams_error(tmp_path, *words, **factory_kwargs):
     return msg
 
 
-@pytest.mark.parametrize("key", ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
-                                 "llama.attention.head_count", "llama.context_length",
-                                 "llama.attention.layer_norm_rms_epsilon"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "llama.block_count",
+        "llama.embedding_length",
+        "llama.feed_forward_length",
+        "llama.attention.head_count",
+        "llama.context_length",
+        "llama.attention.layer_norm_rms_epsilon",
+    ],
+)
 def test_missing_required_metadata(tmp_path, key):
     hparams_error(tmp_path, key, "missing", metadata={key: None})
 
 
 def test_missing_vocabulary(tmp_path):
-    hparams_error(tmp_path, "tokenizer.ggml.tokens", "missing", metadata={"tokenizer.ggml.tokens": None,
-                                                                          "tokenizer.ggml.token_type": None,
-                                                                          "tokenizer.ggml.merges": None})
+    hparams_error(
+        tmp_path,
+        "tokenizer.ggml.tokens",
+        "missing",
+        metadata={"tokenizer.ggml.tokens": None, "tokenizer.ggml.token_type": None, "tokenizer.ggml.merges": None},
+    )
 
 
 def test_head_count_not_multiple_of_kv_heads(tmp_path):
     hparams_error(tmp_path, "llama.attention.head_count_kv", "not a multiple", n_head=4, n_head_kv=3)
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("llama.block_count", 0, ["0 is not in [1, 512]"]),
-    ("llama.attention.head_count", 0, ["0 is not in"]),
-    ("llama.attention.layer_norm_rms_epsilon", -1.0, ["not in (0, 1)"]),
-    ("llama.rope.freq_base", 0.0, ["must be positive"]),
-    ("llama.embedding_length", "64", ["must be an integer"]),
-    ("llama.rope.dimension_count", 32, ["must equal the head size 16"]),
-    ("llama.rope.scaling.type", "yarn", ["rope scaling 'yarn' is not supported"]),
-    ("llama.vocab_size", 5, ["differs from the"]),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("llama.block_count", 0, ["0 is not in [1, 512]"]),
+        ("llama.attention.head_count", 0, ["0 is not in"]),
+        ("llama.attention.layer_norm_rms_epsilon", -1.0, ["not in (0, 1)"]),
+        ("llama.rope.freq_base", 0.0, ["must be positive"]),
+        ("llama.embedding_length", "64", ["must be an integer"]),
+        ("llama.rope.dimension_count", 32, ["must equal the head size 16"]),
+        ("llama.rope.scaling.type", "yarn", ["rope scaling 'yarn' is not supported"]),
+        ("llama.vocab_size", 5, ["differs from the"]),
+    ],
+)
 def test_bad_metadata_values(tmp_path, key, value, words):
     hparams_error(tmp_path, key, *words, metadata={key: value})
 
 
 def test_wrong_tensor_shape_from_metadata(tmp_path):
     # the file's tensors are 64 wide; claim 128
-    hparams_error(tmp_path, "token_embd.weight", "does not match", "[128, ",
-                  metadata={"llama.embedding_length": 128})
+    hparams_error(tmp_path, "token_embd.weight", "does not match", "[128, ", metadata={"llama.embedding_length": 128})
 
 
 def test_missing_required_tensor(tmp_path):
-    hparams_error(tmp_path, "blk.1.ffn_up.weight", "missing (required for llama)", drop_tensors=("blk.1.ffn_up.weight",))
-    hparams_error(tmp_path, "blk.0.attn_q_norm.weight", "missing", arch="qwen3",
-                  drop_tensors=("blk.0.attn_q_norm.weight",))
+    hparams_error(
+        tmp_path, "blk.1.ffn_up.weight", "missing (required for llama)", drop_tensors=("blk.1.ffn_up.weight",)
+    )
+    hparams_error(
+        tmp_path, "blk.0.attn_q_norm.weight", "missing", arch="qwen3", drop_tensors=("blk.0.attn_q_norm.weight",)
+    )
 
 
 def test_unsupported_arch_is_still_readable(tmp_path):
     p = write_tiny_model(tmp_path / "m.gguf", metadata={"general.architecture": "rwkv6"})
     gf = GGUFFile(p)  # the container is fine: `kvchat info` can describe it
     assert gf.arch == "rwkv6" and len(gf.tensors) == 20
-    with pytest.raises(ModelFileError, match="architecture 'rwkv6' is not supported; supported: "
-                                             "llama, qwen2, qwen3, gemma3"):
+    with pytest.raises(
+        ModelFileError, match="architecture 'rwkv6' is not supported; supported: llama, qwen2, qwen3, gemma3"
+    ):
         HParams.from_gguf(gf)
 
 
@@ -366,7 +407,15 @@ def test_vocab_size_mismatch_with_embedding(tmp_path):
     a, b = GGUFFile(p), GGUFFile(q)
     assert a.tensors["token_embd.weight"].shape == (64, 300)
     # splice: b's vocabulary arrays with a's tensors is what a bad converter produces
-    msg = hparams_error(tmp_path, "token_embd.weight", "[64, 300]", "[64, 310]", n_vocab=300,
-                        metadata={"tokenizer.ggml.tokens": list(b.metadata["tokenizer.ggml.tokens"]),
-                                  "tokenizer.ggml.token_type": (list(map(int, b.metadata["tokenizer.ggml.token_type"])), GVT.INT32)})
+    msg = hparams_error(
+        tmp_path,
+        "token_embd.weight",
+        "[64, 300]",
+        "[64, 310]",
+        n_vocab=300,
+        metadata={
+            "tokenizer.ggml.tokens": list(b.metadata["tokenizer.ggml.tokens"]),
+            "tokenizer.ggml.token_type": (list(map(int, b.metadata["tokenizer.ggml.token_type"])), GVT.INT32),
+        },
+    )
     assert "does not match" in msg

@@ -1,5 +1,6 @@
 """GGUFFile on real and tiny models: the same metadata and tensors as gguf-py's GGUFReader,
 tensors as zero-copy read-only views on the one mmap, and a fast vocabulary load."""
+
 from __future__ import annotations
 
 import struct
@@ -11,9 +12,9 @@ import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.gguf.file import GGUFValueType as VT
 from tests.gguf_factory import write_tiny_model
 from tests.test_gguf_corrupt import ARCH, gguf_bytes, kv_arr, s, tinfo
-from kvchat.runtime.gguf.file import GGUFValueType as VT
 
 
 def assert_same_as_reader(gf: GGUFFile, reader: gguf.GGUFReader, check_all_data: bool):
@@ -56,12 +57,16 @@ def assert_zero_copy(gf: GGUFFile):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("which,n_tensors,n_kv,types", [
-    ("smollm2", 272, 33, {"q4_1": 210, "f32": 61, "q8_0": 1}),
-    # GGUFReader needs ~20-50 s to parse the 262144-token vocabulary
-    pytest.param("gemma3", 236, 33, {"f32": 109, "q5_0": 81, "q4_K": 27, "q8_0": 10, "q6_K": 9},
-                 marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "which,n_tensors,n_kv,types",
+    [
+        ("smollm2", 272, 33, {"q4_1": 210, "f32": 61, "q8_0": 1}),
+        # GGUFReader needs ~20-50 s to parse the 262144-token vocabulary
+        pytest.param(
+            "gemma3", 236, 33, {"f32": 109, "q5_0": 81, "q4_K": 27, "q8_0": 10, "q6_K": 9}, marks=pytest.mark.slow
+        ),
+    ],
+)
 def test_real_model_matches_gguf_reader(request, which, n_tensors, n_kv, types):
     path = request.getfixturevalue(f"{which}_path")
     gf = GGUFFile(path)
@@ -130,13 +135,19 @@ def test_tensor_views_are_read_only_and_survive_close(tmp_path):
 
 def test_version_2_and_array_kinds(tmp_path):
     """v2 files load; numeric arrays are native numpy arrays, bools bool, nested arrays lists."""
-    kvs = [ARCH,
-           kv_arr("x.i16", VT.INT16, 3, struct.pack("<3h", -1, 2, -3)),
-           kv_arr("x.f64", VT.FLOAT64, 2, struct.pack("<2d", 0.5, -2.0)),
-           kv_arr("x.b", VT.BOOL, 2, b"\x01\x00"),
-           kv_arr("x.nested", VT.ARRAY, 2, struct.pack("<IQ", VT.UINT8, 2) + b"\x07\x08"
-                  + struct.pack("<IQ", VT.STRING, 1) + s("z")),
-           kv_arr("x.empty", VT.STRING, 0)]
+    kvs = [
+        ARCH,
+        kv_arr("x.i16", VT.INT16, 3, struct.pack("<3h", -1, 2, -3)),
+        kv_arr("x.f64", VT.FLOAT64, 2, struct.pack("<2d", 0.5, -2.0)),
+        kv_arr("x.b", VT.BOOL, 2, b"\x01\x00"),
+        kv_arr(
+            "x.nested",
+            VT.ARRAY,
+            2,
+            struct.pack("<IQ", VT.UINT8, 2) + b"\x07\x08" + struct.pack("<IQ", VT.STRING, 1) + s("z"),
+        ),
+        kv_arr("x.empty", VT.STRING, 0),
+    ]
     p = tmp_path / "v2.gguf"
     p.write_bytes(gguf_bytes(kvs=kvs, tensors=[tinfo("w", (4, 3))], data_size=48, version=2))
     gf = GGUFFile(p)

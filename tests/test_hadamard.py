@@ -1,4 +1,5 @@
 """kernels/hadamard.py: the chunked fast Walsh-Hadamard transform behind the cache rotation."""
+
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ def test_a_row_is_bit_identical_whatever_the_batch():
     x = np.random.default_rng(5).standard_normal((300, 4, 64)).astype(np.float32)  # [n, heads, d]
     full = rotate(x, 64)
     for t in (0, 1, 150, 299):
-        assert np.array_equal(rotate(x[t:t + 1], 64)[0], full[t])
+        assert np.array_equal(rotate(x[t : t + 1], 64)[0], full[t])
     assert np.array_equal(rotate(x[7:19], 64), full[7:19])
 
 

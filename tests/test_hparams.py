@@ -1,5 +1,6 @@
 """HParams.from_gguf: values of the two real models (as llama.cpp prints them when loading)
 and of the tiny factory models, incl. gemma3's sliding-window layout and rope bases."""
+
 from __future__ import annotations
 
 import math
@@ -44,11 +45,23 @@ def test_gemma3(gemma3_path):
     assert hp.embed_scale == pytest.approx(math.sqrt(640)) and hp.kq_scale == 1 / 16
 
 
-@pytest.mark.parametrize("arch,rope,qk_norm", [("llama", "norm", False), ("qwen2", "neox", False),
-                                               ("qwen3", "neox", True), ("gemma3", "neox", True)])
+@pytest.mark.parametrize(
+    "arch,rope,qk_norm",
+    [("llama", "norm", False), ("qwen2", "neox", False), ("qwen3", "neox", True), ("gemma3", "neox", True)],
+)
 def test_tiny_models(tmp_path, arch, rope, qk_norm):
-    gf = GGUFFile(write_tiny_model(tmp_path / "m.gguf", arch=arch, n_layer=3, n_embd=64, n_head=4,
-                                   n_head_kv=2, n_ff=96, weight_type=GGMLType.Q8_0))
+    gf = GGUFFile(
+        write_tiny_model(
+            tmp_path / "m.gguf",
+            arch=arch,
+            n_layer=3,
+            n_embd=64,
+            n_head=4,
+            n_head_kv=2,
+            n_ff=96,
+            weight_type=GGMLType.Q8_0,
+        )
+    )
     hp = HParams.from_gguf(gf)
     assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff) == (arch, 3, 64, 4, 2, 96)
     assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_rot) == (16, 16, 16)
@@ -82,8 +95,9 @@ def test_gemma3_swa_pattern_variants(tmp_path):
 
 
 def test_head_dim_from_key_length_and_untied_output(tmp_path):
-    gf = GGUFFile(write_tiny_model(tmp_path / "m.gguf", arch="qwen3", n_embd=64, n_head=4, n_head_kv=1,
-                                   head_dim=32, tied=False))
+    gf = GGUFFile(
+        write_tiny_model(tmp_path / "m.gguf", arch="qwen3", n_embd=64, n_head=4, n_head_kv=1, head_dim=32, tied=False)
+    )
     hp = HParams.from_gguf(gf)
     assert hp.n_embd_head_k == hp.n_embd_head_v == hp.n_rot == 32
     assert gf.tensors["blk.0.attn_q.weight"].shape == (64, 128)

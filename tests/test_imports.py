@@ -7,6 +7,7 @@ import cli, and the module graph has no cycle. A failure names the modules invol
 (runtime/arch/__init__.py finds an architecture's module with importlib by name on first use —
 a registry, not an import the graph can or should see.)
 """
+
 import ast
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def imports_of(path: Path, module: str, files) -> dict[str, int]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module
@@ -76,7 +77,7 @@ def find_cycle(graph):
         stack.append(m)
         for n in sorted(graph[m]):
             if color[n] == GREY:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if color[n] == WHITE:
                 found = visit(n)
                 if found:
@@ -126,9 +127,50 @@ def test_find_cycle_finds_one():
 
 def test_lazy_relative_and_package_imports_are_edges(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from kvchat.runtime.chat import conversation\n    from . import blocks\n"
-                   "    from kvchat.runtime.memory import create_thing\n    import kvchat.kernels.rope\n", encoding="utf-8")
-    files = {"kvchat.runtime.chat.conversation", "kvchat.runtime.arch.blocks", "kvchat.runtime.arch.m", "kvchat.runtime.memory",
-             "kvchat.kernels.rope"}
+    src.write_text(
+        "def f():\n    from kvchat.runtime.chat import conversation\n    from . import blocks\n"
+        "    from kvchat.runtime.memory import create_thing\n    import kvchat.kernels.rope\n",
+        encoding="utf-8",
+    )
+    files = {
+        "kvchat.runtime.chat.conversation",
+        "kvchat.runtime.arch.blocks",
+        "kvchat.runtime.arch.m",
+        "kvchat.runtime.memory",
+        "kvchat.kernels.rope",
+    }
     assert imports_of(src, "kvchat.runtime.arch.m", files) == {
-        "kvchat.runtime.chat.conversation": 2, "kvchat.runtime.arch.blocks": 3, "kvchat.runtime.memory": 4, "kvchat.kernels.rope": 5}
+        "kvchat.runtime.chat.conversation": 2,
+        "kvchat.runtime.arch.blocks": 3,
+        "kvchat.runtime.memory": 4,
+        "kvchat.kernels.rope": 5,
+    }
+
+
+def test_pyproject_installs_every_package_folder_under_kvchat():
+    """The setuptools package list names each folder with an __init__.py as kvchat.<path>, and nothing else."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    folders = {
+        "kvchat." + ".".join(p.parent.relative_to(ROOT).parts)
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert set(meta["packages"]) == folders
+    assert meta["package-dir"] == {f"kvchat.{p}": p for p in PACKAGES}
+
+
+def test_only_kvchat_is_an_import_name_outside_the_repository(tmp_path):
+    """Installed, kvchat adds one top-level name: `kernels` (also a Hugging Face package), `cli` and
+    `runtime` are not importable from anywhere but the repository root."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util as u, sys; sys.path = [p for p in sys.path if p not in ('', '.')];"
+        "print([n for n in ('cli', 'runtime', 'kernels') if u.find_spec(n)], bool(u.find_spec('kvchat.kernels')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "True"]

@@ -2,6 +2,7 @@
 kernels/logprob.py): byte layout, 16-bit log-prob rows against a float64 log-softmax, the KLD /
 Δp / same-top definitions against numpy, the CLI's two passes on a tiny model, and (where a
 llama.cpp build exists) files exchanged with llama-perplexity."""
+
 import math
 import re
 import struct
@@ -29,7 +30,7 @@ def _logits(n, n_vocab, seed=0, spread=6.0):
 
 def _decode_rows(rows, n_vocab):
     head = rows[:, :4].copy().view(np.float32)  # [n, 2]: scale, min_log_prob
-    return head[:, :1] * rows[:, 4:4 + n_vocab].astype(np.float32) + head[:, 1:2]
+    return head[:, :1] * rows[:, 4 : 4 + n_vocab].astype(np.float32) + head[:, 1:2]
 
 
 @pytest.mark.parametrize("n_vocab", [7, 50, 1001])
@@ -77,8 +78,7 @@ def test_kld_rows_match_the_definitions_in_numpy():
     assert np.allclose(out[:, 0], -lpq[np.arange(12), tok], atol=1e-5)
     assert np.allclose(out[:, 1], -lpb[np.arange(12), tok], atol=1e-6)
     assert np.allclose(out[:, 2], kld, atol=1e-5)
-    assert np.allclose(out[:, 3], np.exp(lpq[np.arange(12), tok]) - np.exp(lpb[np.arange(12), tok]),
-                       atol=1e-6)
+    assert np.allclose(out[:, 3], np.exp(lpq[np.arange(12), tok]) - np.exp(lpb[np.arange(12), tok]), atol=1e-6)
     assert np.array_equal(out[:, 4], (lpq.argmax(1) == lpb.argmax(1)).astype(float))
     assert abs(out[3, 2]) < 5e-5 and out[3, 4] == 1.0
 
@@ -97,7 +97,7 @@ def test_base_file_layout_and_round_trip_are_byte_exact(tmp_path):
     blob = path.read_bytes()
     assert blob[:8] == b"_logits_"
     assert struct.unpack("<iii", blob[8:20]) == (n_ctx, n_vocab, n_chunk)
-    assert np.array_equal(np.frombuffer(blob[20:20 + 4 * n_ctx * n_chunk], "<i4"), tokens[:n_ctx * n_chunk])
+    assert np.array_equal(np.frombuffer(blob[20 : 20 + 4 * n_ctx * n_chunk], "<i4"), tokens[: n_ctx * n_chunk])
     assert len(blob) == 20 + 4 * n_ctx * n_chunk + 2 * rows.size
     f = LogitsFile(path)
     assert (f.n_ctx, f.n_vocab, f.n_chunk) == (n_ctx, n_vocab, n_chunk)
@@ -142,18 +142,34 @@ def test_statistics_follow_llama_perplexity_formulas():
     mk, dmk = st.mean_kld()
     assert mk == pytest.approx(kld.mean(), rel=1e-6)
     assert dmk == pytest.approx(kld.std() / math.sqrt(n - 1), rel=1e-4)
-    assert st.rms_dp()[0] == pytest.approx(math.sqrt((dp ** 2).mean()), rel=1e-5)
+    assert st.rms_dp()[0] == pytest.approx(math.sqrt((dp**2).mean()), rel=1e-5)
     nll, nllb = st.values("nll"), st.values("nll_base")
     assert st.ppl()[0] == pytest.approx(math.exp(nll.mean()), rel=1e-9)
     assert st.log_ppl_ratio()[0] == pytest.approx(nll.mean() - nllb.mean(), abs=1e-9)
     lines = st.report_lines()
     labels = [re.split(r":", l)[0] for l in lines if ":" in l]
-    assert labels[:6] == ["Mean PPL(Q)                   ", "Mean PPL(base)                ",
-                          "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean ln(PPL(Q)/PPL(base))     ",
-                          "Mean PPL(Q)/PPL(base)         ", "Mean PPL(Q)-PPL(base)         "]
+    assert labels[:6] == [
+        "Mean PPL(Q)                   ",
+        "Mean PPL(base)                ",
+        "Cor(ln(PPL(Q)), ln(PPL(base)))",
+        "Mean ln(PPL(Q)/PPL(base))     ",
+        "Mean PPL(Q)/PPL(base)         ",
+        "Mean PPL(Q)-PPL(base)         ",
+    ]
     assert [l[:11] for l in lines if "KLD:" in l] == [
-        "Mean    KLD", "Maximum KLD", "99.9%   KLD", "99.0%   KLD", "95.0%   KLD", "90.0%   KLD",
-        "Median  KLD", "10.0%   KLD", " 5.0%   KLD", " 1.0%   KLD", " 0.1%   KLD", "Minimum KLD"]
+        "Mean    KLD",
+        "Maximum KLD",
+        "99.9%   KLD",
+        "99.0%   KLD",
+        "95.0%   KLD",
+        "90.0%   KLD",
+        "Median  KLD",
+        "10.0%   KLD",
+        " 5.0%   KLD",
+        " 1.0%   KLD",
+        " 0.1%   KLD",
+        "Minimum KLD",
+    ]
     assert lines[-2].startswith("RMS Δp    : ") and " ± " in lines[-2]
     assert lines[-1].startswith("Same top p: ") and " ± " in lines[-1]
     assert float(re.search(r"Maximum KLD:\s+(\S+)", "\n".join(lines)).group(1)) == pytest.approx(kld.max(), abs=1e-6)
@@ -163,8 +179,7 @@ def test_statistics_follow_llama_perplexity_formulas():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("kld")
-    path = write_tiny_model(d / "llama.gguf", arch="llama", n_layer=2, n_embd=128, n_head=4,
-                            n_head_kv=2, n_ff=96)
+    path = write_tiny_model(d / "llama.gguf", arch="llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=96)
     text = d / "t.txt"
     text.write_text(" the hello world and chat of a model" * 80)
     return path, text, d
@@ -197,8 +212,7 @@ def test_kl_divergence_without_a_base_is_a_one_line_error(tiny):
     path, text, d = tiny
     out = CliRunner().invoke(app, ["perplexity", "-m", str(path), "--kl-divergence"])
     assert out.exit_code != 0 and "--kl-divergence-base" in str(out.exception)
-    out = CliRunner().invoke(app, ["perplexity", "-m", str(path), "-f", str(text), "-ctv", "q4_0",
-                                   "-fa", "off"])
+    out = CliRunner().invoke(app, ["perplexity", "-m", str(path), "-f", str(text), "-ctv", "q4_0", "-fa", "off"])
     assert "needs flash attention" in str(out.exception)
     out = CliRunner().invoke(app, ["perplexity", "-m", str(path), "-f", str(text), "-ctk", "q3_k"])
     assert "invalid cache type 'q3_k'" in str(out.exception)

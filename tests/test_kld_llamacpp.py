@@ -4,6 +4,7 @@ writes is read by `kvchat perplexity --kl-divergence`, a file we write is read b
 llama-perplexity binary under /work/llamacpp) or when none of them can run on this CPU (a native
 build with AMX tiles dies with SIGILL where the kernel does not grant them: the next build found is
 tried; KVCHAT_LLAMA_LIB can name a folder with a libggml-cpu.so built without them)."""
+
 import os
 import re
 import subprocess
@@ -27,8 +28,11 @@ def _candidates() -> list[Path]:
 
 
 LLAMAS = _candidates()
-pytestmark = [pytest.mark.real_model, pytest.mark.slow,
-              pytest.mark.skipif(not LLAMAS, reason="no llama-perplexity build found")]
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.slow,
+    pytest.mark.skipif(not LLAMAS, reason="no llama-perplexity build found"),
+]
 
 
 def _llama(args, **kw):
@@ -55,14 +59,17 @@ def test_files_from_each_tool_are_read_by_the_other(smollm2_path, reference_dir,
     theirs, ours = tmp_path / "llama.kld", tmp_path / "kvchat.kld"
     common = ["-m", str(smollm2_path), "-c", "512", "--chunks", "2", "-t", "2", "-fa", "on"]
     _llama([*common, "-f", str(text), "--kl-divergence-base", str(theirs)])
-    out = CliRunner().invoke(app, ["perplexity", "-m", str(smollm2_path), "--kl-divergence-base",
-                                   str(theirs), "--kl-divergence"])
+    out = CliRunner().invoke(
+        app, ["perplexity", "-m", str(smollm2_path), "--kl-divergence-base", str(theirs), "--kl-divergence"]
+    )
     assert out.exit_code == 0, out.output
     assert 0 < _mean_kld(out.stdout) < 0.01  # measured 0.003: two engines, same model
     assert float(re.search(r"Same top p:\s+(\S+)", out.stdout).group(1)) > 90
 
-    out = CliRunner().invoke(app, ["perplexity", "-m", str(smollm2_path), "-f", str(text),
-                                   "--chunks", "2", "--kl-divergence-base", str(ours)])
+    out = CliRunner().invoke(
+        app,
+        ["perplexity", "-m", str(smollm2_path), "-f", str(text), "--chunks", "2", "--kl-divergence-base", str(ours)],
+    )
     assert out.exit_code == 0, out.output
     r = _llama([*common, "--kl-divergence-base", str(ours), "--kl-divergence"])
     assert 0 < _mean_kld(r.stdout + r.stderr) < 0.01

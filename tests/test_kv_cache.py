@@ -1,30 +1,40 @@
 """KVCache: storage sizes, slot search into holes, dry-run prepare, masks, K/V writes,
 K-shift, sequence ops, stream copies and compaction - checked cell by cell."""
-import numpy as np
 
-from kvchat.runtime.memory.attn_rotation import rotate
+import numpy as np
 import pytest
+from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams, roped_k
 
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.quants import dequantize, quantize
 from kvchat.runtime.batch import Batch, BatchAllocator
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
-from kvchat.runtime.memory.kv_cache import KVCache
+from kvchat.runtime.memory.attn_rotation import rotate
 from kvchat.runtime.memory.interface import MemoryOpError, MemoryStatus
-
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams, roped_k
+from kvchat.runtime.memory.kv_cache import KVCache
 
 F16, Q8_0, F32 = int(GGMLType.F16), int(GGMLType.Q8_0), int(GGMLType.F32)
 
 
-def make_ctx(n_ctx=256, n_seq_max=3, type_k="f16", type_v="f16", flash="on", unified=True,
-             n_ubatch=512, n_layer=2, **hp_kw):
+def make_ctx(
+    n_ctx=256, n_seq_max=3, type_k="f16", type_v="f16", flash="on", unified=True, n_ubatch=512, n_layer=2, **hp_kw
+):
     hp = make_hparams(n_layer=n_layer, **hp_kw)
     model = StubModel(hp)
-    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n_seq_max, type_k=type_k,
-                                       type_v=type_v, flash_attn=flash, kv_unified=unified,
-                                       n_ubatch=n_ubatch, n_batch=n_ctx))
+    ctx = Context(
+        model,
+        ContextParams(
+            n_ctx=n_ctx,
+            n_seq_max=n_seq_max,
+            type_k=type_k,
+            type_v=type_v,
+            flash_attn=flash,
+            kv_unified=unified,
+            n_ubatch=n_ubatch,
+            n_batch=n_ctx,
+        ),
+    )
     return ctx, model
 
 
@@ -39,6 +49,7 @@ def interleaved(seqs, n_each, pos0=0, tok0=0):
 
 
 # ---- storage --------------------------------------------------------------------------------
+
 
 def test_storage_sizes_follow_the_block_formula():
     hp = make_hparams(n_layer=3, n_head_kv=2, head_dim=32)  # n_embd_k_gqa = 64
@@ -68,14 +79,14 @@ def test_transposed_v_and_streams_layout():
 
 def test_layer_filter_and_reuse():
     hp = make_hparams(n_layer=4)
-    kv = KVCache(hp, F16, F16, False, True, 256, 1, filter=lambda il: il != 3,
-                 reuse=lambda il: 0 if il == 2 else -1)
+    kv = KVCache(hp, F16, F16, False, True, 256, 1, filter=lambda il: il != 3, reuse=lambda il: 0 if il == 2 else -1)
     assert [l.il for l in kv.layers] == [0, 1, 2]
     assert kv.layer(2) is kv.layer(0)
     assert 3 not in kv.map_layer_ids
 
 
 # ---- slots ----------------------------------------------------------------------------------
+
 
 def test_interleaved_cache_with_holes_takes_new_ubatch_into_the_holes():
     ctx, _ = make_ctx()
@@ -153,6 +164,7 @@ def test_n_kv_is_used_max_padded_to_256():
 
 # ---- masks and K/V writes -------------------------------------------------------------------
 
+
 def test_kq_mask_same_sequence_and_causal_cell_by_cell():
     ctx, _ = make_ctx()
     assert ctx.decode(interleaved([0, 1], 2)) == 0  # cells: s0p0 s1p0 s0p1 s1p1
@@ -184,8 +196,14 @@ def test_kq_mask_sliding_window():
     mctx.apply()
     vis = np.isfinite(mctx.kq_mask(0)[0][:, :6]).astype(int)
     # token at p sees p-2..p (masked when p - p0 >= 3)
-    assert vis.tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
-                            [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    assert vis.tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 1, 1, 1],
+    ]
 
 
 @pytest.mark.parametrize("type_k, flash", [("q8_0", "on"), ("f16", "off"), ("f32", "off")])
@@ -220,8 +238,11 @@ def test_cpy_k_v_write_quantized_rows_into_slot_cells(type_k, flash):
 
 # ---- K-shift --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("type_k, atol, head_dim", [("f16", 2e-3, 32), ("q8_0", 3e-2, 32), ("f32", 1e-5, 32),
-                                                  ("q8_0", 5e-2, 64), ("q4_0", 0.6, 128)])
+
+@pytest.mark.parametrize(
+    "type_k, atol, head_dim",
+    [("f16", 2e-3, 32), ("q8_0", 3e-2, 32), ("f32", 1e-5, 32), ("q8_0", 5e-2, 64), ("q4_0", 0.6, 128)],
+)
 @pytest.mark.parametrize("rope_type", ["neox", "norm"])
 def test_k_shift_equals_rotating_fresh_keys(type_k, atol, head_dim, rope_type):
     """Head sizes of 64 and 128 with a quantized K make the cache store Hadamard-rotated keys
@@ -251,10 +272,12 @@ def test_k_shift_equals_rotating_fresh_keys(type_k, atol, head_dim, rope_type):
             # shifting requantizes once more: the error may grow like two independent roundings
             # (about sqrt(2) times one), not more
             direct = unrot(dequantize(quantize(rotate(fresh, kv.n_rot_k), kv.type_k), kv.type_k, n_embd_k))
-            rms = lambda e: float(np.sqrt(np.mean(e ** 2)))  # noqa: E731
+            rms = lambda e: float(np.sqrt(np.mean(e**2)))  # noqa: E731
             assert rms(cached - fresh) <= 1.8 * rms(direct - fresh)
         # unshifted cells 0, 1 are bit-identical to what the forward pass stored
-        stored = unrot(roped_k(hp, il, toks[:2], np.arange(2))) if kv.n_rot_k else roped_k(hp, il, toks[:2], np.arange(2))
+        stored = (
+            unrot(roped_k(hp, il, toks[:2], np.arange(2))) if kv.n_rot_k else roped_k(hp, il, toks[:2], np.arange(2))
+        )
         np.testing.assert_array_equal(kv.layer(il).k[0, :2], quantize(stored, kv.type_k))
 
 
@@ -279,6 +302,7 @@ def test_seq_div_records_shift():
 
 
 # ---- sequence operations --------------------------------------------------------------------
+
 
 def test_seq_cp_and_seq_keep_within_a_stream():
     ctx, _ = make_ctx()

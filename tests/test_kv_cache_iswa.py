@@ -1,17 +1,17 @@
 """KVCacheISWA: cache sizes, layer routing, the SWA cache keeping only the window and reusing
 masked cells, and operations reaching both caches."""
+
 import numpy as np
 import pytest
+from memory_stubs import StubModel, make_hparams
 
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import create_memory
 from kvchat.runtime.batch import Batch, BatchAllocator
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
-from kvchat.runtime.arch import create_memory
-
-from memory_stubs import StubModel, make_hparams
 
 SWA = [True, True, False, True]  # layers 0, 1, 3 slide; layer 2 is global
 
@@ -24,14 +24,17 @@ def memory_for(hp, **kw):
     return create_memory(hp, resolve_cparams(ContextParams(**kw), hp))
 
 
-@pytest.mark.parametrize("kw, base, swa", [
-    (dict(n_ctx=4096, n_ubatch=512), 4096, 1024),  # pad256(min(4096, 512 + 512))
-    (dict(n_ctx=4096, n_ubatch=512, n_seq_max=2), 4096, 1536),  # n_swa * 2 seqs + n_ubatch
-    (dict(n_ctx=4096, n_ubatch=512, n_seq_max=2, kv_unified=False), 2048, 1024),
-    (dict(n_ctx=4096, n_ubatch=100), 4096, 768),  # pad256(612)
-    (dict(n_ctx=512, n_ubatch=512), 512, 512),  # capped by n_ctx_seq
-    (dict(n_ctx=4096, n_ubatch=512, swa_full=True), 4096, 4096),
-])
+@pytest.mark.parametrize(
+    "kw, base, swa",
+    [
+        (dict(n_ctx=4096, n_ubatch=512), 4096, 1024),  # pad256(min(4096, 512 + 512))
+        (dict(n_ctx=4096, n_ubatch=512, n_seq_max=2), 4096, 1536),  # n_swa * 2 seqs + n_ubatch
+        (dict(n_ctx=4096, n_ubatch=512, n_seq_max=2, kv_unified=False), 2048, 1024),
+        (dict(n_ctx=4096, n_ubatch=100), 4096, 768),  # pad256(612)
+        (dict(n_ctx=512, n_ubatch=512), 512, 512),  # capped by n_ctx_seq
+        (dict(n_ctx=4096, n_ubatch=512, swa_full=True), 4096, 4096),
+    ],
+)
 def test_swa_cache_size_formula(kw, base, swa):
     mem = memory_for(hp_swa(n_swa=512), **kw)
     assert isinstance(mem, KVCacheISWA)
@@ -59,8 +62,7 @@ def test_can_shift_only_with_full_swa_cache():
 def make_ctx(n_ctx=512, n_ubatch=8, n_seq_max=1, **kw):
     hp = hp_swa()
     model = StubModel(hp)
-    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_ctx,
-                                       n_seq_max=n_seq_max, **kw))
+    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_ctx, n_seq_max=n_seq_max, **kw))
     return ctx, model
 
 

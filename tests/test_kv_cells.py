@@ -1,4 +1,5 @@
 """KVCells: cell bookkeeping, cell by cell, and every mutator's precondition."""
+
 import numpy as np
 import pytest
 
@@ -104,23 +105,26 @@ def test_cp_set_round_trip():
     assert c.used_max_p1() == ref.used_max_p1() and c.get_used() == ref.get_used()
 
 
-@pytest.mark.parametrize("op", [
-    lambda c: c.rm(4),  # empty
-    lambda c: c.seq_add(4, 0),  # empty cell
-    lambda c: c.seq_add(0, 0),  # already holds it
-    lambda c: c.seq_rm(0, 1),  # does not hold it
-    lambda c: c.seq_rm(4, 0),  # empty
-    lambda c: c.pos_set(0, 5),  # not empty
-    lambda c: c.pos_set(4, -3),  # negative position
-    lambda c: c.seq_get(5),  # two sequences
-    lambda c: c.seq_count(4),  # empty
-    lambda c: c.pos_add(4, 1),  # empty
-    lambda c: c.pos_div(4, 2),  # empty
-    lambda c: c.pos_div(0, 0),  # bad divisor
-    lambda c: c.pos_get(6),
-    lambda c: c.seq_add(0, 3),  # seq out of range
-    lambda c: c.rm(8),  # cell out of range
-])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda c: c.rm(4),  # empty
+        lambda c: c.seq_add(4, 0),  # empty cell
+        lambda c: c.seq_add(0, 0),  # already holds it
+        lambda c: c.seq_rm(0, 1),  # does not hold it
+        lambda c: c.seq_rm(4, 0),  # empty
+        lambda c: c.pos_set(0, 5),  # not empty
+        lambda c: c.pos_set(4, -3),  # negative position
+        lambda c: c.seq_get(5),  # two sequences
+        lambda c: c.seq_count(4),  # empty
+        lambda c: c.pos_add(4, 1),  # empty
+        lambda c: c.pos_div(4, 2),  # empty
+        lambda c: c.pos_div(0, 0),  # bad divisor
+        lambda c: c.pos_get(6),
+        lambda c: c.seq_add(0, 3),  # seq out of range
+        lambda c: c.rm(8),  # cell out of range
+    ],
+)
 def test_preconditions_are_enforced(op):
     c = filled()
     before = (c.pos.copy(), c.seq.copy())

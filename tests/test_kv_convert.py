@@ -2,6 +2,7 @@
 cache, the next token's logits equal those of a fresh context of the new type prefilled with
 the same tokens, within that type's own quantization error; cells are untouched; a refused
 conversion changes nothing; rotations are undone and redone; iSWA caches convert both halves."""
+
 import numpy as np
 import pytest
 
@@ -19,23 +20,24 @@ from tests.gguf_factory import write_tiny_model
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     d = tmp_path_factory.mktemp("conv")
-    return Model.load(write_tiny_model(d / "llama.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
-                                       n_head_kv=2, n_ff=96))  # head 64: quantized caches rotate
+    return Model.load(
+        write_tiny_model(d / "llama.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=96)
+    )  # head 64: quantized caches rotate
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     d = tmp_path_factory.mktemp("conv_g")
-    return Model.load(write_tiny_model(d / "g.gguf", arch="gemma3", n_layer=6, n_embd=256, n_head=4,
-                                       n_head_kv=1, n_ff=64, n_swa=16))
+    return Model.load(
+        write_tiny_model(d / "g.gguf", arch="gemma3", n_layer=6, n_embd=256, n_head=4, n_head_kv=1, n_ff=64, n_swa=16)
+    )
 
 
 PROMPT = list(range(10, 50))
 
 
 def _ctx(model, tk="f16", tv="f16", fa="on", n_ctx=256):
-    return Context(model, ContextParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64, type_k=tk, type_v=tv,
-                                        flash_attn=fa))
+    return Context(model, ContextParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64, type_k=tk, type_v=tv, flash_attn=fa))
 
 
 def _prefill(ctx, toks=PROMPT):
@@ -122,10 +124,11 @@ def _chat(path, fa="on", tmp=None):
 
     from rich.console import Console
 
-    from kvchat.cli.chat.setup import make_conversation, open_engine
-    from kvchat.cli.options import ChatSettings
     from kvchat.cli.chat.render import Renderer
     from kvchat.cli.chat.repl import Repl
+    from kvchat.cli.chat.setup import make_conversation, open_engine
+    from kvchat.cli.options import ChatSettings
+
     settings = ChatSettings(model=str(path), ctx_size=256, temp=0.0, n_predict=5, flash_attn=fa)
     buf = io.StringIO()
     r = Renderer(out=io.StringIO(), err=Console(file=buf, width=200))
@@ -137,8 +140,8 @@ def _chat(path, fa="on", tmp=None):
 
 def test_set_cache_type_in_the_chat_converts_and_the_conversation_goes_on(tmp_path):
     from kvchat.runtime.errors import KvchatError
-    path = write_tiny_model(tmp_path / "chat.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
-                            n_head_kv=2, n_ff=96)
+
+    path = write_tiny_model(tmp_path / "chat.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=96)
     repl, conv, engine, buf = _chat(path)
     conv.ask("hello there")
     n = conv.n_cached

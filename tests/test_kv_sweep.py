@@ -1,6 +1,7 @@
 """kv-sweep (runtime/kv_sweep*.py, cli/commands/kv_sweep.py) on tiny models: the lockstep numbers
 equal the two-pass --kl-divergence route, the configuration grid, KV footprints with sliding
 windows, paired intervals, and the JSON / CSV / PNG outputs and one-line flag errors."""
+
 import csv
 import json
 import re
@@ -11,20 +12,20 @@ import pytest
 from typer.testing import CliRunner
 
 from kvchat.cli.app import app
-from kvchat.runtime.errors import KvchatError
+from kvchat.cli.reports.kv_sweep_report import mark_pareto
 from kvchat.runtime.eval.kld import KLDStats, LogitsFile
 from kvchat.runtime.eval.kv_sweep import SweepConfig, kv_footprint, paired_difference, run_sweep, sweep_configs
-from kvchat.cli.reports.kv_sweep_report import mark_pareto
-from kvchat.runtime.model import Model
 from kvchat.runtime.eval.perplexity import compute_perplexity
+from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("sweep")
-    path = write_tiny_model(d / "llama.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
-                            n_head_kv=2, n_ff=96)  # head size 64: quantized caches are rotated
+    path = write_tiny_model(
+        d / "llama.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=96
+    )  # head size 64: quantized caches are rotated
     text = d / "t.txt"
     text.write_text(" the hello world and chat of a model" * 80)
     return path, text, d
@@ -32,17 +33,27 @@ def tiny(tmp_path_factory):
 
 def test_configurations_are_the_grid_plus_controls_without_duplicates():
     got = [c.label for c in sweep_configs(["q8_0", "q4_0"], ["q4_0"], [True, False])]
-    assert got == ["q8_0/q4_0", "q4_0/q4_0", "q8_0/f16", "q4_0/f16", "f16/q4_0",
-                   "q8_0/q4_0 rot off", "q4_0/q4_0 rot off", "q8_0/f16 rot off", "q4_0/f16 rot off",
-                   "f16/q4_0 rot off"]
+    assert got == [
+        "q8_0/q4_0",
+        "q4_0/q4_0",
+        "q8_0/f16",
+        "q4_0/f16",
+        "f16/q4_0",
+        "q8_0/q4_0 rot off",
+        "q4_0/q4_0 rot off",
+        "q8_0/f16 rot off",
+        "q4_0/f16 rot off",
+        "f16/q4_0 rot off",
+    ]
     full = sweep_configs(["f16", "q8_0", "q4_0"], ["f16", "q8_0", "q4_0"], [True, False])
     assert len(full) == 8 + 8 and SweepConfig("f16", "f16") not in full
     assert [c.label for c in sweep_configs(["f16", "bf16"], ["f16"], [False])] == []  # float: no rotation
 
 
 def test_kv_footprint_counts_sliding_window_layers_at_their_window(tmp_path):
-    path = write_tiny_model(tmp_path / "g.gguf", arch="gemma3", n_layer=6, n_embd=128, n_head=4,
-                            n_head_kv=1, n_ff=64, n_swa=16)
+    path = write_tiny_model(
+        tmp_path / "g.gguf", arch="gemma3", n_layer=6, n_embd=128, n_head=4, n_head_kv=1, n_ff=64, n_swa=16
+    )
     hp = Model.load(path).hparams
     n_swa_layers = sum(hp.is_swa(il) for il in range(hp.n_layer))
     assert 0 < n_swa_layers < hp.n_layer
@@ -64,8 +75,9 @@ def test_lockstep_sweep_equals_the_two_pass_route(tiny, tmp_path):
     lf = LogitsFile(base)
     for row in rows:
         c = row.config
-        two = compute_perplexity(model, None, n_chunks=3, type_k=c.type_k, type_v=c.type_v,
-                                 rotation=c.rotation, kl_base=lf).kld
+        two = compute_perplexity(
+            model, None, n_chunks=3, type_k=c.type_k, type_v=c.type_v, rotation=c.rotation, kl_base=lf
+        ).kld
         assert row.stats.count == two.count == 3 * 31
         assert np.array_equal(row.stats.values("kld"), two.values("kld"))  # bit for bit
         assert row.stats.mean_kld()[0] == pytest.approx(two.mean_kld()[0], abs=1e-12)
@@ -78,8 +90,9 @@ def test_rotation_off_changes_quantized_results_only(tiny):
     path, text, _ = tiny
     model = Model.load(path)
     tokens = model.vocab.tokenize(text.read_text(), add_special=True)
-    _, rows = run_sweep(model, tokens, [SweepConfig("q4_0", "q4_0", True), SweepConfig("q4_0", "q4_0", False)],
-                        64, n_chunks=1)
+    _, rows = run_sweep(
+        model, tokens, [SweepConfig("q4_0", "q4_0", True), SweepConfig("q4_0", "q4_0", False)], 64, n_chunks=1
+    )
     assert not np.array_equal(rows[0].stats.values("kld"), rows[1].stats.values("kld"))
 
 
@@ -96,8 +109,10 @@ def test_paired_difference_and_pareto_front():
     c = KLDStats()
     c.kld = [x + noise]  # same mean, noise only: not distinguishable
     assert not paired_difference(c, b)["differ"]
-    rows = [dict(n_ctx=512, kv_bytes_per_token=b_, mean_kld=k) for b_, k in
-            ((100, 0.0), (50, 0.01), (50, 0.02), (25, 0.1), (60, 0.05))]
+    rows = [
+        dict(n_ctx=512, kv_bytes_per_token=b_, mean_kld=k)
+        for b_, k in ((100, 0.0), (50, 0.01), (50, 0.02), (25, 0.1), (60, 0.05))
+    ]
     mark_pareto(rows)
     assert [r["pareto"] for r in rows] == [True, True, False, True, False]
 
@@ -109,10 +124,31 @@ def _sweep(*args):
 def test_cli_writes_json_csv_and_plot_with_the_documented_fields(tiny, tmp_path):
     path, text, _ = tiny
     js, cs, png = tmp_path / "s.json", tmp_path / "s.csv", tmp_path / "s.png"
-    args = ["-m", path, "-f", text, "--k", "q8_0", "--v", "f16,q4_0", "-c", "64,128", "--chunks", 1,
-            "--pp", 16, "--tg", 4, "--json", js, "--csv", cs]
+    args = [
+        "-m",
+        path,
+        "-f",
+        text,
+        "--k",
+        "q8_0",
+        "--v",
+        "f16,q4_0",
+        "-c",
+        "64,128",
+        "--chunks",
+        1,
+        "--pp",
+        16,
+        "--tg",
+        4,
+        "--json",
+        js,
+        "--csv",
+        cs,
+    ]
     try:
         import matplotlib  # noqa: F401
+
         args += ["--plot", png]
     except ImportError:
         png = None
@@ -130,11 +166,30 @@ def test_cli_writes_json_csv_and_plot_with_the_documented_fields(tiny, tmp_path)
         assert la is None or (len(la) == 3 and all(x >= 0 for x in la))
     assert "s of CPU" in out.output
     labels = [(r["type_k"], r["type_v"], r["n_ctx"]) for r in doc["rows"]]
-    assert labels == [("f16", "f16", 64), ("q8_0", "f16", 64), ("q8_0", "q4_0", 64), ("f16", "q4_0", 64),
-                      ("f16", "f16", 128), ("q8_0", "f16", 128), ("q8_0", "q4_0", 128), ("f16", "q4_0", 128)]
+    assert labels == [
+        ("f16", "f16", 64),
+        ("q8_0", "f16", 64),
+        ("q8_0", "q4_0", 64),
+        ("f16", "q4_0", 64),
+        ("f16", "f16", 128),
+        ("q8_0", "f16", 128),
+        ("q8_0", "q4_0", 128),
+        ("f16", "q4_0", 128),
+    ]
     for r in doc["rows"]:
-        for key in ("mean_kld", "same_top_p", "rms_dp", "ppl_ratio", "kv_bytes_per_token",
-                    "kv_mib_at_ctx", "session_bytes", "kld_by_depth", "pp16", "pareto", "cpu_seconds"):
+        for key in (
+            "mean_kld",
+            "same_top_p",
+            "rms_dp",
+            "ppl_ratio",
+            "kv_bytes_per_token",
+            "kv_mib_at_ctx",
+            "session_bytes",
+            "kld_by_depth",
+            "pp16",
+            "pareto",
+            "cpu_seconds",
+        ):
             assert key in r, key
         assert r["cpu_seconds"] > 0  # every row decoded its chunk
         assert any(k.startswith("tg4 @ d") for k in r)
@@ -152,10 +207,12 @@ def test_bad_flags_are_one_line_errors(tiny, tmp_path):
     path, text, _ = tiny
     short = tmp_path / "short.txt"
     short.write_text("hello world")
-    for args, msg in ((["--k", "q4_k"], "invalid cache type 'q4_k'"),
-                      (["--v", "q8_0", "-fa", "off"], "needs flash attention"),
-                      (["--rot", "sometimes"], "--rot"),
-                      (["-c", "512,abc"], "not a comma-separated list of integers")):
+    for args, msg in (
+        (["--k", "q4_k"], "invalid cache type 'q4_k'"),
+        (["--v", "q8_0", "-fa", "off"], "needs flash attention"),
+        (["--rot", "sometimes"], "--rot"),
+        (["-c", "512,abc"], "not a comma-separated list of integers"),
+    ):
         out = _sweep("-m", path, "-f", text, *args)
         assert out.exit_code != 0 and msg in str(out.exception), (args, out.exception)
         assert "\n" not in str(out.exception)
@@ -172,6 +229,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(tiny, monkeypatch):
 
 def test_run_line_reports_cpu_time_and_load_and_omits_an_unknown_load():
     from kvchat.cli.commands.kv_sweep import _run_line
+
     run = dict(seconds=212.4, cpu_seconds=390.2, load_average=dict(start=[0.42, 1, 1], end=[2.1, 1, 1]))
     assert _run_line(run) == "kv-sweep: 212 s, 390 s of CPU, load average 0.4 -> 2.1"
     run["load_average"] = dict(start=None, end=None)

@@ -1,5 +1,6 @@
 """kernels/launch_tuner.py: which arm each one-token step runs on (fake clock), and that the arm
 never changes a token or a logit (tiny quantized models, both arms' kernels really run)."""
+
 import numpy as np
 import pytest
 
@@ -151,6 +152,7 @@ def test_the_threshold_is_restored_after_a_step_that_raises():
     def boom(ub, mctx):
         assert parallel.MATMUL_PAR_MIN_MACS == 0
         raise RuntimeError("x")
+
     fake.forward = boom
     with pytest.raises(RuntimeError):
         tuner.forward(fake, UB(1), None)
@@ -178,14 +180,14 @@ class Pinned(LaunchTuner):
         return self.pinned
 
 
-@pytest.mark.parametrize("arch, wtype", [("llama", GGMLType.Q8_0), ("gemma3", GGMLType.Q4_0),
-                                         ("qwen2", GGMLType.Q4_1)])
+@pytest.mark.parametrize("arch, wtype", [("llama", GGMLType.Q8_0), ("gemma3", GGMLType.Q4_0), ("qwen2", GGMLType.Q4_1)])
 def test_generation_is_bit_identical_whichever_arm_each_step_runs(tiny_model, monkeypatch, arch, wtype):
     model = Model.load(tiny_model(arch, n_embd=128, n_ff=256, weight_type=wtype))
     kernels = []
     real_call = km.QMatrix._call
-    monkeypatch.setattr(km.QMatrix, "_call",
-                        lambda self, kernel, args: (kernels.append(kernel), real_call(self, kernel, args))[1])
+    monkeypatch.setattr(
+        km.QMatrix, "_call", lambda self, kernel, args: (kernels.append(kernel), real_call(self, kernel, args))[1]
+    )
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 250, 9)]
 
     def gen(tuner):
@@ -196,6 +198,7 @@ def test_generation_is_bit_identical_whichever_arm_each_step_runs(tiny_model, mo
         def sample(row):
             logits.append(row.copy())
             return int(np.argmax(row))
+
         first = decode_tokens(ctx, prompt, 0)
         kernels.clear()  # the prompt's matmuls (9 tokens: serial twins) are not the tuner's
         toks = [s.token for s in generate(ctx, sample, logits=first, pos0=len(prompt), max_tokens=24)]

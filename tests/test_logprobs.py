@@ -1,5 +1,6 @@
 """`kvchat logprobs`: JSON layout of the reference files, checked against llama.cpp's own
 top-10 on a tiny reference model; the add-special rule; one-line errors."""
+
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ from tests import arch_refs
 
 def run(capsys, *args):
     from kvchat.cli.app import main
+
     with pytest.raises(SystemExit) as ei:
         main(["logprobs", *map(str, args)])
     return ei.value.code, capsys.readouterr()
@@ -17,6 +19,7 @@ def run(capsys, *args):
 
 def ok(capsys, *args):
     from kvchat.cli.app import main
+
     main(["logprobs", *map(str, args)])
     return json.loads(capsys.readouterr().out)
 
@@ -37,8 +40,7 @@ def test_chat_prompt_matches_the_reference_file(tmp_path, capsys):
         assert [t for t, _ in mine["top"][:1]] == [theirs["top"][0][0]]
         lps = [lp for _, lp in mine["top"]]
         assert lps == sorted(lps, reverse=True)
-        np.testing.assert_allclose([lp for _, lp in mine["top"][:3]],
-                                   [lp for _, lp in theirs["top"][:3]], atol=1e-3)
+        np.testing.assert_allclose([lp for _, lp in mine["top"][:3]], [lp for _, lp in theirs["top"][:3]], atol=1e-3)
 
 
 def test_without_parse_special_the_markers_are_text(tmp_path, capsys):
@@ -53,6 +55,7 @@ def test_without_parse_special_the_markers_are_text(tmp_path, capsys):
 
 def test_top_logprobs_are_a_log_softmax():
     from kvchat.cli.commands.logprobs import top_logprobs
+
     logits = np.array([[0.0, 1.0, 1.0, -2.0], [3.0, 0.0, 0.0, 0.0]], np.float32)
     rows = top_logprobs(logits, 3)
     assert [t for t, _ in rows[0]] == [1, 2, 0]  # ties by id

@@ -5,6 +5,7 @@ What a measurement relies on: the same seed gives the same bytes (so a run can b
 header says the requested shape with the source's tokenizer, kvchat decodes it to the float64
 reference's tokens, and a failed or refused write leaves no file behind.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -74,11 +75,24 @@ def test_the_header_has_the_requested_shape_and_the_source_tokenizer(model_path,
     kv = field_values(r, "")
     assert kv["general.architecture"] == "llama"
     assert kv["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_F16)
-    assert {k: kv[k] for k in ("llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
-                               "llama.attention.head_count", "llama.attention.head_count_kv",
-                               "llama.rope.dimension_count")} == {
-        "llama.embedding_length": 64, "llama.block_count": 2, "llama.feed_forward_length": 96,
-        "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16}
+    assert {
+        k: kv[k]
+        for k in (
+            "llama.embedding_length",
+            "llama.block_count",
+            "llama.feed_forward_length",
+            "llama.attention.head_count",
+            "llama.attention.head_count_kv",
+            "llama.rope.dimension_count",
+        )
+    } == {
+        "llama.embedding_length": 64,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 96,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.rope.dimension_count": 16,
+    }
     src_tok = field_values(gguf.GGUFReader(tok_source), "tokenizer.")
     assert field_values(r, "tokenizer.") == src_tok
     n_vocab = len(src_tok["tokenizer.ggml.tokens"])
@@ -86,10 +100,19 @@ def test_the_header_has_the_requested_shape_and_the_source_tokenizer(model_path,
 
     tensors = {t.name: t for t in r.tensors}
     assert len(tensors) == 3 + 9 * 2
-    want = {"token_embd.weight": (n_vocab, 64), "output.weight": (n_vocab, 64), "output_norm.weight": (64,),
-            "blk.1.attn_q.weight": (64, 64), "blk.1.attn_k.weight": (32, 64), "blk.1.attn_v.weight": (32, 64),
-            "blk.1.attn_output.weight": (64, 64), "blk.1.ffn_gate.weight": (96, 64),
-            "blk.1.ffn_up.weight": (96, 64), "blk.1.ffn_down.weight": (64, 96), "blk.1.ffn_norm.weight": (64,)}
+    want = {
+        "token_embd.weight": (n_vocab, 64),
+        "output.weight": (n_vocab, 64),
+        "output_norm.weight": (64,),
+        "blk.1.attn_q.weight": (64, 64),
+        "blk.1.attn_k.weight": (32, 64),
+        "blk.1.attn_v.weight": (32, 64),
+        "blk.1.attn_output.weight": (64, 64),
+        "blk.1.ffn_gate.weight": (96, 64),
+        "blk.1.ffn_up.weight": (96, 64),
+        "blk.1.ffn_down.weight": (64, 96),
+        "blk.1.ffn_norm.weight": (64,),
+    }
     for name, shape in want.items():
         t = tensors[name]
         assert tuple(int(n) for n in reversed(t.shape)) == shape, name
@@ -110,7 +133,7 @@ def test_kvchat_greedy_decodes_the_float64_references_tokens_and_the_same_tokens
         assert greedy_ids(model, prompt, 8) == ids
     finally:
         model.close()
-    ref = reference_forward(model_path, prompt + ids)[len(prompt) - 1:-1]  # logits that chose each id
+    ref = reference_forward(model_path, prompt + ids)[len(prompt) - 1 : -1]  # logits that chose each id
     top2 = np.sort(ref, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2e-3  # kvchat's F16 path is ~1e-4 from the reference here
     assert clear.sum() >= 4, f"too few clear margins to check: {top2[:, 1] - top2[:, 0]}"
@@ -118,15 +141,28 @@ def test_kvchat_greedy_decodes_the_float64_references_tokens_and_the_same_tokens
 
 
 def test_kvchat_run_prints_the_greedy_tokens_of_a_generated_model(model_path):
-    run = kvchat("run", "-m", model_path, "--raw", "-p", "hello world", "-n", "8", "--temp", "0",
-                 "-c", "128", "--no-prompt-cache")
+    run = kvchat(
+        "run",
+        "-m",
+        model_path,
+        "--raw",
+        "-p",
+        "hello world",
+        "-n",
+        "8",
+        "--temp",
+        "0",
+        "-c",
+        "128",
+        "--no-prompt-cache",
+    )
     assert run.returncode == 0, run.stderr
     model = Model.load(model_path)
     try:
         prompt = model.vocab.tokenize("hello world", add_special=True, parse_special=True)
         ids = greedy_ids(model, prompt, 8)
         eog = [k for k, t in enumerate(ids) if model.vocab.is_eog(t)]
-        pieces = b"".join(model.vocab.token_to_piece(t, False) for t in (ids[:eog[0]] if eog else ids))
+        pieces = b"".join(model.vocab.token_to_piece(t, False) for t in (ids[: eog[0]] if eog else ids))
     finally:
         model.close()
     # the random tokens are mostly byte pieces: printed as UTF-8 decoding makes them, a last
@@ -148,8 +184,9 @@ def test_an_existing_output_is_refused_and_left_untouched(gen, tok_source, tmp_p
 
 
 @pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()], ids=["oserror", "interrupt"])
-def test_a_write_that_fails_midway_leaves_neither_the_output_nor_a_part_file(gen, tok_source, tmp_path,
-                                                                             monkeypatch, error):
+def test_a_write_that_fails_midway_leaves_neither_the_output_nor_a_part_file(
+    gen, tok_source, tmp_path, monkeypatch, error
+):
     out = tmp_path / "half.gguf"
     made = []
     real = gen.make_tensor

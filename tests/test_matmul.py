@@ -13,6 +13,7 @@ the scale steps add at most two roundings per term. So we assert
 computed in float64 — a proven bound, not a fitted one (typical errors are ~100x below it).
 tests/test_matmul_int.py covers the integer kernel's paths in detail.
 """
+
 from __future__ import annotations
 
 import numba
@@ -27,9 +28,17 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 # byte offsets of the float16 scale fields inside one block (random bytes elsewhere are valid)
 F16_FIELDS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
-    GGMLType.Q8_0: (0,), GGMLType.IQ4_NL: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,),
-    GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,),
+    GGMLType.IQ4_NL: (0,),
+    GGMLType.Q2_K: (80, 82),
+    GGMLType.Q3_K: (108,),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
 }
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 ALL_TYPES = list(FLOAT_TYPES) + list(F16_FIELDS)
@@ -50,7 +59,7 @@ def random_raw(t: GGMLType, m: int, k: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, (m, nb, info.type_size), dtype=np.uint8)
     for off in F16_FIELDS[t]:
         scale = (rng.random((m, nb)) * 0.02 + 0.001).astype(np.float16)
-        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(m, nb, 2)
+        raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(m, nb, 2)
     return raw.reshape(m, nb * info.type_size)
 
 
@@ -233,8 +242,10 @@ def _with_threads(n_threads, f):
 def _assert_rows_equal(got, want, what):
     same = np.all(got == want, axis=1) | np.all(np.isnan(got) & np.isnan(want), axis=1)
     bad = np.flatnonzero(~same)
-    assert bad.size == 0, f"{what}: {bad.size} rows differ, first row {bad[0]}, max |diff| " \
-                          f"{np.max(np.abs(got[bad[0]] - want[bad[0]])):.3g}"
+    assert bad.size == 0, (
+        f"{what}: {bad.size} rows differ, first row {bad[0]}, max |diff| "
+        f"{np.max(np.abs(got[bad[0]] - want[bad[0]])):.3g}"
+    )
 
 
 def _invariance_cases():
@@ -254,11 +265,18 @@ def test_invariance_cases_cover_every_layout():
         f = qm.fmt
         seen.add("f32" if f is None else (f.nib, f.signed, f.n_sub > 1, f.lmin, f.kmin, f.planes))
     # every unsigned format is nibbles now, with 0, 1 or 2 bit planes (kernels/qlayout.py)
-    assert {"f32", (True, False, False, True, False, 0), (True, False, False, False, False, 0),
-            (True, False, False, True, False, 1), (True, False, False, False, False, 1),
-            (False, True, False, False, False, 0), (True, False, True, False, True, 0),
-            (True, False, True, False, True, 1), (True, False, True, False, False, 2),
-            (True, False, True, False, False, 0)} <= seen
+    assert {
+        "f32",
+        (True, False, False, True, False, 0),
+        (True, False, False, False, False, 0),
+        (True, False, False, True, False, 1),
+        (True, False, False, False, False, 1),
+        (False, True, False, False, False, 0),
+        (True, False, True, False, True, 0),
+        (True, False, True, False, True, 1),
+        (True, False, True, False, False, 2),
+        (True, False, True, False, False, 0),
+    } <= seen
 
 
 @pytest.mark.parametrize("t,k", list(_invariance_cases()))
@@ -270,7 +288,7 @@ def test_matmul_rows_are_batch_invariant(t, k):
     rng = np.random.default_rng(k + int(t))
     n_max = max(INVARIANCE_NS)
     x = (rng.standard_normal((n_max, k)) * rng.uniform(0.05, 30.0, (n_max, 1))).astype(np.float32)
-    single = _with_threads(1, lambda: np.stack([qm.matmul(x[i:i + 1])[0] for i in range(n_max)]))  # [513, m]
+    single = _with_threads(1, lambda: np.stack([qm.matmul(x[i : i + 1])[0] for i in range(n_max)]))  # [513, m]
     for n_threads in _thread_counts():
         for n in INVARIANCE_NS:
             got = _with_threads(n_threads, lambda: qm.matmul(x[:n]))

@@ -8,6 +8,7 @@
 - a token's row is bit-identical whatever else is in the batch, the thread count, the token
   chunk, and whether the serial or the parallel driver ran.
 """
+
 from __future__ import annotations
 
 import numba
@@ -105,7 +106,7 @@ def test_rows_are_batch_invariant_across_drivers_threads_and_chunks(t):
     qm = QMatrix(random_raw(t, 70, k, seed=7), t, k)
     rng = np.random.default_rng(8)
     x = (rng.standard_normal((67, k)) * rng.uniform(0.05, 30.0, (67, 1))).astype(np.float32)
-    single = np.stack([_run(qm, x[i:i + 1], ISAS[0], serial=True)[0] for i in range(67)])
+    single = np.stack([_run(qm, x[i : i + 1], ISAS[0], serial=True)[0] for i in range(67)])
     old = numba.get_num_threads()
     try:
         for nt in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):

@@ -1,27 +1,30 @@
 """The memory contract in code: every memory implements the whole Memory interface, every
 memory context the MemoryContext one (rollback included), and what the forward pass of an
 attention layer uses is exactly AttentionMemoryContext."""
+
 import inspect
 
 import numpy as np
+from memory_stubs import StubModel, make_hparams
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.memory.hybrid import HybridContext, MemoryHybrid
 from kvchat.runtime.memory.interface import AttentionMemoryContext, Memory, MemoryContext
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_context import KVCacheContext
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA, KVCacheISWAContext
-from kvchat.runtime.memory.hybrid import HybridContext, MemoryHybrid
 from kvchat.runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
-
-from memory_stubs import StubModel, make_hparams
 
 
 def _abstract_names(base):
     """Public methods of an interface that only raise NotImplementedError."""
-    return [n for n, f in vars(base).items() if inspect.isfunction(f) and not n.startswith("_")
-            and "raise NotImplementedError" in inspect.getsource(f)]
+    return [
+        n
+        for n, f in vars(base).items()
+        if inspect.isfunction(f) and not n.startswith("_") and "raise NotImplementedError" in inspect.getsource(f)
+    ]
 
 
 def test_every_memory_overrides_every_method_of_the_interface():
@@ -51,8 +54,7 @@ class _Recorder:
 
 def test_kv_and_iswa_contexts_satisfy_the_attention_protocol_the_forward_uses():
     seen: set = set()
-    for hp in (make_hparams(n_layer=2), make_hparams(n_layer=2, n_swa=8, swa_layers=[True, False],
-                                                     arch="gemma3")):
+    for hp in (make_hparams(n_layer=2), make_hparams(n_layer=2, n_swa=8, swa_layers=[True, False], arch="gemma3")):
         ctx = Context(StubModel(hp), ContextParams(n_ctx=256, n_batch=64, n_ubatch=16))
         mctx_seen = []
         orig = ctx.model.forward

@@ -8,15 +8,15 @@ non-empty cells, seq_pos_min/max agree with the cells (KVCells.check_invariants)
 decode attempt: `prepare()` is a pure dry run, and a decode that fails (no slot, compute
 error) leaves every cell, head and position set exactly as it was.
 """
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 from kvchat.runtime.batch import Batch, BatchAllocator
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
-
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 N_SEQ = 3
 
@@ -123,8 +123,9 @@ def run(ctx, model, ops):
         check_invariants(mem)
 
 
-SETTINGS = settings(max_examples=25, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @SETTINGS
@@ -136,13 +137,11 @@ def test_random_operations_keep_invariants_plain_cache(ops, n_ubatch):
 
 
 @SETTINGS
-@given(ops=st.lists(op, min_size=1, max_size=14), n_swa=st.sampled_from([4, 16]),
-       swa_full=st.booleans())
+@given(ops=st.lists(op, min_size=1, max_size=14), n_swa=st.sampled_from([4, 16]), swa_full=st.booleans())
 def test_random_operations_keep_invariants_iswa_cache(ops, n_swa, swa_full):
     hp = make_hparams(n_layer=2, n_swa=n_swa, swa_layers=[True, False])
     model = StubModel(hp)
-    ctx = Context(model, ContextParams(n_ctx=512, n_seq_max=N_SEQ, n_ubatch=8,
-                                       swa_full=swa_full))
+    ctx = Context(model, ContextParams(n_ctx=512, n_seq_max=N_SEQ, n_ubatch=8, swa_full=swa_full))
     run(ctx, model, ops)
 
 

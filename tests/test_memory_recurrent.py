@@ -1,13 +1,13 @@
 """The recurrent and hybrid memories through Context.decode with a stub recurrent model (real
 conv / scan kernels): batch splits, dry-run prepare, exact rollback, state round trips,
 seq_cp independence, refused partial seq_rm, checkpoints."""
+
 import numpy as np
 import pytest
+from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.memory.interface import AttentionMemoryContext, RecurrentMemoryContext
-
-from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 TOKENS = (np.arange(30) * 7 + 3) % 64
 
@@ -16,7 +16,7 @@ def _logits_by_split(hybrid, n_ubatch, calls):
     ctx = make_rctx(hybrid=hybrid, n_ubatch=n_ubatch)
     out, p = [], 0
     for n in calls:
-        assert ctx.decode(Batch.one_seq(TOKENS[p:p + n], p, all_logits=True)) == 0
+        assert ctx.decode(Batch.one_seq(TOKENS[p : p + n], p, all_logits=True)) == 0
         out.append(ctx.get_logits().copy())
         p += n
     return np.concatenate(out)
@@ -51,11 +51,9 @@ def test_the_forward_sees_the_contexts_the_protocols_state(hybrid):
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_prepare_leaves_every_state_untouched(hybrid):
     ctx = make_rctx(hybrid=hybrid, n_seq_max=2, n_ubatch=4)
-    assert ctx.decode(Batch(TOKENS[:8], pos=[0, 1, 2, 3, 0, 1, 2, 3],
-                            seq_ids=[0, 0, 0, 0, 1, 1, 1, 1])) == 0
+    assert ctx.decode(Batch(TOKENS[:8], pos=[0, 1, 2, 3, 0, 1, 2, 3], seq_ids=[0, 0, 0, 0, 1, 1, 1, 1])) == 0
     before = snapshot(ctx.memory)
-    assert ctx.balloc.init(Batch(TOKENS[8:14], pos=[4, 5, 6, 4, 5, 6], seq_ids=[0, 0, 0, 1, 1, 1]),
-                           64, 2, ctx.memory)
+    assert ctx.balloc.init(Batch(TOKENS[8:14], pos=[4, 5, 6, 4, 5, 6], seq_ids=[0, 0, 0, 1, 1, 1]), 64, 2, ctx.memory)
     mctx = ctx.memory.init_batch(ctx.balloc, 4)
     assert mctx.get_status().name == "SUCCESS"
     assert_same(before, snapshot(ctx.memory))
@@ -106,8 +104,14 @@ def test_seq_cp_then_diverging_keeps_independent_states(hybrid, unified):
     assert ctx.decode(Batch.one_seq(TOKENS[:10], 0)) == 0
     ctx.memory.seq_cp(0, 1, -1, -1)
     a, b = TOKENS[10:13], (TOKENS[10:13] + 5) % 64
-    assert ctx.decode(Batch(np.concatenate([a, b]), pos=[10, 11, 12] * 2, seq_ids=[0] * 3 + [1] * 3,
-                            logits=[False, False, True] * 2)) == 0
+    assert (
+        ctx.decode(
+            Batch(
+                np.concatenate([a, b]), pos=[10, 11, 12] * 2, seq_ids=[0] * 3 + [1] * 3, logits=[False, False, True] * 2
+            )
+        )
+        == 0
+    )
     got = ctx.get_logits().copy()
     for i, cont in enumerate((a, b)):
         ref = make_rctx(hybrid=hybrid)
@@ -161,8 +165,9 @@ def test_breakdown_and_log_line_give_the_state_bytes():
     assert "llama_memory_recurrent" in r.log_line() and r.memory_type() == "llama_memory_recurrent"
     h = make_rctx(hybrid=True).memory
     assert h.memory_type() == "llama_memory_hybrid"
-    assert h.memory_breakdown()["total_bytes"] == (h.mem_attn.memory_breakdown()["total_bytes"]
-                                                   + h.mem_recr.memory_breakdown()["total_bytes"])
+    assert h.memory_breakdown()["total_bytes"] == (
+        h.mem_attn.memory_breakdown()["total_bytes"] + h.mem_recr.memory_breakdown()["total_bytes"]
+    )
 
 
 def test_a_prompt_shared_by_several_sequences_gives_each_the_same_state():

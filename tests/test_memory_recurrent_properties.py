@@ -2,13 +2,13 @@
 invariants - each sequence's tail cell holds it and no other cell does, empty cells have no
 position and no foreign source, `used` counts the non-empty cells - prepare() is a pure dry run, a
 failed decode restores every cell and state row, and a refused seq_rm changes nothing."""
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 from kvchat.runtime.batch import Batch
-
-from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 N_SEQ = 3
 
@@ -81,7 +81,7 @@ def test_random_recurrent_memory_operations_keep_the_invariants(hybrid, ops):
             if not mem.seq_rm(a, b, -1):
                 assert_same(before, snapshot(mem))
         elif kind == "cp" and a != b:  # as every caller does: empty the target first (a hybrid's
-            mem.seq_rm(b, -1, -1)        # KV part keeps dst's cells on seq_cp, its recurrent part not)
+            mem.seq_rm(b, -1, -1)  # KV part keeps dst's cells on seq_cp, its recurrent part not)
             mem.seq_cp(a, b, -1, -1)
         elif kind == "keep":
             mem.seq_keep(a)

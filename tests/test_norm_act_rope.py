@@ -1,5 +1,6 @@
 """RMSNorm, SwiGLU/GeGLU, softmax and RoPE against plain numpy (float64) references, and their
 batch invariance: a row computed in a batch is bit-identical to the row computed alone."""
+
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ def test_rms_norm_matches_numpy(with_weight):
     w = _rng(1).standard_normal(576).astype(np.float32) if with_weight else None
     got = rms_norm(x, w, 1e-5)
     x64 = x.astype(np.float64)
-    ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    ref = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5)
     if with_weight:
         ref = ref * w
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
@@ -38,7 +39,7 @@ def test_rms_norm_per_head_and_in_place():
     x = _rng().standard_normal((3, 4, 64)).astype(np.float32)  # [n_tokens, n_head, head_dim]
     w = _rng(2).standard_normal(64).astype(np.float32)
     ref = x.astype(np.float64)
-    ref = ref / np.sqrt((ref ** 2).mean(axis=-1, keepdims=True) + 1e-6) * w
+    ref = ref / np.sqrt((ref**2).mean(axis=-1, keepdims=True) + 1e-6) * w
     rms_norm(x, w, 1e-6, out=x)
     np.testing.assert_allclose(x, ref, rtol=2e-6, atol=2e-6)
 
@@ -76,16 +77,20 @@ def test_swiglu_gives_ggmls_bits_on_a_stride_of_all_float32_patterns():
     subnormals) and densely where e^-x leaves the normal range
     (|x| 86..104: subnormal and overflowing results) and at the 192 saturation bound (|x| ~133).
     Odd widths run the vector loop's remainder too."""
-    pats = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    pats = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
     edges = np.concatenate([np.linspace(a, b, 20001) for a, b in ((86, 104), (-104, -86), (132, 134), (-134, -132))])
     g = np.concatenate([pats[np.isfinite(pats)], edges.astype(np.float32)])
     for width in (g.size, 13):
         x = g[:width]
         want = silu_reference(x)
         np.testing.assert_array_equal(swiglu(x[None], np.ones((1, width), np.float32))[0], want)
-        np.testing.assert_array_equal(glu_fused(np.concatenate([x, np.ones(width, np.float32)])[None], width, False)[0], want)
+        np.testing.assert_array_equal(
+            glu_fused(np.concatenate([x, np.ones(width, np.float32)])[None], width, False)[0], want
+        )
     # the reference's emulated fma has no infinities; ggml: e^-inf = 0 (n <= 0), e^inf = inf
-    np.testing.assert_array_equal(swiglu(np.float32([[np.inf, -np.inf]]), np.ones((1, 2), np.float32)), [[np.inf, np.nan]])
+    np.testing.assert_array_equal(
+        swiglu(np.float32([[np.inf, -np.inf]]), np.ones((1, 2), np.float32)), [[np.inf, np.nan]]
+    )
 
 
 def test_gelu_saturates_like_ggml():
@@ -173,10 +178,11 @@ def _rows_invariant(fn, x, **kw):
     """fn(x[:n]) row by row equals fn(x[i:i+1]) for every n in BATCH_SIZES and 1 / 2 threads (the
     serial and the parallel twins of the kernels both run: their thresholds lie between)."""
     import numba
+
     n0 = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        alone = np.concatenate([fn(x[i:i + 1], **kw) for i in range(max(BATCH_SIZES))])
+        alone = np.concatenate([fn(x[i : i + 1], **kw) for i in range(max(BATCH_SIZES))])
         for n_threads in (1, 2):
             numba.set_num_threads(n_threads)
             for n in BATCH_SIZES:
@@ -216,9 +222,22 @@ def test_rope_and_prepare_qkv_rows_are_batch_invariant(neox):
     kn = _rng(9).standard_normal(hd).astype(np.float32)
 
     def prep(a, p, qk_norm):
-        q, k, v = prepare_qkv(a[:, :n_head * hd], a[:, n_head * hd:(n_head + n_head_kv) * hd],
-                              a[:, (n_head + n_head_kv) * hd:], n_head, n_head_kv, hd, p, hd, 10000.0, 1.0,
-                              neox, q_norm=qn if qk_norm else None, k_norm=kn if qk_norm else None, eps=1e-6)
+        q, k, v = prepare_qkv(
+            a[:, : n_head * hd],
+            a[:, n_head * hd : (n_head + n_head_kv) * hd],
+            a[:, (n_head + n_head_kv) * hd :],
+            n_head,
+            n_head_kv,
+            hd,
+            p,
+            hd,
+            10000.0,
+            1.0,
+            neox,
+            q_norm=qn if qk_norm else None,
+            k_norm=kn if qk_norm else None,
+            eps=1e-6,
+        )
         return np.concatenate([q.reshape(len(a), -1), k.reshape(len(a), -1), v], axis=1)
 
     both = np.concatenate([fused, pos[:, None].view(np.float32)], axis=1)  # carry each row's position
@@ -229,7 +248,8 @@ def test_rope_and_prepare_qkv_rows_are_batch_invariant(neox):
         x = a[:, :-1].copy().reshape(len(a), n_head, hd)  # rope works in place: never on the input
         rope_inplace(x, np.ascontiguousarray(a[:, -1]).view(np.int32), hd, 10000.0, 1.0, neox)
         return x.reshape(len(a), -1)
-    _rows_invariant(rope, np.concatenate([fused[:, :n_head * hd], pos[:, None].view(np.float32)], axis=1))
+
+    _rows_invariant(rope, np.concatenate([fused[:, : n_head * hd], pos[:, None].view(np.float32)], axis=1))
 
 
 def test_row_kernels_are_compiled_without_fast_math():
@@ -237,14 +257,22 @@ def test_row_kernels_are_compiled_without_fast_math():
     may pick a summation order or an FMA per loop nest — and per compile (a helper inlined fresh
     or linked from numba's cache) — so identical source rounded differently in the serial and
     the parallel twin. Keep every kernel of these modules free of it."""
+    from numba.core.registry import CPUDispatcher
+
     import kvchat.kernels.act
     import kvchat.kernels.attention
     import kvchat.kernels.attention_tiles
     import kvchat.kernels.norm
     import kvchat.kernels.rope
-    from numba.core.registry import CPUDispatcher
+
     found = 0
-    for mod in (kvchat.kernels.act, kvchat.kernels.attention, kvchat.kernels.attention_tiles, kvchat.kernels.norm, kvchat.kernels.rope):
+    for mod in (
+        kvchat.kernels.act,
+        kvchat.kernels.attention,
+        kvchat.kernels.attention_tiles,
+        kvchat.kernels.norm,
+        kvchat.kernels.rope,
+    ):
         for name, f in vars(mod).items():
             if isinstance(f, CPUDispatcher) and f.py_func.__module__ == mod.__name__:
                 found += 1

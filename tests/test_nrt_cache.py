@@ -1,4 +1,5 @@
 """kernels/nrt_cache.py: numba's runtime module compiled once, then loaded from the cache."""
+
 import os
 import subprocess
 import sys
@@ -32,10 +33,18 @@ print(result)
 
 def _run(tmp_path):
     (tmp_path / "nrt_probe.py").write_text(SCRIPT)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    out = subprocess.run([sys.executable, "-c", "import nrt_probe"], env=env, capture_output=True,
-                         text=True, check=True, cwd=tmp_path, timeout=600)
+    env = dict(
+        os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import nrt_probe"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     how, result = out.stdout.split("\n")[:2]
     return how, result
 
@@ -56,7 +65,7 @@ def test_the_nrt_compiles_once_then_loads_from_the_cache_with_the_same_results(t
 
 def test_a_stale_or_broken_nrt_file_is_rebuilt(tmp_path):
     first = _run(tmp_path)
-    path, = _nrt_files(tmp_path)
+    (path,) = _nrt_files(tmp_path)
     stale = path.with_name("kvchat-nrt-" + "0" * 32 + ".nbo")  # another numba, CPU or IR
     path.rename(stale)
     assert _run(tmp_path) == ("compiled", first[1])

@@ -2,6 +2,7 @@
 one prompt (llama-batched) and continuous batching of many (llama-parallel) give, sequence by
 sequence, the answer a solo Conversation gives; the shared prompt is decoded once; finished
 sequences free their cells; a short newcomer produces before a long one's prefill is done."""
+
 import numpy as np
 import pytest
 
@@ -9,8 +10,8 @@ from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.model import Model
-from kvchat.runtime.serving.parallel import ParallelRunner, Request, alternatives
 from kvchat.runtime.sampling import Sampler, SamplingParams
+from kvchat.runtime.serving.parallel import ParallelRunner, Request, alternatives
 from tests.gguf_factory import write_tiny_model
 
 PROMPT = "hello world, this is a test of many sequences"
@@ -18,16 +19,22 @@ PROMPT = "hello world, this is a test of many sequences"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("par") / "q.gguf", arch="qwen3", n_layer=2,
-                            n_embd=128, n_head=4, n_head_kv=2, n_ff=96)
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("par") / "q.gguf", arch="qwen3", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=96
+    )
     return Model.load(path)
 
 
 def solo(model, text, seed, temp, n_predict):
     """(answer ids, text) of a one-sequence Conversation in a fresh context (raw mode)."""
     ctx = Context(model, ContextParams(n_ctx=512))
-    conv = Conversation(ctx, model.vocab, None, Sampler(SamplingParams(temp=temp, seed=seed)),
-                        ConversationConfig(raw=True, n_predict=n_predict))
+    conv = Conversation(
+        ctx,
+        model.vocab,
+        None,
+        Sampler(SamplingParams(temp=temp, seed=seed)),
+        ConversationConfig(raw=True, n_predict=n_predict),
+    )
     n0 = len(conv.render([{"role": "user", "content": text}]))
     stats = conv.ask(text)
     ids = conv.tokens[n0:]
@@ -74,7 +81,7 @@ def test_the_prompt_is_decoded_once_with_every_sequence_on_its_cells(model):
     runner._prefill_shared(ids, [0, 1, 2])
     cells = ctx.memory.cells[0]
     assert cells.get_used() == len(ids) and runner.n_prompt_decoded == len(ids)
-    assert cells.seq[:len(ids), :3].all() and np.array_equal(cells.pos[:len(ids)], np.arange(len(ids)))
+    assert cells.seq[: len(ids), :3].all() and np.array_equal(cells.pos[: len(ids)], np.arange(len(ids)))
 
 
 PROMPTS = [f"question {i}: " + "why " * (i % 5) + "is the sky blue" for i in range(16)]
@@ -86,6 +93,7 @@ def test_sixteen_prompts_on_four_sequences_each_get_the_solo_greedy_answer(model
     system = "SYSTEM: answer briefly. "
     reqs = [Request(i, ids_of(model, system + p), seed=i) for i, p in enumerate(PROMPTS)]
     from os.path import commonprefix
+
     shared = list(commonprefix([r.ids for r in reqs]))
     assert len(shared) >= 5
     freed = []
@@ -93,8 +101,7 @@ def test_sixteen_prompts_on_four_sequences_each_get_the_solo_greedy_answer(model
     def on_result(res):  # called after the finished sequence's cells were freed
         freed.append(ctx.memory.seq_pos_max(res.seq_id))
 
-    runner = ParallelRunner(ctx, model.vocab, SamplingParams(temp=0.0), 4, n_predict=12,
-                            prefill_budget=16)
+    runner = ParallelRunner(ctx, model.vocab, SamplingParams(temp=0.0), 4, n_predict=12, prefill_budget=16)
     results = runner.run(reqs, on_result=on_result, shared_prefix=shared)
     assert [r.index for r in results] == list(range(16))
     for r, p in zip(results, PROMPTS):
@@ -109,10 +116,12 @@ def test_sixteen_prompts_on_four_sequences_each_get_the_solo_greedy_answer(model
 def test_a_short_prompt_joining_mid_run_produces_before_a_long_prefill_finishes(model):
     ctx = Context(model, ContextParams(n_ctx=1024, n_seq_max=2))
     long_ids = ids_of(model, "long " * 80)
-    reqs = [Request(0, ids_of(model, "short one"), seed=0), Request(1, long_ids, seed=0),
-            Request(2, ids_of(model, "short two"), seed=0)]
-    runner = ParallelRunner(ctx, model.vocab, SamplingParams(temp=0.0), 2, n_predict=3,
-                            prefill_budget=16)
+    reqs = [
+        Request(0, ids_of(model, "short one"), seed=0),
+        Request(1, long_ids, seed=0),
+        Request(2, ids_of(model, "short two"), seed=0),
+    ]
+    runner = ParallelRunner(ctx, model.vocab, SamplingParams(temp=0.0), 2, n_predict=3, prefill_budget=16)
     r0, r1, r2 = runner.run(reqs)
     assert r1.error is None and len(long_ids) > 200
     assert r2.step_admitted > 0  # joined the running batch when request 0 finished
@@ -124,8 +133,12 @@ def test_a_short_prompt_joining_mid_run_produces_before_a_long_prefill_finishes(
 
 def test_a_request_that_cannot_fit_is_reported_and_the_others_run(model):
     ctx = Context(model, ContextParams(n_ctx=256, n_seq_max=2))
-    reqs = [Request(0, ids_of(model, "fine"), seed=0), Request(1, ids_of(model, "big " * 400), seed=0),
-            Request(2, [], seed=0), Request(3, None, seed=0, error="line 4: not JSON")]
+    reqs = [
+        Request(0, ids_of(model, "fine"), seed=0),
+        Request(1, ids_of(model, "big " * 400), seed=0),
+        Request(2, [], seed=0),
+        Request(3, None, seed=0, error="line 4: not JSON"),
+    ]
     got = []
     runner = ParallelRunner(ctx, model.vocab, SamplingParams(temp=0.0), 2, n_predict=2)
     results = runner.run(reqs, on_result=lambda r: got.append(r.index))

@@ -9,6 +9,7 @@ such a difference flips roundings and cascades (docs/performance.md, "Logits vs 
 greedy and sampled answers alike may part at a near-tie. Exact equality with solo runs is the
 promise of one stream per sequence (checked here); the unified cache's answers are checked to
 be well-formed and to start where the solo answer starts (docs/parallel.md)."""
+
 import json
 from os.path import commonprefix
 
@@ -26,24 +27,60 @@ def texts(r):
 
 
 def test_four_greedy_alternatives_equal_the_single_answer(smollm2_path):
-    alts = texts(kvchat("run", "-m", smollm2_path, "-p", PROMPT, "-np", "4", "--temp", "0", "-n", "40",
-                        "-c", "1024", "--no-kv-unified", "--jsonl"))
+    alts = texts(
+        kvchat(
+            "run",
+            "-m",
+            smollm2_path,
+            "-p",
+            PROMPT,
+            "-np",
+            "4",
+            "--temp",
+            "0",
+            "-n",
+            "40",
+            "-c",
+            "1024",
+            "--no-kv-unified",
+            "--jsonl",
+        )
+    )
     solo = kvchat("run", "-m", smollm2_path, "-p", PROMPT, "--temp", "0", "-n", "40", "-c", "1024")
     assert solo.returncode == 0, solo.stderr
     assert alts == [solo.stdout[:-1]] * 4 and len(alts[0]) > 40
-    unified = texts(kvchat("run", "-m", smollm2_path, "-p", PROMPT, "-np", "4", "--temp", "0", "-n", "40",
-                           "-c", "1024", "--jsonl"))
+    unified = texts(
+        kvchat("run", "-m", smollm2_path, "-p", PROMPT, "-np", "4", "--temp", "0", "-n", "40", "-c", "1024", "--jsonl")
+    )
     assert len(unified) == 4 and all(len(u) > 40 for u in unified)
     assert all(u[:12] == solo.stdout[:12] for u in unified), (unified, solo.stdout)
 
 
 def test_sampled_alternatives_equal_runs_with_seed_s_plus_i_with_a_stream_per_sequence(smollm2_path):
     p = "Tell me a short story about a robot."
-    alts = texts(kvchat("run", "-m", smollm2_path, "-p", p, "-np", "4", "--temp", "0.8", "-s", "100",
-                        "-n", "48", "-c", "2048", "--no-kv-unified", "--jsonl"))
+    alts = texts(
+        kvchat(
+            "run",
+            "-m",
+            smollm2_path,
+            "-p",
+            p,
+            "-np",
+            "4",
+            "--temp",
+            "0.8",
+            "-s",
+            "100",
+            "-n",
+            "48",
+            "-c",
+            "2048",
+            "--no-kv-unified",
+            "--jsonl",
+        )
+    )
     for i, a in enumerate(alts):
-        solo = kvchat("run", "-m", smollm2_path, "-p", p, "--temp", "0.8", "-s", str(100 + i), "-n", "48",
-                      "-c", "2048")
+        solo = kvchat("run", "-m", smollm2_path, "-p", p, "--temp", "0.8", "-s", str(100 + i), "-n", "48", "-c", "2048")
         assert solo.stdout == a + "\n", i
     assert len(set(alts)) == 4
 
@@ -53,19 +90,40 @@ def test_sixteen_prompts_on_four_sequences_give_the_solo_greedy_answers(smollm2_
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.model import Model
-    from kvchat.runtime.serving.parallel import ParallelRunner, Request
     from kvchat.runtime.sampling import Sampler, SamplingParams
+    from kvchat.runtime.serving.parallel import ParallelRunner, Request
     from kvchat.runtime.text.chat_template import ChatTemplate
 
     model = Model.load(smollm2_path)
     template = ChatTemplate.from_gguf(model.gguf, model.vocab)
-    topics = ["the sea", "a robot", "coffee", "winter", "a city", "the moon", "cats", "music",
-              "rain", "a library", "trains", "mountains", "bread", "a clock", "friendship", "fire"]
+    topics = [
+        "the sea",
+        "a robot",
+        "coffee",
+        "winter",
+        "a city",
+        "the moon",
+        "cats",
+        "music",
+        "rain",
+        "a library",
+        "trains",
+        "mountains",
+        "bread",
+        "a clock",
+        "friendship",
+        "fire",
+    ]
     prompts = [f"In one sentence, what is {t}?" for t in topics]
 
     def conv(ctx, n_predict=24):
-        return Conversation(ctx, model.vocab, template, Sampler(SamplingParams(temp=0.0, seed=0)),
-                            ConversationConfig(n_predict=n_predict))
+        return Conversation(
+            ctx,
+            model.vocab,
+            template,
+            Sampler(SamplingParams(temp=0.0, seed=0)),
+            ConversationConfig(n_predict=n_predict),
+        )
 
     solo = []
     for p in prompts:

@@ -1,6 +1,7 @@
 """`kvchat perplexity`: llama-perplexity's protocol (checked against a float64 forward on tiny
 models, BOS replacement included), its output format, and SmolLM2 against perplexity.json.
 The full 14-chunk runs of both models and three cache types are in docs/performance.md."""
+
 import json
 import math
 import re
@@ -17,8 +18,7 @@ from tests.test_forward_logits import reference_forward
 
 
 def _tiny(tmp_path, arch):
-    return write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=2, n_embd=128, n_head=4,
-                            n_head_kv=2, n_ff=96)
+    return write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=96)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3's SPM vocab adds BOS
@@ -29,7 +29,7 @@ def test_protocol_matches_float64_reference(tmp_path, arch):
     res = compute_perplexity(model, tokens, n_ctx=64, n_batch=32, type_k="f32", type_v="f32", n_chunks=2)
     nll = []
     for c in range(2):
-        chunk = tokens[c * 64:(c + 1) * 64]
+        chunk = tokens[c * 64 : (c + 1) * 64]
         if model.vocab.add_bos:
             chunk = [model.vocab.bos] + chunk[1:]
         lg = reference_forward(path, np.array(chunk))
@@ -46,11 +46,30 @@ def test_cli_prints_running_values_and_final_estimate(tmp_path):
     path = _tiny(tmp_path, "llama")
     text = tmp_path / "t.txt"
     text.write_text(" the hello world and chat" * 60)
-    out = CliRunner().invoke(app, ["perplexity", "-m", str(path), "-f", str(text), "-c", "64",
-                                   "-b", "32", "--chunks", "2", "-ctk", "q8_0", "-ctv", "q8_0"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "perplexity",
+            "-m",
+            str(path),
+            "-f",
+            str(text),
+            "-c",
+            "64",
+            "-b",
+            "32",
+            "--chunks",
+            "2",
+            "-ctk",
+            "q8_0",
+            "-ctv",
+            "q8_0",
+        ],
+    )
     assert out.exit_code == 0, out.output
-    m = re.search(r"\[1\](\d+\.\d{4}),\[2\](\d+\.\d{4}),\nFinal estimate: PPL = (\d+\.\d{4}) \+/- \d+\.\d{5}",
-                  out.stdout)
+    m = re.search(
+        r"\[1\](\d+\.\d{4}),\[2\](\d+\.\d{4}),\nFinal estimate: PPL = (\d+\.\d{4}) \+/- \d+\.\d{5}", out.stdout
+    )
     assert m, out.stdout
     assert m.group(2) == m.group(3)
 

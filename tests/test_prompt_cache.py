@@ -2,6 +2,7 @@
 run restores the longest cached prefix and decodes only the rest, with the same cells, rows and
 logits as the first; iSWA caches come back exact; corrupt or foreign entries are ignored with
 one warning and deleted; the directory never exceeds its size limit."""
+
 import numpy as np
 import pytest
 
@@ -15,14 +16,14 @@ from tests.gguf_factory import write_tiny_model
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return Model.load(write_tiny_model(tmp_path_factory.mktemp("pc") / "l.gguf", arch="llama",
-                                       n_ctx_train=2048))
+    return Model.load(write_tiny_model(tmp_path_factory.mktemp("pc") / "l.gguf", arch="llama", n_ctx_train=2048))
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    return Model.load(write_tiny_model(tmp_path_factory.mktemp("pc") / "g.gguf", arch="gemma3",
-                                       n_swa=16, n_ctx_train=2048))
+    return Model.load(
+        write_tiny_model(tmp_path_factory.mktemp("pc") / "g.gguf", arch="gemma3", n_swa=16, n_ctx_train=2048)
+    )
 
 
 def tokens(n, seed=0, n_vocab=200):
@@ -79,8 +80,10 @@ def test_iswa_prefix_is_restored_exactly(gemma, tmp_path, swa_full):
     second = run(gemma, ids, make_cache(tmp_path, gemma, swa_full=swa_full), swa_full=swa_full)
     assert second[0] == 4 * BLOCK
     np.testing.assert_array_equal(second[2], first[2])
-    for ca, cb in ((first[3].memory.kv_base, second[3].memory.kv_base),
-                   (first[3].memory.kv_swa, second[3].memory.kv_swa)):
+    for ca, cb in (
+        (first[3].memory.kv_base, second[3].memory.kv_base),
+        (first[3].memory.kv_swa, second[3].memory.kv_swa),
+    ):
         # every cell a later token can still attend is the same cell with the same rows (the
         # first run's SWA cache also holds masked leftovers, which nothing reads)
         pa, pb = ca.cells[0].pos, cb.cells[0].pos
@@ -105,11 +108,12 @@ def test_a_damaged_entry_is_ignored_with_one_warning_and_deleted(llama, tmp_path
     ids = tokens(500, seed=6)
     run(llama, ids, make_cache(tmp_path, llama))
     from kvchat.runtime.serving.prompt_cache import block_keys
+
     keys = block_keys(make_cache(tmp_path, llama).salt, ids, 3)
     victim = tmp_path / "pc" / f"{keys[1]}.kvpc"
     blob = victim.read_bytes()
     if damage == "truncate":
-        victim.write_bytes(blob[:len(blob) // 2])
+        victim.write_bytes(blob[: len(blob) // 2])
     elif damage == "flip":
         victim.write_bytes(blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
     else:  # the file of block 2 put under block 1's name

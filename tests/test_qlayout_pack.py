@@ -1,5 +1,6 @@
 """The compiled repack (kernels/qlayout_pack.py) writes the bytes of the numpy build it replaced
 (tests/qlayout_numpy.py), for every weight type, partial row groups and sliced matrices alike."""
+
 import numpy as np
 import pytest
 

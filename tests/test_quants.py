@@ -10,6 +10,7 @@ Three references:
 Exactness: quantized bytes must be identical; dequantized floats within 1 ulp (fastmath may
 fuse x*d + m).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,15 @@ from numba import njit
 
 from kvchat.kernels import quants as Q
 from kvchat.kernels.ggml_types import (
-    KV_CACHE_TYPES, TYPES, UNSUPPORTED_TYPES, GGMLType, cache_type_by_name, row_bytes,
-    type_by_name, type_info, type_name,
+    KV_CACHE_TYPES,
+    TYPES,
+    UNSUPPORTED_TYPES,
+    GGMLType,
+    cache_type_by_name,
+    row_bytes,
+    type_by_name,
+    type_info,
+    type_name,
 )
 
 T = GGMLType
@@ -68,6 +76,7 @@ def cases(n_cols: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 # ---- the native ggml reference -------------------------------------------------------------
 
+
 def _ggml_src() -> Path | None:
     for p in sorted((ROOT.parent / "llcpp").glob("*/llama.cpp/ggml")):
         if (p / "src" / "ggml-quants.c").is_file():
@@ -82,8 +91,20 @@ def ggml_ref(tmp_path_factory):
     if src is None or cc is None:
         pytest.skip("llama.cpp source tree or C compiler not available")
     out = tmp_path_factory.mktemp("ggml") / "libggmlquants.so"
-    cmd = [cc, "-O2", "-std=gnu11", "-fPIC", "-shared", f"-I{src}/include", f"-I{src}/src",
-           f"-I{src}/src/ggml-cpu", str(src / "src" / "ggml-quants.c"), "-o", str(out), "-lm"]
+    cmd = [
+        cc,
+        "-O2",
+        "-std=gnu11",
+        "-fPIC",
+        "-shared",
+        f"-I{src}/include",
+        f"-I{src}/src",
+        f"-I{src}/src/ggml-cpu",
+        str(src / "src" / "ggml-quants.c"),
+        "-o",
+        str(out),
+        "-lm",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         pytest.skip(f"cannot compile ggml-quants.c: {res.stderr[-300:]}")
@@ -95,8 +116,7 @@ def ggml_quantize(lib, x: np.ndarray, t) -> np.ndarray:
     out = np.zeros((x.shape[0], row_bytes(t, x.shape[1])), np.uint8)
     fn = getattr(lib, f"quantize_row_{FMT[t]}_ref")
     for r in range(x.shape[0]):
-        fn(x[r].ctypes.data_as(ctypes.c_void_p), out[r].ctypes.data_as(ctypes.c_void_p),
-           ctypes.c_int64(x.shape[1]))
+        fn(x[r].ctypes.data_as(ctypes.c_void_p), out[r].ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.shape[1]))
     return out
 
 
@@ -105,12 +125,12 @@ def ggml_dequantize(lib, raw: np.ndarray, t, n_cols: int) -> np.ndarray:
     out = np.zeros((raw.shape[0], n_cols), np.float32)
     fn = getattr(lib, f"dequantize_row_{FMT[t]}")
     for r in range(raw.shape[0]):
-        fn(raw[r].ctypes.data_as(ctypes.c_void_p), out[r].ctypes.data_as(ctypes.c_void_p),
-           ctypes.c_int64(n_cols))
+        fn(raw[r].ctypes.data_as(ctypes.c_void_p), out[r].ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n_cols))
     return out
 
 
 # ---- ggml_types ----------------------------------------------------------------------------
+
 
 def test_type_table_matches_ggml_sizes_and_names():
     for qt in gguf.GGMLQuantizationType:
@@ -123,10 +143,13 @@ def test_type_table_matches_ggml_sizes_and_names():
             assert (info.block_size, info.type_size) == (32, 36)
         else:
             assert (info.block_size, info.type_size) == gguf.GGML_QUANT_SIZES[qt]
-    assert (TYPES[T.Q8_0].type_size, TYPES[T.Q4_0].type_size, TYPES[T.Q4_K].type_size,
-            TYPES[T.Q6_K].type_size) == (34, 18, 144, 210)
-    assert KV_CACHE_TYPES == ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl",
-                              "bf16")
+    assert (TYPES[T.Q8_0].type_size, TYPES[T.Q4_0].type_size, TYPES[T.Q4_K].type_size, TYPES[T.Q6_K].type_size) == (
+        34,
+        18,
+        144,
+        210,
+    )
+    assert KV_CACHE_TYPES == ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "bf16")
     assert set(TYPES) == set(Q.QUANT_TABLE)  # every supported format has a dequantizer
 
 
@@ -152,6 +175,7 @@ def test_type_lookup_and_errors():
 
 # ---- half / bfloat16 -----------------------------------------------------------------------
 
+
 def test_f16_to_f32_exhaustive():
     bits = np.arange(65536, dtype=np.uint16)
     got = Q.dequantize(bits.view(np.uint8)[None], T.F16, 65536)[0]
@@ -162,15 +186,33 @@ def test_f16_to_f32_exhaustive():
 
 
 def _f32_edge_values() -> np.ndarray:
-    vals = [0.0, -0.0, 65504.0, 65519.996, 65520.0, -65520.0, 1e9, np.inf, -np.inf,
-            2.0 ** -14, 2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0000001, 3 * 2.0 ** -25,
-            2.0 ** -26, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 6.1e-5, 1e-45]
+    vals = [
+        0.0,
+        -0.0,
+        65504.0,
+        65519.996,
+        65520.0,
+        -65520.0,
+        1e9,
+        np.inf,
+        -np.inf,
+        2.0**-14,
+        2.0**-24,
+        2.0**-25,
+        2.0**-25 * 1.0000001,
+        3 * 2.0**-25,
+        2.0**-26,
+        1.0 + 2.0**-11,
+        1.0 + 3 * 2.0**-11,
+        6.1e-5,
+        1e-45,
+    ]
     return np.array(vals + [-v for v in vals], np.float32)
 
 
 def test_f32_to_f16_matches_numpy_rounding():
     rng = np.random.default_rng(3)
-    x = rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = rng.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     x = np.concatenate([x, _f32_edge_values()])
     got = Q.quantize(x[None], T.F16).view(np.uint16)[0]
     nan = np.isnan(x)
@@ -184,7 +226,7 @@ def test_f32_to_f16_matches_numpy_rounding():
 
 def test_bf16_both_ways():
     rng = np.random.default_rng(4)
-    x = rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = rng.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     x = np.concatenate([x, _f32_edge_values()])[:300_000].reshape(-1, 100)
     x[0, :38] = _f32_edge_values()
     got = Q.quantize(x, T.BF16)
@@ -205,6 +247,7 @@ def test_f32_rows_are_byte_copies():
 
 # ---- quantizers ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("t", GQ_QUANTIZES, ids=lambda t: FMT[t])
 def test_quantize_identical_to_gguf_py(t):
     for name, x in cases(256).items():
@@ -216,8 +259,7 @@ def test_quantize_identical_to_gguf_py(t):
         assert bad.size == 0, f"{FMT[t]} {name}: rows {bad.tolist()} differ"
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q8_1, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL],
-                         ids=lambda t: FMT[t])
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q8_1, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL], ids=lambda t: FMT[t])
 def test_quantize_identical_to_ggml_c(ggml_ref, t):
     for name, x in cases(512, seed=5).items():
         if t == T.IQ4_NL and name == "zeros":
@@ -245,13 +287,13 @@ def _roundtrip_bound(t, x: np.ndarray) -> np.ndarray:
     rng_ = blocks.max(axis=-1, keepdims=True) - blocks.min(axis=-1, keepdims=True)
     # a stored half has relative error 2^-11, and absolute error 2^-25 in the subnormal range
     qmax = {T.Q8_0: 127, T.Q4_0: 8, T.Q5_0: 16, T.Q4_1: 15, T.Q5_1: 31}.get(t, 127)
-    half_eps = 2.0 ** -10 * (amax + rng_) + (qmax + 1) * 2.0 ** -25
+    half_eps = 2.0**-10 * (amax + rng_) + (qmax + 1) * 2.0**-25
     if t == T.F32:
         b = np.zeros_like(blocks)
     elif t == T.F16:
-        b = np.abs(blocks) * 2.0 ** -11 + 2.0 ** -25
+        b = np.abs(blocks) * 2.0**-11 + 2.0**-25
     elif t == T.BF16:
-        b = np.abs(blocks) * 2.0 ** -8
+        b = np.abs(blocks) * 2.0**-8
     elif t == T.Q8_0:
         b = amax / 127 * 0.5 + half_eps
     elif t == T.Q4_0:
@@ -277,29 +319,49 @@ def test_round_trip_error_bounds(t):
         bound = _roundtrip_bound(t, x.astype(np.float64))
         assert np.all(err <= bound), f"{FMT[t]} {name}: max excess {(err - bound).max():.3g}"
     # a constant block decodes exactly when its scale (or min) is a representable half
-    exact = {T.Q8_0: 127 / 16, T.Q4_0: 3.25, T.Q4_1: 3.25, T.Q5_0: 3.25, T.Q5_1: 3.25,
-             T.IQ4_NL: -127 / 16, T.F16: 3.25, T.BF16: 3.25, T.F32: 3.3}
+    exact = {
+        T.Q8_0: 127 / 16,
+        T.Q4_0: 3.25,
+        T.Q4_1: 3.25,
+        T.Q5_0: 3.25,
+        T.Q5_1: 3.25,
+        T.IQ4_NL: -127 / 16,
+        T.F16: 3.25,
+        T.BF16: 3.25,
+        T.F32: 3.3,
+    }
     c = np.full((1, 64), exact[t], np.float32)
     assert np.array_equal(Q.dequantize(Q.quantize(c, t), t, 64), c)
 
 
 # ---- dequantizers --------------------------------------------------------------------------
 
+
 def _random_blocks(t, n_rows: int, n_blocks: int, seed: int) -> np.ndarray:
     """Random bytes with every half-float scale field set to a finite value of sane size."""
     rng = np.random.default_rng(seed)
     info = TYPES[t]
     raw = rng.integers(0, 256, (n_rows, n_blocks, info.type_size), dtype=np.uint8)
-    half_fields = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-                   T.Q8_1: [0, 2], T.IQ4_NL: [0], T.Q2_K: [80, 82], T.Q3_K: [108],
-                   T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}.get(t, [])
+    half_fields = {
+        T.Q4_0: [0],
+        T.Q4_1: [0, 2],
+        T.Q5_0: [0],
+        T.Q5_1: [0, 2],
+        T.Q8_0: [0],
+        T.Q8_1: [0, 2],
+        T.IQ4_NL: [0],
+        T.Q2_K: [80, 82],
+        T.Q3_K: [108],
+        T.Q4_K: [0, 2],
+        T.Q5_K: [0, 2],
+        T.Q6_K: [208],
+    }.get(t, [])
     for off in half_fields:
         h = rng.uniform(-0.5, 0.5, (n_rows, n_blocks)).astype(np.float16).view(np.uint16)
         raw[:, :, off] = h & 0xFF
         raw[:, :, off + 1] = h >> 8
     if t == T.Q8_K:
-        raw[:, :, 0:4] = rng.uniform(-0.5, 0.5, (n_rows, n_blocks)).astype(np.float32)[
-            ..., None].view(np.uint8)
+        raw[:, :, 0:4] = rng.uniform(-0.5, 0.5, (n_rows, n_blocks)).astype(np.float32)[..., None].view(np.uint8)
     return raw.reshape(n_rows, -1)
 
 
@@ -317,15 +379,14 @@ def test_dequantize_random_blocks_vs_gguf_py(t):
     if t in (T.F16, T.BF16, T.F32):  # random bits include NaN/inf
         fin = np.isfinite(ref)
         assert np.array_equal(np.isnan(got), np.isnan(ref))
-        assert np.array_equal(got[fin], ref[fin]) and np.array_equal(got[np.isinf(ref)],
-                                                                      ref[np.isinf(ref)])
+        assert np.array_equal(got[fin], ref[fin]) and np.array_equal(got[np.isinf(ref)], ref[np.isinf(ref)])
     else:
         assert ulps(got, ref) <= 1
 
 
-@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K, T.Q8_1,
-                               T.IQ4_NL, T.Q4_0, T.Q5_1],
-                         ids=lambda t: FMT[t])
+@pytest.mark.parametrize(
+    "t", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K, T.Q8_1, T.IQ4_NL, T.Q4_0, T.Q5_1], ids=lambda t: FMT[t]
+)
 def test_dequantize_ggml_quantized_vs_ggml_c(ggml_ref, t):
     """Realistic blocks (made by ggml's own reference quantizer where gguf-py has none)."""
     x = cases(512, seed=7)["normal"]
@@ -343,6 +404,7 @@ def test_dequantize_ggml_quantized_vs_ggml_c(ggml_ref, t):
 
 
 # ---- dispatch ------------------------------------------------------------------------------
+
 
 @njit(cache=True)
 def _njit_round_trip(x, t, buf, out):
@@ -398,6 +460,7 @@ def test_wrapper_errors_and_readonly_input():
 
 # ---- real model tensors --------------------------------------------------------------------
 
+
 def _check_model_tensors(path: Path, expected: set[str]):
     reader = gguf.GGUFReader(path)
     seen: dict[str, int] = {}
@@ -411,15 +474,14 @@ def _check_model_tensors(path: Path, expected: set[str]):
         data = np.asarray(ten.data)
         raw = data.view(np.uint8).reshape(-1, row_bytes(t, n_cols))
         mid = raw.shape[0] // 2
-        rows = np.concatenate([raw[:4], raw[mid:mid + 4], raw[-2:]])
+        rows = np.concatenate([raw[:4], raw[mid : mid + 4], raw[-2:]])
         got = Q.dequantize(rows, t, n_cols)
         ref = gq.dequantize(rows, ten.tensor_type).reshape(rows.shape[0], n_cols)
         assert ulps(got, ref) <= 1, f"{path.name} {ten.name} ({name})"
         assert np.isfinite(got).all()
         # quantizing real values to each cache type gives gguf-py's bytes
         for ct in (T.Q8_0, T.Q4_0, T.Q5_1):
-            assert np.array_equal(Q.quantize(got[:4], ct),
-                                  gq.quantize(got[:4], gguf.GGMLQuantizationType(ct)))
+            assert np.array_equal(Q.quantize(got[:4], ct), gq.quantize(got[:4], gguf.GGMLQuantizationType(ct)))
     assert expected <= set(seen), f"{path.name}: types found {sorted(seen)}"
 
 

@@ -2,6 +2,7 @@
 /regen and /undo come back to the state checkpointed before the answer (the same greedy answer
 again, no prompt re-decoded for /regen), /save, exit and --session resume the recurrent and
 KV state, and a full context on a recurrent memory stops with one line."""
+
 import pytest
 
 from tests.pty_chat import Chat, answer_of, decoded_prompt_tokens

@@ -1,11 +1,11 @@
 """The conversation engine on the tiny recurrent (mamba) and hybrid (qwen35) models: /regen and
 /undo go back to the state checkpointed before the answer / the prompt - the same greedy answer
 again, only the tokens after the checkpoint decoded - and a session's state resumes."""
-import numpy as np
+
 import pytest
 
-from kvchat.runtime.context import Context
 from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.model import Model
 from kvchat.runtime.sampling import Sampler, SamplingParams
@@ -21,8 +21,13 @@ def model(request, reference_dir):
 
 def conversation(model):
     ctx = Context(model, ContextParams(n_ctx=512, n_batch=512, n_ubatch=512))
-    return Conversation(ctx, model.vocab, ChatTemplate.from_gguf(model.gguf, model.vocab),
-                        Sampler(SamplingParams(temp=0.0, seed=1)), ConversationConfig(n_predict=10))
+    return Conversation(
+        ctx,
+        model.vocab,
+        ChatTemplate.from_gguf(model.gguf, model.vocab),
+        Sampler(SamplingParams(temp=0.0, seed=1)),
+        ConversationConfig(n_predict=10),
+    )
 
 
 def test_regen_restores_the_checkpoint_and_gives_the_same_answer_without_decoding(model):

@@ -1,6 +1,7 @@
 """The recurrent kernels against plain numpy written from the definitions (float64), and
 split invariance: processing a sequence in pieces, carrying the state, gives the same bits
 (conv, scan, the delta step)."""
+
 import numpy as np
 import pytest
 
@@ -21,7 +22,7 @@ def conv_ref(state, x, w):
     dc = w.shape[1]
     y = np.zeros((n_seqs, n_t, ch))
     for t in range(n_t):
-        y[:, t, :] = np.einsum("sci,ci->sc", xx[:, :, t:t + dc], w.astype(np.float64))
+        y[:, t, :] = np.einsum("sci,ci->sc", xx[:, :, t : t + dc], w.astype(np.float64))
     return y, xx[:, :, n_t:]
 
 
@@ -39,7 +40,7 @@ def test_conv_in_pieces_is_bit_identical_to_one_call(cuts):
     y_all, s_all = conv_with_state(state, x, w)
     st, ys, t0 = state, [], 0
     for c in cuts:
-        y, st = conv_with_state(st, x[:, t0:t0 + c], w)
+        y, st = conv_with_state(st, x[:, t0 : t0 + c], w)
         ys.append(y)
         t0 += c
     np.testing.assert_array_equal(np.concatenate(ys, axis=1), y_all)
@@ -124,7 +125,9 @@ def test_delta_step_in_pieces_is_bit_identical():
     s_all = st.copy()
     o_all = gated_delta_rule(q, k, v, g, b, s_all)
     s = st.copy()
-    outs = [gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                             b[:, t:t + 1], s) for t in range(20)]
+    outs = [
+        gated_delta_rule(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], b[:, t : t + 1], s)
+        for t in range(20)
+    ]
     np.testing.assert_array_equal(np.concatenate(outs, axis=1), o_all)
     np.testing.assert_array_equal(s, s_all)

@@ -2,6 +2,7 @@
 (../shared/reference/tiny, F32 weights and cache, flash attention off): top-10 log-probs of every
 reference prompt, greedy continuations, perplexity; and one batch vs 7-token ubatches vs token
 by token, state round trips and rollback on the real forward passes."""
+
 import json
 import math
 
@@ -27,8 +28,18 @@ def tiny(request, reference_dir):
 
 
 def ref_ctx(model, n_ubatch=512, n_seq_max=1):
-    return Context(model, ContextParams(n_ctx=2048, n_batch=2048, n_ubatch=n_ubatch, type_k="f32",
-                                        type_v="f32", flash_attn="off", n_seq_max=n_seq_max))
+    return Context(
+        model,
+        ContextParams(
+            n_ctx=2048,
+            n_batch=2048,
+            n_ubatch=n_ubatch,
+            type_k="f32",
+            type_v="f32",
+            flash_attn="off",
+            n_seq_max=n_seq_max,
+        ),
+    )
 
 
 def log_softmax(x):
@@ -42,7 +53,7 @@ def all_logits(ctx, tokens, calls=None):
     calls = calls or [len(tokens)]
     out, p = [], 0
     for n in calls:
-        assert ctx.decode(Batch.one_seq(np.asarray(tokens[p:p + n]), p, all_logits=True)) == 0
+        assert ctx.decode(Batch.one_seq(np.asarray(tokens[p : p + n]), p, all_logits=True)) == 0
         out.append(ctx.get_logits().copy())
         p += n
     return np.concatenate(out)
@@ -81,11 +92,11 @@ def test_greedy_continuation_equals_llama_cpp(tiny):
 
 def test_perplexity_matches_llama_cpp_within_a_tenth_of_a_percent_in_ln_ppl(tiny, reference_dir):
     from kvchat.runtime.eval.perplexity import compute_perplexity
+
     name, model, _ = tiny
     text = (reference_dir / "texts" / "GPL-3.txt").read_text()
     tokens = model.vocab.tokenize(text, add_special=True, parse_special=False)
-    res = compute_perplexity(model, tokens, n_ctx=256, n_chunks=4, type_k="f32", type_v="f32",
-                             flash_attn="off")
+    res = compute_perplexity(model, tokens, n_ctx=256, n_chunks=4, type_k="f32", type_v="f32", flash_attn="off")
     ppl = res.running[-1]
     rel = abs(math.log(ppl) - math.log(REF_PPL_F32[name])) / math.log(REF_PPL_F32[name])
     assert rel < 1e-3, f"{name}: ln PPL {math.log(ppl):.6f} vs {math.log(REF_PPL_F32[name]):.6f}"
@@ -125,8 +136,17 @@ def test_two_sequences_after_seq_cp_diverge_independently(tiny):
     assert ctx.decode(Batch.one_seq(np.asarray(toks[:20]), 0)) == 0
     ctx.memory.seq_cp(0, 1, -1, -1)
     a, b = toks[20:30], toks[10:20]
-    assert ctx.decode(Batch(a + b, pos=list(range(20, 30)) * 2, seq_ids=[0] * 10 + [1] * 10,
-                            logits=[False] * 9 + [True] + [False] * 9 + [True])) == 0
+    assert (
+        ctx.decode(
+            Batch(
+                a + b,
+                pos=list(range(20, 30)) * 2,
+                seq_ids=[0] * 10 + [1] * 10,
+                logits=[False] * 9 + [True] + [False] * 9 + [True],
+            )
+        )
+        == 0
+    )
     got = ctx.get_logits().copy()
     for i, cont in enumerate((a, b)):
         ref = ref_ctx(model)

@@ -1,5 +1,6 @@
 """`kvchat chat` in a pseudo-terminal on a tiny random model, pushed the way a hurried user does:
 locked sessions, /save over the wrong file, /load under --session, double Ctrl-C, odd bytes."""
+
 import os
 import re
 import time
@@ -22,13 +23,16 @@ def chat(tiny, tmp_path):
 
 def session_users(path):
     from kvchat.cli.session.session import read_session
+
     return [m["content"] for m in read_session(path).messages if m["role"] == "user"]
 
 
 # ---- sessions --------------------------------------------------------------------------------------
 
+
 def test_chat_on_a_session_held_by_another_process_is_refused(chat, tmp_path):
     from kvchat.cli.session.file import SessionLock
+
     s = tmp_path / "s.kvs"
     with SessionLock(s):
         c = chat("--session", str(s), ready=False)
@@ -70,6 +74,7 @@ def test_load_under_session_moves_autosave_and_leaves_the_session_file_alone(cha
 
 def test_load_of_a_file_another_process_holds_is_refused(chat, tmp_path):
     from kvchat.cli.session.file import SessionLock
+
     s, other = tmp_path / "s.kvs", tmp_path / "other.kvs"
     c = chat("-n", "2")
     c.say("x")
@@ -154,6 +159,7 @@ def test_typed_escape_sequences_and_invalid_bytes_do_not_break_the_line_editor(c
 def test_damaged_model_in_the_chat_is_one_line_and_exit_1(tmp_path):
     import gguf
     import numpy as np
+
     path = write_tiny_model(tmp_path / "damaged.gguf")
     reader = gguf.GGUFReader(path, "r+")
     for t in reader.tensors:

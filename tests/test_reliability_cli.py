@@ -3,6 +3,7 @@ locked sessions, on a tiny random model: one line and a clear exit code each, ne
 never a lost turn. Most calls run in this process (tests/cli_inproc.py); a session held by
 another process, concurrent runs, closed or vanishing stdout and the start-up locale need real
 processes."""
+
 import json
 import os
 import subprocess
@@ -21,14 +22,24 @@ TIMEOUT = 600  # the first run compiles the kernels
 def kvchat(*args, input=None, env=None, cwd=None):
     """In this process; stdout / stderr as bytes; env=STRICT gives stdin a strict text layer."""
     strict = env is STRICT
-    return inproc.kvchat(*args, input=input, env=None if strict else env, cwd=cwd, text=False,
-                         stdin_errors="strict" if strict else "surrogateescape")
+    return inproc.kvchat(
+        *args,
+        input=input,
+        env=None if strict else env,
+        cwd=cwd,
+        text=False,
+        stdin_errors="strict" if strict else "surrogateescape",
+    )
 
 
 def kvchat_process(*args, input=None, env=None, cwd=None):
     """As a process of its own."""
-    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()",
-           *(a if isinstance(a, bytes) else os.fsencode(str(a)) for a in args)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli.app import main; main()",
+        *(a if isinstance(a, bytes) else os.fsencode(str(a)) for a in args),
+    ]
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     e.pop("KVCHAT_DEBUG", None)
     return subprocess.run(cmd, input=input, capture_output=True, timeout=TIMEOUT, cwd=cwd or ROOT, env=e)
@@ -51,6 +62,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nan_model(tmp_path_factory):
     import gguf
+
     path = write_tiny_model(tmp_path_factory.mktemp("nan") / "damaged.gguf")
     reader = gguf.GGUFReader(path, "r+")
     for t in reader.tensors:
@@ -66,8 +78,10 @@ STRICT = {"PYTHONIOENCODING": "utf-8:strict"}  # a locale whose stdin refuses ba
 
 # ---- invalid UTF-8 -----------------------------------------------------------------------------------
 
+
 def test_invalid_utf8_prompt_argument_is_replaced_and_answered(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     session = tmp_path / "s.kvs"
     r = kvchat(*RUN, "-m", tiny, "--session", session, "-p", b"caf\xe9 \xff\xfe ok")
     assert r.returncode == 0, r.stderr
@@ -77,6 +91,7 @@ def test_invalid_utf8_prompt_argument_is_replaced_and_answered(tiny, tmp_path):
 
 def test_invalid_utf8_on_stdin_is_replaced_and_answered(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     session = tmp_path / "s.kvs"
     r = kvchat(*RUN, "-m", tiny, "--session", session, input=b"ab\xc3(\x80cd")
     assert r.returncode == 0, r.stderr
@@ -86,6 +101,7 @@ def test_invalid_utf8_on_stdin_is_replaced_and_answered(tiny, tmp_path):
 def test_tokenize_replaces_each_invalid_byte_like_llama_cpp(tiny):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.text.vocab import Vocab
+
     with GGUFFile(tiny) as gf:
         vocab = Vocab.from_gguf(gf)
     expected = vocab.tokenize("x\ufffd\ufffdy", add_special=False)
@@ -99,16 +115,19 @@ def test_tokenize_replaces_each_invalid_byte_like_llama_cpp(tiny):
 
 # ---- damaged models, impossible sizes ----------------------------------------------------------------
 
+
 def test_nan_logits_are_one_line_and_exit_1(nan_model):
     r = kvchat(*RUN, "-m", nan_model, "-p", "hello")
     assert r.returncode == 1
-    assert err_lines(r) == ["error: the model produced NaN logits: its weights are damaged "
-                            "(re-download or re-convert the model file)"]
+    assert err_lines(r) == [
+        "error: the model produced NaN logits: its weights are damaged (re-download or re-convert the model file)"
+    ]
     assert r.stdout.strip() == b""
 
 
 def test_context_too_large_for_the_machine_is_refused_up_front(tiny):
     from kvchat.runtime.cparams import available_memory
+
     r = kvchat(*RUN, "-m", tiny, "-c", "1000000000", "-p", "hello")
     assert r.returncode == 1
     (line,) = err_lines(r)
@@ -129,6 +148,7 @@ def test_training_context_warning_is_printed_once_and_engine_logs_stay_hidden(ti
 
 def test_refused_memory_state_prints_only_the_real_error(tiny, tmp_path):
     from kvchat.cli.session.session import decode_session, encode_session
+
     session = tmp_path / "s.kvs"
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "hello").returncode == 0
     data = decode_session(session.read_bytes())
@@ -144,28 +164,42 @@ def test_refused_memory_state_prints_only_the_real_error(tiny, tmp_path):
 
 # ---- locked sessions ---------------------------------------------------------------------------------
 
+
 def test_run_on_a_session_another_process_holds_is_refused_naming_it(tiny, tmp_path):
     from kvchat.cli.session.file import SessionLock
+
     session = tmp_path / "s.kvs"
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
     before = session.read_bytes()
     with SessionLock(session):
         r = kvchat_process(*RUN, "-m", tiny, "--session", session, "-p", "msg")
     assert r.returncode == 1
-    assert err_lines(r) == [f"error: session file {session} is in use by process {os.getpid()}; "
-                            "wait for it to finish or use another file"]
+    assert err_lines(r) == [
+        f"error: session file {session} is in use by process {os.getpid()}; wait for it to finish or use another file"
+    ]
     assert session.read_bytes() == before
 
 
 def test_concurrent_runs_never_report_a_turn_that_is_not_in_the_file(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     session = tmp_path / "s.kvs"
     assert kvchat(*RUN, "-m", tiny, "--session", session, "-p", "Seed").returncode == 0
-    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *RUN, "-m", str(tiny),
-           "--session", str(session)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli.app import main; main()",
+        *RUN,
+        "-m",
+        str(tiny),
+        "--session",
+        str(session),
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen(cmd + ["-p", f"msg {i}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for i in range(4)]
+    procs = [
+        subprocess.Popen(cmd + ["-p", f"msg {i}"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(4)
+    ]
     codes = [p.wait(timeout=TIMEOUT) for p in procs]
     users = [m["content"] for m in read_session(session).messages if m["role"] == "user"]
     ok = [f"msg {i}" for i, c in enumerate(codes) if c == 0]
@@ -177,6 +211,7 @@ def test_concurrent_runs_never_report_a_turn_that_is_not_in_the_file(tiny, tmp_p
 
 
 # ---- kvchat session show -----------------------------------------------------------------------------
+
 
 def test_session_show_prints_model_settings_and_messages(tiny, tmp_path):
     session = tmp_path / "s.kvs"
@@ -197,8 +232,10 @@ def test_session_show_prints_model_settings_and_messages(tiny, tmp_path):
 
 # ---- -n 0, empty prompts, closed stdout, unusable cache dirs -----------------------------------------
 
+
 def test_n_predict_zero_generates_nothing(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     session = tmp_path / "s.kvs"
     r = kvchat("run", "-c", "256", "-n", "0", "-m", tiny, "--session", session, "-p", "hello")
     assert r.returncode == 0, r.stderr
@@ -224,30 +261,56 @@ def test_empty_prompt_is_refused_like_raw_mode(tiny, tmp_path, how):
 
 def test_closed_stdout_is_one_line_and_the_turn_is_saved(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     session = tmp_path / "s.kvs"
-    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *RUN, "-m", str(tiny),
-           "--session", str(session), "-p", "hello"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli.app import main; main()",
+        *RUN,
+        "-m",
+        str(tiny),
+        "--session",
+        str(session),
+        "-p",
+        "hello",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, env=env, cwd=ROOT, timeout=TIMEOUT,
-                       pass_fds=(), stdin=subprocess.DEVNULL,
-                       preexec_fn=lambda: os.close(1))
+    r = subprocess.run(
+        cmd,
+        stdout=None,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+        timeout=TIMEOUT,
+        pass_fds=(),
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.close(1),
+    )
     assert r.returncode == 1
-    assert err_lines(r) == [f"error: stdout is closed, so the answer could not be printed in full; "
-                            f"the conversation is saved in {session}"]
+    assert err_lines(r) == [
+        f"error: stdout is closed, so the answer could not be printed in full; the conversation is saved in {session}"
+    ]
     assert read_session(session).messages[0]["content"] == "hello"
 
 
 def test_reader_of_stdout_going_away_stops_the_answer_and_saves_it(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     session = tmp_path / "s.kvs"
-    cmd = (f"{sys.executable} -c 'from kvchat.cli.app import main; main()' run -c 256 -n 200 --ignore-eos "
-           f"--temp 0 -m {tiny} --session {session} -p hello | head -c 10 > /dev/null; "
-           "echo rc=${PIPESTATUS[0]} >&2")
-    r = subprocess.run(["bash", "-c", cmd], capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       cwd=ROOT, timeout=TIMEOUT)
+    cmd = (
+        f"{sys.executable} -c 'from kvchat.cli.app import main; main()' run -c 256 -n 200 --ignore-eos "
+        f"--temp 0 -m {tiny} --session {session} -p hello | head -c 10 > /dev/null; "
+        "echo rc=${PIPESTATUS[0]} >&2"
+    )
+    r = subprocess.run(
+        ["bash", "-c", cmd], capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, timeout=TIMEOUT
+    )
     lines = err_lines(r)
-    assert lines == [f"error: stdout is closed, so the answer could not be printed in full; "
-                     f"the conversation is saved in {session}", "rc=1"]
+    assert lines == [
+        f"error: stdout is closed, so the answer could not be printed in full; the conversation is saved in {session}",
+        "rc=1",
+    ]
     data = read_session(session)
     assert data.messages[0]["content"] == "hello" and data.messages[1]["role"] == "assistant"
     assert len(data.tokens) - data.n_dropped < 256  # stopped when the reader left, not at -n 200
@@ -265,12 +328,11 @@ def test_unusable_cache_directory_is_one_line(tiny, tmp_path, env):
     assert r.returncode == 0, r.stderr
 
 
-
-
 def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path):
     """The first call is a real process started with the strict locale; the others emulate it
     in this process (a strict text layer over stdin, which is what the setting changes)."""
     from kvchat.cli.session.session import read_session
+
     s1, s2, s3 = tmp_path / "1.kvs", tmp_path / "2.kvs", tmp_path / "3.kvs"
     r = kvchat_process(*RUN, "-m", tiny, "--session", s1, input=b"ab\xffcd", env=STRICT)
     assert r.returncode == 0, r.stderr
@@ -280,18 +342,21 @@ def test_invalid_utf8_in_strict_locale_stdin_file_and_piped_chat(tiny, tmp_path)
     r = kvchat(*RUN, "-m", tiny, "--session", s2, "-f", prompt)
     assert r.returncode == 0, r.stderr
     assert read_session(s2).messages[0]["content"] == "from \ufffd file"
-    r = kvchat("chat", "-c", "256", "-n", "2", "-m", tiny, "--session", s3,
-               input=b"piped \xfe line\n/exit\n", env=STRICT)
+    r = kvchat(
+        "chat", "-c", "256", "-n", "2", "-m", tiny, "--session", s3, input=b"piped \xfe line\n/exit\n", env=STRICT
+    )
     assert r.returncode == 0, r.stderr
     assert_no_traceback(r)
     assert read_session(s3).messages[0]["content"] == "piped \ufffd line"
     r = kvchat("tokenize", "-m", tiny, "--no-bos", "-", input=b"x\xffy", env=STRICT)
     assert r.returncode == 0 and json.loads(r.stdout) == json.loads(
-        kvchat("tokenize", "-m", tiny, "--no-bos", "x\ufffdy").stdout)
+        kvchat("tokenize", "-m", tiny, "--no-bos", "x\ufffdy").stdout
+    )
 
 
 def test_session_on_a_text_file_is_refused_unless_forced(tiny, tmp_path):
     from kvchat.cli.session.session import read_session
+
     notes = tmp_path / "notes.txt"
     notes.write_text("precious")
     r = kvchat(*RUN, "-m", tiny, "--session", notes, "-p", "hello")

@@ -1,6 +1,7 @@
 """A conversation on a tiny real model pushed past its context and then edited: /undo, /system and
 /regen after context shifts re-fit instead of failing every later turn; -n 0, empty prompts,
 --keep past the context and bytes that are not UTF-8 each do the one sensible thing."""
+
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ def engine(tiny_model):
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.model import Model
     from kvchat.runtime.text.chat_template import ChatTemplate
+
     model = Model.load(tiny_model())
     ctx = Context(model, ContextParams(n_ctx=256))
     return model, ctx, ChatTemplate.from_gguf(model.gguf, model.vocab)
@@ -26,9 +28,14 @@ def make(engine, **cfg):
     model, ctx, template = engine
     ctx.memory.clear(True)
     events = []
-    conv = Conversation(ctx, model.vocab, template, Sampler(SamplingParams(temp=0.0, seed=1)),
-                        ConversationConfig(**{"n_predict": 40, "ignore_eos": True, **cfg}),
-                        notify=events.append)
+    conv = Conversation(
+        ctx,
+        model.vocab,
+        template,
+        Sampler(SamplingParams(temp=0.0, seed=1)),
+        ConversationConfig(**{"n_predict": 40, "ignore_eos": True, **cfg}),
+        notify=events.append,
+    )
     return conv, events
 
 
@@ -54,6 +61,7 @@ def same_next_logits_as_fresh_decode(conv, engine):
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.generate import decode_tokens
+
     model, _, _ = engine
     fresh = Context(model, ContextParams(n_ctx=256))
     ref = decode_tokens(fresh, conv.cached_tokens(), 0, 0)
@@ -81,8 +89,10 @@ def test_system_change_after_a_context_shift_refits_the_conversation(engine):
     assert any(isinstance(e, ContextShifted) for e in events)
     assert_cache_mirrors_tokens(conv)
     # the kept start is the new system prompt, the last message is whole in the cache
-    assert conv.cached_tokens()[:conv.n_keep_shift] == conv.render(conv.messages[:1] + [
-        {"role": "user", "content": "A"}])[:conv.n_keep_shift]
+    assert (
+        conv.cached_tokens()[: conv.n_keep_shift]
+        == conv.render(conv.messages[:1] + [{"role": "user", "content": "A"}])[: conv.n_keep_shift]
+    )
     conv.ask("once more " + LONG)
     assert_cache_mirrors_tokens(conv)
 
@@ -129,6 +139,7 @@ def test_keep_past_the_context_says_why_the_answer_stopped(engine):
     full = [e for e in events if isinstance(e, ContextFull)]
     assert full and full[-1].cause == FullCause.KEEP_ALL
     from kvchat.cli.wording import event_text
+
     assert "--keep covers all of it" in event_text(full[-1])
     assert_cache_mirrors_tokens(conv)
 

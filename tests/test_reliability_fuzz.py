@@ -1,5 +1,6 @@
 """Random bytes (valid and invalid UTF-8, control characters) through the tokenizers, `kvchat run`,
 `kvchat tokenize` and the session reader: a result or one error line, never a traceback."""
+
 import json
 import os
 import subprocess
@@ -16,9 +17,25 @@ from tests.gguf_factory import write_tiny_model
 TEXT_BYTES = st.one_of(
     st.binary(min_size=0, max_size=64),
     st.text(max_size=32).map(lambda s: s.encode("utf-8", "surrogatepass")),
-    st.lists(st.sampled_from([b"\x00", b"\x1b[0m", b"\xff", b"\xc3", b"\xe2\x82", b"\r", b"\n", b"\t",
-                              b"<|im_start|>", b"\xf0\x9f\xa6\x99", "é".encode(), b" "]),
-             max_size=12).map(b"".join),
+    st.lists(
+        st.sampled_from(
+            [
+                b"\x00",
+                b"\x1b[0m",
+                b"\xff",
+                b"\xc3",
+                b"\xe2\x82",
+                b"\r",
+                b"\n",
+                b"\t",
+                b"<|im_start|>",
+                b"\xf0\x9f\xa6\x99",
+                "é".encode(),
+                b" ",
+            ]
+        ),
+        max_size=12,
+    ).map(b"".join),
 )
 
 
@@ -32,6 +49,7 @@ def models(tmp_path_factory):
 def vocabs(models):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.text.vocab import Vocab
+
     out = {}
     for arch, path in models.items():
         with GGUFFile(path) as gf:
@@ -87,20 +105,26 @@ def test_tokenize_command_prints_ids_for_any_bytes(models, vocabs, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=4),
-       cut=st.integers(0, 10_000) | st.none())
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=4),
+    cut=st.integers(0, 10_000) | st.none(),
+)
 def test_damaged_session_files_are_refused_with_session_error_only(flips, cut):
     from kvchat.cli.session.session import SessionData, decode_session, encode_session
-    data = SessionData(model={"file": "m", "size": 1, "header_sha256": "0" * 64},
-                       cache={"n_ctx": 256, "type_k": "f16", "type_v": "f16", "flash_attn": True,
-                              "swa_full": False},
-                       messages=[{"role": "user", "content": "hé"}], sampling={"temp": 0.1},
-                       tokens=[1, 2], state=bytes(range(200)))
+
+    data = SessionData(
+        model={"file": "m", "size": 1, "header_sha256": "0" * 64},
+        cache={"n_ctx": 256, "type_k": "f16", "type_v": "f16", "flash_attn": True, "swa_full": False},
+        messages=[{"role": "user", "content": "hé"}],
+        sampling={"temp": 0.1},
+        tokens=[1, 2],
+        state=bytes(range(200)),
+    )
     blob = bytearray(encode_session(data))
     for where, x in flips:
         blob[where % len(blob)] ^= x
     if cut is not None:
-        blob = blob[:cut % (len(blob) + 1)]
+        blob = blob[: cut % (len(blob) + 1)]
     try:
         decode_session(bytes(blob))
     except SessionError as e:

@@ -1,31 +1,41 @@
 """Limits checked before they hurt: KV bytes against free memory, logits no sampler can use, text
 that is not UTF-8, an answer cut inside a character."""
+
 import dataclasses
 
 import numpy as np
 import pytest
+from memory_stubs import make_hparams
 
-from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import create_memory
 from kvchat.runtime.cparams import ContextParams, check_kv_fits, kv_cache_bytes, resolve_cparams
 from kvchat.runtime.errors import CParamsError, ModelOutputError
-from kvchat.runtime.arch import create_memory
 from kvchat.runtime.sampling import Sampler, SamplingParams, check_logits
 from kvchat.runtime.text.utf8 import clean_text, decode_bytes
-
-from memory_stubs import make_hparams
 
 
 def resolve(hp, **kw):
     return resolve_cparams(ContextParams(**kw), hp)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(n_ctx=512), dict(n_ctx=1024, type_k="q8_0", type_v="q4_0"), dict(n_ctx=768, flash_attn="off"),
-    dict(n_ctx=1024, n_seq_max=4, kv_unified=False), dict(n_ctx=512, n_seq_max=3)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_ctx=512),
+        dict(n_ctx=1024, type_k="q8_0", type_v="q4_0"),
+        dict(n_ctx=768, flash_attn="off"),
+        dict(n_ctx=1024, n_seq_max=4, kv_unified=False),
+        dict(n_ctx=512, n_seq_max=3),
+    ],
+)
 @pytest.mark.parametrize("swa", [False, True])
 def test_kv_estimate_equals_what_the_memory_allocates(kw, swa):
-    hp = make_hparams(n_layer=4, n_swa=64 if swa else 0,
-                      swa_layers=[True, True, False, True] if swa else None, arch="gemma3" if swa else "llama")
+    hp = make_hparams(
+        n_layer=4,
+        n_swa=64 if swa else 0,
+        swa_layers=[True, True, False, True] if swa else None,
+        arch="gemma3" if swa else "llama",
+    )
     cp = resolve(hp, **kw)
     mem = create_memory(hp, cp)
     total, per_token = kv_cache_bytes(cp, hp)
@@ -43,6 +53,7 @@ def test_context_larger_than_free_memory_is_refused_with_the_largest_that_fits(m
     assert "has 1.0 GiB of memory available; the largest -c that fits is 2097152" in msg
     assert "-ctk q8_0" in msg and "\n" not in msg
     import kvchat.runtime.cparams as cparams
+
     monkeypatch.setattr(cparams, "available_memory", lambda: 100 << 20)
     with pytest.raises(CParamsError, match="largest -c that fits is 204800"):
         resolve(hp, n_ctx=1 << 20)
@@ -58,9 +69,11 @@ def test_nan_inf_and_all_masked_logits_are_one_line_errors():
     masked[3] = -np.inf  # --ignore-eos masks tokens: fine
     check_logits(masked)
     s = Sampler(SamplingParams(temp=0.0))
-    for bad, what in ((np.array([0, np.nan], np.float32), "NaN logits: its weights are damaged"),
-                      (np.array([0, np.inf], np.float32), "infinite logits"),
-                      (np.full(4, -np.inf, np.float32), "all logits are -inf")):
+    for bad, what in (
+        (np.array([0, np.nan], np.float32), "NaN logits: its weights are damaged"),
+        (np.array([0, np.inf], np.float32), "infinite logits"),
+        (np.full(4, -np.inf, np.float32), "all logits are -inf"),
+    ):
         with pytest.raises(ModelOutputError, match=what):
             s.sample(bad)
 
@@ -79,6 +92,7 @@ def test_tokenizer_accepts_surrogates_for_both_vocab_kinds(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.text.vocab import Vocab
     from tests.gguf_factory import write_tiny_model
+
     for arch in ("llama", "gemma3"):
         path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch)
         with GGUFFile(path) as gf:
@@ -91,6 +105,7 @@ def test_answer_cut_inside_a_character_ends_without_replacement_character(tmp_pa
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.text.vocab import StreamDecoder, Vocab
     from tests.gguf_factory import write_tiny_model
+
     path = write_tiny_model(tmp_path / "m.gguf")
     with GGUFFile(path) as gf:
         vocab = Vocab.from_gguf(gf)
@@ -106,6 +121,7 @@ def test_answer_cut_inside_a_character_ends_without_replacement_character(tmp_pa
 
 def test_history_file_keeps_only_the_newest_entries(tmp_path):
     from kvchat.cli.chat.history import BoundedFileHistory, open_history
+
     path = tmp_path / "history"
     h = BoundedFileHistory(path, max_entries=5)
     for i in range(12):

@@ -1,5 +1,6 @@
 """Session files under hostile input and mistakes: nothing read whole that should not be, nothing
 overwritten that is not ours, links and modes kept, two processes never sharing one file."""
+
 import hashlib
 import json
 import os
@@ -11,12 +12,20 @@ import time
 
 import pytest
 
-from kvchat.cli.session.session import (FORMAT_VERSION, MAGIC, SessionData, check_compatible, decode_session,
-                         encode_session, load_session, read_session, save_session)
 from kvchat.cli.session.file import SessionLock, check_save_target
 from kvchat.cli.session.schema import json_depth
+from kvchat.cli.session.session import (
+    FORMAT_VERSION,
+    MAGIC,
+    SessionData,
+    check_compatible,
+    decode_session,
+    encode_session,
+    read_session,
+    save_session,
+)
 from kvchat.runtime.errors import SessionError
-from kvchat.runtime.memory.state import TMP_TAG, atomic_write, remove_stale_temps
+from kvchat.runtime.memory.state import TMP_TAG, remove_stale_temps
 from tests.conftest import ROOT
 
 MODEL = {"file": "m.gguf", "size": 1234, "header_sha256": "ab" * 32}
@@ -24,10 +33,16 @@ CACHE = {"n_ctx": 256, "type_k": "f16", "type_v": "f16", "flash_attn": True, "sw
 
 
 def sample(**kw):
-    d = dict(model=dict(MODEL), cache=dict(CACHE),
-             messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-             sampling={"temp": 0.5, "top_k": 40, "top_p": 0.9, "seed": 7}, tokens=[1, 2, 3],
-             n_dropped=0, n_keep=0, state=b"\x01\x02\x03")
+    d = dict(
+        model=dict(MODEL),
+        cache=dict(CACHE),
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        sampling={"temp": 0.5, "top_k": 40, "top_p": 0.9, "seed": 7},
+        tokens=[1, 2, 3],
+        n_dropped=0,
+        n_keep=0,
+        state=b"\x01\x02\x03",
+    )
     d.update(kw)
     return SessionData(**d)
 
@@ -42,10 +57,11 @@ def with_header(header: dict | bytes, state: bytes = b"") -> bytes:
 def header_of(data: SessionData) -> dict:
     blob = encode_session(data)
     hlen = struct.unpack_from("<I", blob, 12)[0]
-    return json.loads(blob[16:16 + hlen])
+    return json.loads(blob[16 : 16 + hlen])
 
 
 # ---- reading: FIFOs, devices, sparse files --------------------------------------------------------
+
 
 def test_fifo_session_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "s.kvs"
@@ -80,7 +96,7 @@ def test_lengths_are_bounded_by_the_file_size(tmp_path):
     hlen = struct.unpack_from("<I", good, 12)[0]
     # a state length field of 2^64-1 (the old message printed an unsigned wrap)
     bad = bytearray(good)
-    bad[16 + hlen:24 + hlen] = struct.pack("<Q", 2**64 - 1)
+    bad[16 + hlen : 24 + hlen] = struct.pack("<Q", 2**64 - 1)
     p = tmp_path / "s.kvs"
     p.write_bytes(bytes(bad))
     with pytest.raises(SessionError) as e:
@@ -122,25 +138,29 @@ def test_read_matches_decode_for_every_truncation(tmp_path):
 
 # ---- header schema ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("edit,what", [
-    (lambda h: h["sampling"].update(temp="abc"), "sampling.temp"),
-    (lambda h: h["sampling"].update(top_k=None), "sampling.top_k"),
-    (lambda h: h["sampling"].update(top_k=-5), "sampling.top_k"),
-    (lambda h: h["sampling"].update(top_p=5), "sampling.top_p"),
-    (lambda h: h["sampling"].update(repeat_penalty=0), "sampling.repeat_penalty"),
-    (lambda h: h["sampling"].update(seed=-1), "sampling.seed"),
-    (lambda h: h["sampling"].update(temp=True), "sampling.temp"),
-    (lambda h: h["cache"].update(n_ctx="256"), "cache.n_ctx"),
-    (lambda h: h["cache"].update(flash_attn=1), "cache.flash_attn"),
-    (lambda h: h["model"].update(size=-1), "model.size"),
-    (lambda h: h["model"].update(header_sha256="xyz"), "model.header_sha256"),
-    (lambda h: h["messages"].append({"role": "wizard", "content": "x"}), "role 'wizard'"),
-    (lambda h: h["messages"].append({"role": "user", "content": 5}), "lacks role or content"),
-    (lambda h: h.update(n_keep="0"), "n_keep"),
-    (lambda h: h.update(tokens=[1, True]), "token ids"),
-    (lambda h: h.update(tokens=[1, 2**40]), "token ids"),
-    (lambda h: h.update(extra=[1]), "extra"),
-])
+
+@pytest.mark.parametrize(
+    "edit,what",
+    [
+        (lambda h: h["sampling"].update(temp="abc"), "sampling.temp"),
+        (lambda h: h["sampling"].update(top_k=None), "sampling.top_k"),
+        (lambda h: h["sampling"].update(top_k=-5), "sampling.top_k"),
+        (lambda h: h["sampling"].update(top_p=5), "sampling.top_p"),
+        (lambda h: h["sampling"].update(repeat_penalty=0), "sampling.repeat_penalty"),
+        (lambda h: h["sampling"].update(seed=-1), "sampling.seed"),
+        (lambda h: h["sampling"].update(temp=True), "sampling.temp"),
+        (lambda h: h["cache"].update(n_ctx="256"), "cache.n_ctx"),
+        (lambda h: h["cache"].update(flash_attn=1), "cache.flash_attn"),
+        (lambda h: h["model"].update(size=-1), "model.size"),
+        (lambda h: h["model"].update(header_sha256="xyz"), "model.header_sha256"),
+        (lambda h: h["messages"].append({"role": "wizard", "content": "x"}), "role 'wizard'"),
+        (lambda h: h["messages"].append({"role": "user", "content": 5}), "lacks role or content"),
+        (lambda h: h.update(n_keep="0"), "n_keep"),
+        (lambda h: h.update(tokens=[1, True]), "token ids"),
+        (lambda h: h.update(tokens=[1, 2**40]), "token ids"),
+        (lambda h: h.update(extra=[1]), "extra"),
+    ],
+)
 def test_edited_header_with_recomputed_digest_is_refused(edit, what):
     h = header_of(sample())
     edit(h)
@@ -158,6 +178,7 @@ def test_deeply_nested_json_is_refused_without_recursion_error():
 
 def test_oversized_header_is_refused(monkeypatch):
     import kvchat.cli.session.schema as schema
+
     monkeypatch.setattr(schema, "MAX_HEADER_BYTES", 100)
     with pytest.raises(SessionError, match="larger than any session"):
         decode_session(encode_session(sample(messages=[{"role": "user", "content": "x" * 200}])))
@@ -172,6 +193,7 @@ def test_invalid_utf8_in_messages_is_saved_as_replacement_characters(tmp_path):
 
 # ---- model identity ----------------------------------------------------------------------------------
 
+
 def test_renamed_model_file_still_matches_its_sessions():
     data = sample()
     renamed = dict(MODEL, file="renamed-copy.gguf")
@@ -181,6 +203,7 @@ def test_renamed_model_file_still_matches_its_sessions():
 
 
 # ---- writing: links, modes, temp files, what may be replaced ----------------------------------------
+
 
 def test_save_through_a_symlink_updates_the_target_and_keeps_the_link(tmp_path):
     real_dir = tmp_path / "real"
@@ -212,8 +235,9 @@ def test_save_keeps_the_file_mode(tmp_path):
 
 def test_stale_temp_files_of_a_killed_save_are_removed(tmp_path):
     p = tmp_path / "s.kvs"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     stale = tmp_path / f".s.kvs{TMP_TAG}{dead}-abcd1234"
     stale.write_bytes(b"KVCHATSS" + b"\0" * 100)
     live = tmp_path / f".s.kvs{TMP_TAG}{os.getpid()}-live0000"  # a save in progress: kept
@@ -279,8 +303,9 @@ time.sleep(60)
 
 def test_second_process_on_a_session_is_refused_with_the_holders_pid(tmp_path):
     p = tmp_path / "s.kvs"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(root=str(ROOT), path=str(p))],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(root=str(ROOT), path=str(p))], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(SessionError) as e:

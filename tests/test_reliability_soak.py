@@ -4,6 +4,7 @@ enough to shift the context, some with bytes that are not UTF-8), /regen, /undo,
 a saved session must resume to the logits a fresh decode of its tokens gives. Random bytes typed
 into the chat (hypothesis) must never bring a traceback.
 """
+
 import os
 import random
 import re
@@ -45,6 +46,7 @@ def check_mirror(chat):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from tests.gguf_factory import write_tiny_model
+
     return write_tiny_model(tmp_path_factory.mktemp("soak") / "tiny.gguf")
 
 
@@ -55,8 +57,9 @@ def test_soak_200_random_operations(tiny, tmp_path):
     counts = {}
     try:
         for i in range(200):
-            op = rng.choices(["msg", "regen", "undo", "system", "save", "load", "ctrl-c"],
-                             weights=[40, 10, 10, 6, 6, 6, 12])[0]
+            op = rng.choices(
+                ["msg", "regen", "undo", "system", "save", "load", "ctrl-c"], weights=[40, 10, 10, 6, 6, 6, 12]
+            )[0]
             counts[op] = counts.get(op, 0) + 1
             if op == "msg":
                 send_bytes(c, random_message(rng) + b"\r")
@@ -100,8 +103,8 @@ def assert_session_resumes_to_fresh_logits(model_path, session):
     """Restore the session into a fresh context, decode one more token: its logits must equal
     those of decoding the session's cached tokens (plus that token) from nothing."""
     from kvchat.cli.session.session import cache_config, load_conversation, model_identity, read_session
-    from kvchat.runtime.context import Context
     from kvchat.runtime.chat.conversation import Conversation
+    from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.generate import decode_tokens
     from kvchat.runtime.model import Model
@@ -131,8 +134,13 @@ def assert_session_resumes_to_fresh_logits(model_path, session):
 # ---- random bytes typed into the chat ----------------------------------------------------------------
 
 SAFE_CONTROL = [b"\t", b"\x1b[0m", b"\x1b[31m", b"\x1b[<0;1;1M", b"\x1b[A", b"\x1b[D"]
-TYPED = st.lists(st.one_of(st.binary(min_size=1, max_size=6), st.sampled_from(SAFE_CONTROL),
-                           st.sampled_from([w.encode() for w in WORDS])), min_size=1, max_size=10)
+TYPED = st.lists(
+    st.one_of(
+        st.binary(min_size=1, max_size=6), st.sampled_from(SAFE_CONTROL), st.sampled_from([w.encode() for w in WORDS])
+    ),
+    min_size=1,
+    max_size=10,
+)
 
 
 def _typeable(parts) -> bytes:
@@ -143,7 +151,7 @@ def _typeable(parts) -> bytes:
         if p in SAFE_CONTROL:
             out.append(p)
             continue
-        out.append(bytes(b for b in p if b >= 0x20 and b != 0x7f))
+        out.append(bytes(b for b in p if b >= 0x20 and b != 0x7F))
     return b"".join(out)
 
 

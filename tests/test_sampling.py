@@ -1,11 +1,20 @@
 """The sampler chain against distributions computed by hand."""
+
 import math
 
 import numpy as np
 import pytest
 
-from kvchat.runtime.sampling import (Sampler, SamplingParams, apply_repetition_penalty, min_p,
-                              softmax, temperature, top_k, top_p)
+from kvchat.runtime.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    min_p,
+    softmax,
+    temperature,
+    top_k,
+    top_p,
+)
 
 
 def params(**kw):
@@ -22,8 +31,15 @@ def probs_of(logits):
 
 def test_defaults_are_llama_cpp():
     p = SamplingParams()
-    assert (p.temp, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed) == \
-        (0.8, 40, 0.95, 0.05, 1.0, 64, None)
+    assert (p.temp, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.repeat_last_n, p.seed) == (
+        0.8,
+        40,
+        0.95,
+        0.05,
+        1.0,
+        64,
+        None,
+    )
 
 
 def test_no_filter_gives_plain_softmax():
@@ -69,18 +85,18 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     # probabilities 0.5, 0.25, 0.125, 0.125 exactly (log-space)
     lg = np.log(np.array([0.5, 0.25, 0.125, 0.125]))
     ids = np.arange(4, dtype=np.int64)
-    assert top_p(ids, lg, 0.5)[0].tolist() == [0]          # 0.5 reaches 0.5
-    assert top_p(ids, lg, 0.6)[0].tolist() == [0, 1]       # 0.75 needed
-    assert top_p(ids, lg, 0.8)[0].tolist() == [0, 1, 2]    # 0.875
-    assert top_p(ids, lg, 0.0)[0].tolist() == [0]          # min_keep
+    assert top_p(ids, lg, 0.5)[0].tolist() == [0]  # 0.5 reaches 0.5
+    assert top_p(ids, lg, 0.6)[0].tolist() == [0, 1]  # 0.75 needed
+    assert top_p(ids, lg, 0.8)[0].tolist() == [0, 1, 2]  # 0.875
+    assert top_p(ids, lg, 0.0)[0].tolist() == [0]  # min_keep
     assert top_p(ids, lg, 1.0)[0].tolist() == [0, 1, 2, 3]  # off
 
 
 def test_min_p_threshold_relative_to_best():
     lg = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
     ids = np.arange(4, dtype=np.int64)
-    assert min_p(ids, lg, 0.5)[0].tolist() == [0, 1, 2]   # >= 0.2
-    assert min_p(ids, lg, 0.76)[0].tolist() == [0]        # >= 0.304
+    assert min_p(ids, lg, 0.5)[0].tolist() == [0, 1, 2]  # >= 0.2
+    assert min_p(ids, lg, 0.76)[0].tolist() == [0]  # >= 0.304
     assert min_p(ids, lg, 0.0)[0].tolist() == [0, 1, 2, 3]
 
 
@@ -139,8 +155,9 @@ def test_random_seed_is_recorded():
     assert [t.sample(logits) for _ in range(20)] == first
 
 
-@pytest.mark.parametrize("bad", [dict(repeat_penalty=0.0), dict(min_p=1.5), dict(repeat_last_n=-2),
-                                 dict(top_p=-0.1), dict(seed=-1)])
+@pytest.mark.parametrize(
+    "bad", [dict(repeat_penalty=0.0), dict(min_p=1.5), dict(repeat_last_n=-2), dict(top_p=-0.1), dict(seed=-1)]
+)
 def test_invalid_params_rejected(bad):
     with pytest.raises(ValueError):
         Sampler(SamplingParams(**bad))

@@ -1,13 +1,24 @@
 """Session files: byte-exact round trip, atomic writes, and every refusal before anything changes."""
+
 import hashlib
 import os
 import struct
 
 import pytest
 
-from kvchat.cli.session.session import (FORMAT_VERSION, MAGIC, SessionData, atomic_write, check_compatible,
-                         decode_session, encode_session, load_session, model_identity,
-                         read_session, save_session)
+from kvchat.cli.session.session import (
+    FORMAT_VERSION,
+    MAGIC,
+    SessionData,
+    atomic_write,
+    check_compatible,
+    decode_session,
+    encode_session,
+    load_session,
+    model_identity,
+    read_session,
+    save_session,
+)
 from kvchat.runtime.errors import SessionError
 
 MODEL = {"file": "m.gguf", "size": 1234, "header_sha256": "ab" * 32}
@@ -15,11 +26,21 @@ CACHE = {"n_ctx": 256, "type_k": "f16", "type_v": "f16", "flash_attn": True, "sw
 
 
 def sample_data(**kw):
-    d = dict(model=dict(MODEL), cache=dict(CACHE),
-             messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "héllo ✓"},
-                       {"role": "assistant", "content": "hi"}],
-             sampling={"temp": 0.0, "top_k": 40, "seed": 7}, tokens=[1, 2, 3, 4, 5, 6],
-             n_dropped=2, n_keep=1, state=bytes(range(256)) * 3, extra={"note": 1})
+    d = dict(
+        model=dict(MODEL),
+        cache=dict(CACHE),
+        messages=[
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "héllo ✓"},
+            {"role": "assistant", "content": "hi"},
+        ],
+        sampling={"temp": 0.0, "top_k": 40, "seed": 7},
+        tokens=[1, 2, 3, 4, 5, 6],
+        n_dropped=2,
+        n_keep=1,
+        state=bytes(range(256)) * 3,
+        extra={"note": 1},
+    )
     d.update(kw)
     return SessionData(**d)
 
@@ -76,9 +97,16 @@ def test_header_with_valid_checksum_but_bad_fields_is_refused():
         decode_session(encode_session(data))
 
 
-@pytest.mark.parametrize("field,value,flag", [
-    ("n_ctx", 512, "-c"), ("type_k", "q8_0", "-ctk"), ("type_v", "q4_0", "-ctv"),
-    ("flash_attn", False, "-fa"), ("swa_full", True, "--swa-full")])
+@pytest.mark.parametrize(
+    "field,value,flag",
+    [
+        ("n_ctx", 512, "-c"),
+        ("type_k", "q8_0", "-ctk"),
+        ("type_v", "q4_0", "-ctv"),
+        ("flash_attn", False, "-fa"),
+        ("swa_full", True, "--swa-full"),
+    ],
+)
 def test_cache_config_mismatch(field, value, flag):
     data = sample_data()
     other = dict(CACHE, **{field: value})
@@ -134,8 +162,7 @@ def test_model_identity_hashes_header_region(tmp_path):
     p = tmp_path / "m.gguf"
     p.write_bytes(b"H" * 100 + b"D" * 1000)
     ident = model_identity(p, data_offset=100)
-    assert ident == {"file": "m.gguf", "size": 1100,
-                     "header_sha256": hashlib.sha256(b"H" * 100).hexdigest()}
+    assert ident == {"file": "m.gguf", "size": 1100, "header_sha256": hashlib.sha256(b"H" * 100).hexdigest()}
     p.write_bytes(b"H" * 100 + b"E" * 1000)  # tensor data change: same header identity
     assert model_identity(p, data_offset=100)["header_sha256"] == ident["header_sha256"]
     p.write_bytes(b"h" + b"H" * 99 + b"D" * 1000)
@@ -145,6 +172,7 @@ def test_model_identity_hashes_header_region(tmp_path):
 @pytest.mark.real_model
 def test_model_identity_of_smollm2(smollm2_path):
     from kvchat.runtime.gguf.file import GGUFFile
+
     gf = GGUFFile(smollm2_path)
     ident = model_identity(smollm2_path, gf.data_offset)
     with open(smollm2_path, "rb") as f:

@@ -1,6 +1,7 @@
 """The user's view, as subprocesses: `kvchat run -hf` against the local fake hub downloads once with
 a byte progress bar and then runs without any request; split and Ollama models answer exactly as
 the single file they hold; `list`, `rm`, `pull`; every error is one line."""
+
 import os
 import subprocess
 import sys
@@ -27,8 +28,12 @@ def world(tmp_path_factory):
     fake.add_repo("acme/tiny-GGUF", {"tiny-Q8_0.gguf": q8, "tiny-F32.gguf": f32, "README.md": b"# tiny\n"})
     fake.add_repo("acme/split-GGUF", {p.name: p for p in parts})
     write_ollama_model(d / "ollama", "tiny", q8)
-    env = {"HF_ENDPOINT": fake.url, "HF_HOME": str(d / "hf"), "KVCHAT_CACHE": str(d / "kv"),
-           "OLLAMA_MODELS": str(d / "ollama")}
+    env = {
+        "HF_ENDPOINT": fake.url,
+        "HF_HOME": str(d / "hf"),
+        "KVCHAT_CACHE": str(d / "kv"),
+        "OLLAMA_MODELS": str(d / "ollama"),
+    }
     yield d, fake, env, q8
     fake.stop()
 
@@ -45,8 +50,14 @@ def local_answer(world):
 def kvchat(*args, env):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA_"))}
     e.update(PYTHONPATH=str(ROOT), COLUMNS="100", **env)
-    return subprocess.run([sys.executable, "-c", "from kvchat.cli.app import main; main()", *map(str, args)],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=e)
+    return subprocess.run(
+        [sys.executable, "-c", "from kvchat.cli.app import main; main()", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+        env=e,
+    )
 
 
 def _model_requests(fake):
@@ -61,7 +72,10 @@ def test_run_hf_downloads_once_then_runs_without_any_request(world, local_answer
     assert "downloading Q8_0" in first.stderr and "105.8/105.8 kB" in first.stderr
     assert "✓ acme/tiny-GGUF:Q8_0 downloaded" in first.stderr
     assert [(m, p.rsplit("/", 1)[-1]) for m, p, _ in _model_requests(fake)] == [
-        ("GET", "main"), ("HEAD", "tiny-Q8_0.gguf"), ("GET", "tiny-Q8_0.gguf")]
+        ("GET", "main"),
+        ("HEAD", "tiny-Q8_0.gguf"),
+        ("GET", "tiny-Q8_0.gguf"),
+    ]
     fake.requests.clear()
     second = kvchat("run", "-hf", "acme/tiny-GGUF:Q8_0", *RUN, env=env)
     assert second.returncode == 0, second.stderr
@@ -92,18 +106,25 @@ def test_ollama_model_runs_in_place_and_info_says_what_is_ignored(world, local_a
     assert "sha256-" in info.stdout and "note: Ollama model tiny:latest: its GGUF blob is used in place" in info.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (("-hf", "acme/nope"), "error: no model repo 'acme/nope' on http://127.0.0.1:"),
-    (("-hf", "acme/tiny-GGUF:Q5_K"), "error: no GGUF in acme/tiny-GGUF matches :Q5_K; available: F32, Q8_0"),
-    (("-hf", "acme/tiny-GGUF:tiny"), "error: :tiny matches 2 files in acme/tiny-GGUF: tiny-F32.gguf, tiny-Q8_0.gguf"),
-    (("-hf", "acme"), "error: 'acme' is not a hub model; write owner/repo[:QUANT]"),
-    (("-m", "smollm2", "-hf", "acme/tiny-GGUF"), "error: give -m smollm2 or -hf acme/tiny-GGUF, not both"),
-    (("-m", "ollama:llama3.2:1b"), "error: no Ollama model llama3.2:1b in"),
-    (("-hf", "acme/other-GGUF", "DEAD"), "error: cannot reach http://127.0.0.1:"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("-hf", "acme/nope"), "error: no model repo 'acme/nope' on http://127.0.0.1:"),
+        (("-hf", "acme/tiny-GGUF:Q5_K"), "error: no GGUF in acme/tiny-GGUF matches :Q5_K; available: F32, Q8_0"),
+        (
+            ("-hf", "acme/tiny-GGUF:tiny"),
+            "error: :tiny matches 2 files in acme/tiny-GGUF: tiny-F32.gguf, tiny-Q8_0.gguf",
+        ),
+        (("-hf", "acme"), "error: 'acme' is not a hub model; write owner/repo[:QUANT]"),
+        (("-m", "smollm2", "-hf", "acme/tiny-GGUF"), "error: give -m smollm2 or -hf acme/tiny-GGUF, not both"),
+        (("-m", "ollama:llama3.2:1b"), "error: no Ollama model llama3.2:1b in"),
+        (("-hf", "acme/other-GGUF", "DEAD"), "error: cannot reach http://127.0.0.1:"),
+    ],
+)
 def test_every_source_error_is_one_line(world, args, message, monkeypatch, capsys):
     """In-process (main() as the console script runs it): the error comes before any model loads."""
     from kvchat.cli.app import main
+
     d, fake, env, q8 = world
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -145,6 +166,7 @@ def test_list_pull_and_rm(world):
 def test_every_command_taking_m_takes_hf(world, monkeypatch, capsys):
     """Every command with -m has -hf, and -hf resolves like -m hf:…"""
     from kvchat.cli.app import main
+
     d, fake, env, q8 = world
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -152,8 +174,7 @@ def test_every_command_taking_m_takes_hf(world, monkeypatch, capsys):
     via_hf = capsys.readouterr().out
     main(["tokenize", "-m", "hf:acme/tiny-GGUF:F32", "hello"])
     assert capsys.readouterr().out == via_hf and via_hf.startswith("[")
-    for command in ("chat", "run", "info", "tokenize", "perplexity", "bench", "bench-batched", "kv-sweep",
-                    "logprobs"):
+    for command in ("chat", "run", "info", "tokenize", "perplexity", "bench", "bench-batched", "kv-sweep", "logprobs"):
         try:
             main([command, "--help"])
         except SystemExit as e:

@@ -46,13 +46,26 @@ def _quiet():
 
 # ---- which file ------------------------------------------------------------------------------
 
-LISTING = ["README.md", "M-Q4_K_M.gguf", "M-Q4_K_S.gguf", "M-Q8_0.gguf", "M-f16.gguf",
-           "mmproj-M-f16.gguf", "M-imatrix.gguf"]
+LISTING = [
+    "README.md",
+    "M-Q4_K_M.gguf",
+    "M-Q4_K_S.gguf",
+    "M-Q8_0.gguf",
+    "M-f16.gguf",
+    "mmproj-M-f16.gguf",
+    "M-imatrix.gguf",
+]
 
 
-@pytest.mark.parametrize("quant, want", [
-    (None, "M-Q4_K_M.gguf"), ("q8_0", "M-Q8_0.gguf"), ("Q4_K_S", "M-Q4_K_S.gguf"), ("F16", "M-f16.gguf"),
-])
+@pytest.mark.parametrize(
+    "quant, want",
+    [
+        (None, "M-Q4_K_M.gguf"),
+        ("q8_0", "M-Q8_0.gguf"),
+        ("Q4_K_S", "M-Q4_K_S.gguf"),
+        ("F16", "M-f16.gguf"),
+    ],
+)
 def test_quant_picks_the_file_llama_cpp_picks(quant, want):
     assert hub.choose_files(LISTING, hub.HubRef("o/r", quant)) == [want]
 
@@ -71,8 +84,9 @@ def test_a_tag_ending_at_a_separator_wins_over_a_longer_one():
 def test_ambiguous_quant_lists_the_choices():
     with pytest.raises(KvchatError) as e:
         hub.choose_files(LISTING, hub.HubRef("o/r", "Q4_K"))
-    assert str(e.value) == (":Q4_K matches 2 files in o/r: M-Q4_K_M.gguf, M-Q4_K_S.gguf; "
-                            "give a longer :QUANT that names one")
+    assert str(e.value) == (
+        ":Q4_K matches 2 files in o/r: M-Q4_K_M.gguf, M-Q4_K_S.gguf; give a longer :QUANT that names one"
+    )
 
 
 def test_unknown_quant_lists_what_is_there():
@@ -86,8 +100,12 @@ def test_repo_without_gguf_says_so():
 
 
 def test_split_model_is_chosen_whole_in_order():
-    names = ["Q4_K_M/M-Q4_K_M-00002-of-00003.gguf", "Q4_K_M/M-Q4_K_M-00001-of-00003.gguf",
-             "Q4_K_M/M-Q4_K_M-00003-of-00003.gguf", "M-Q8_0.gguf"]
+    names = [
+        "Q4_K_M/M-Q4_K_M-00002-of-00003.gguf",
+        "Q4_K_M/M-Q4_K_M-00001-of-00003.gguf",
+        "Q4_K_M/M-Q4_K_M-00003-of-00003.gguf",
+        "M-Q8_0.gguf",
+    ]
     assert hub.choose_files(names, hub.HubRef("o/r")) == sorted(names[:3])
     with pytest.raises(KvchatError, match="lists 3 parts but Q4_K_M/M-Q4_K_M-00003-of-00003.gguf is not in the repo"):
         hub.choose_files(names[:2], hub.HubRef("o/r", "Q4_K_M"))
@@ -106,6 +124,7 @@ def test_quant_tag_is_read_as_llama_cpp_reads_it():
 
 # ---- download and cache ----------------------------------------------------------------------
 
+
 def test_download_once_then_no_request(env, files):
     env.add_repo(REPO, files)
     src = locate_model(None, _quiet(), hf=f"{REPO}:Q8_0")
@@ -121,6 +140,7 @@ def test_download_once_then_no_request(env, files):
 
 def test_interrupted_download_resumes_with_a_range_request(env, files, monkeypatch):
     from huggingface_hub import constants
+
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 4096)
     env.add_repo(REPO, files)
     env.cut["tiny-Q8_0.gguf"] = 50_000
@@ -192,7 +212,6 @@ def test_split_model_from_the_hub_loads_as_one(env, tmp_path):
         assert np.array_equal(b.gguf.tensors[name].data, t.data), name
 
 
-
 def test_a_model_another_tool_cached_runs_without_a_request(env, files):
     """llama.cpp and `hf download` use the same cache layout (refs/main -> snapshots/<commit>/file);
     with no record of ours, the cached snapshot itself is the listing."""
@@ -208,11 +227,14 @@ def test_a_model_another_tool_cached_runs_without_a_request(env, files):
 
 def test_a_full_disk_is_not_called_a_network_problem(env, files, monkeypatch):
     import errno
+
     import huggingface_hub
+
     env.add_repo(REPO, files)
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", full)
     with pytest.raises(KvchatError, match=r"^no space left for acme/tiny-GGUF:Q8_0 in .*; free some"):
         hub.resolve(hub.HubRef(REPO, "Q8_0"), _quiet())

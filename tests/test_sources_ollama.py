@@ -1,5 +1,6 @@
 """`-m ollama:NAME[:TAG]`: the GGUF blob of a model in Ollama's store, opened in place (no copy),
 in a fake store the tests write; `kvchat list` shows every source, `kvchat rm` deletes only ours."""
+
 import hashlib
 import json
 import os
@@ -18,23 +19,38 @@ from tests.sources_fake_hub import FakeHub
 
 def write_ollama_model(root, name, gguf_path, tag="latest", namespace="library"):
     """A model in an Ollama store as `ollama pull` leaves it: blobs by sha256, one manifest."""
+
     def blob(data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         (root / "blobs").mkdir(parents=True, exist_ok=True)
         (root / "blobs" / f"sha256-{digest}").write_bytes(data)
         return f"sha256:{digest}"
+
     layers = [
-        {"mediaType": "application/vnd.ollama.image.model", "digest": blob(gguf_path.read_bytes()),
-         "size": gguf_path.stat().st_size},
+        {
+            "mediaType": "application/vnd.ollama.image.model",
+            "digest": blob(gguf_path.read_bytes()),
+            "size": gguf_path.stat().st_size,
+        },
         {"mediaType": "application/vnd.ollama.image.template", "digest": blob(b"{{ .Prompt }}"), "size": 13},
         {"mediaType": "application/vnd.ollama.image.params", "digest": blob(b'{"temperature": 0.1}'), "size": 20},
     ]
     manifest = root / "manifests" / "registry.ollama.ai" / namespace / name / tag
     manifest.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-                                    "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
-                                               "digest": blob(b"{}"), "size": 2},
-                                    "layers": layers}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                "config": {
+                    "mediaType": "application/vnd.docker.container.image.v1+json",
+                    "digest": blob(b"{}"),
+                    "size": 2,
+                },
+                "layers": layers,
+            }
+        )
+    )
     return root / "blobs" / ("sha256-" + layers[0]["digest"][7:])
 
 
@@ -66,17 +82,25 @@ def test_ollama_name_maps_to_the_model_blob_in_place(store):
 
 def test_info_note_says_the_template_and_params_layers_are_ignored(store):
     note = locate_model("ollama:tiny:latest").notes[0]
-    assert note == ("Ollama model tiny:latest: its GGUF blob is used in place; the manifest's other layers "
-                    "(params, template) are ignored: the chat template is the GGUF's own and sampling uses "
-                    "kvchat's defaults")
+    assert note == (
+        "Ollama model tiny:latest: its GGUF blob is used in place; the manifest's other layers "
+        "(params, template) are ignored: the chat template is the GGUF's own and sampling uses "
+        "kvchat's defaults"
+    )
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("ollama:nope", r"^no Ollama model nope:latest in .*ollama \(`ollama pull nope:latest` fetches it; set "
-                    r"OLLAMA_MODELS if the store is elsewhere\); Ollama models here: someone/tiny:f32, tiny:latest$"),
-    ("ollama:tiny:7b", r"^no Ollama model tiny:7b in"),
-    ("ollama:bad name", r"is not an Ollama model name; write ollama:NAME\[:TAG\]"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "ollama:nope",
+            r"^no Ollama model nope:latest in .*ollama \(`ollama pull nope:latest` fetches it; set "
+            r"OLLAMA_MODELS if the store is elsewhere\); Ollama models here: someone/tiny:f32, tiny:latest$",
+        ),
+        ("ollama:tiny:7b", r"^no Ollama model tiny:7b in"),
+        ("ollama:bad name", r"is not an Ollama model name; write ollama:NAME\[:TAG\]"),
+    ],
+)
 def test_unknown_or_malformed_ollama_names_are_one_line(store, spec, message):
     with pytest.raises(KvchatError, match=message):
         locate_model(spec)
@@ -98,7 +122,9 @@ def test_list_shows_all_three_sources_and_rm_removes_only_ours(store, tmp_path, 
     fake = FakeHub().start()
     try:
         monkeypatch.setenv("HF_ENDPOINT", fake.url)
-        fake.add_repo("acme/tiny-GGUF", {"tiny-Q8_0.gguf": tmp_path / "tiny.gguf", "tiny-F32.gguf": tmp_path / "f32.gguf"})
+        fake.add_repo(
+            "acme/tiny-GGUF", {"tiny-Q8_0.gguf": tmp_path / "tiny.gguf", "tiny-F32.gguf": tmp_path / "f32.gguf"}
+        )
         hub.resolve(hub.HubRef("acme/tiny-GGUF", "Q8_0"), Console(quiet=True))
     finally:
         fake.stop()
@@ -110,8 +136,13 @@ def test_list_shows_all_three_sources_and_rm_removes_only_ours(store, tmp_path, 
     registry.write_bytes((tmp_path / "tiny.gguf").read_bytes())  # stands in for the registry download
 
     rows = {e.name: e for e in catalog.installed()}
-    assert set(rows) == {"smollm2", "hf:acme/tiny-GGUF:Q8_0", "hf:acme/tiny-GGUF:F32",
-                         "ollama:tiny:latest", "ollama:someone/tiny:f32"}
+    assert set(rows) == {
+        "smollm2",
+        "hf:acme/tiny-GGUF:Q8_0",
+        "hf:acme/tiny-GGUF:F32",
+        "ollama:tiny:latest",
+        "ollama:someone/tiny:f32",
+    }
     q8 = rows["hf:acme/tiny-GGUF:Q8_0"]
     assert (q8.source, q8.ours, q8.arch, q8.weights, q8.n_ctx_train) == ("hub", True, "llama", "?", 512)
     assert q8.size == (tmp_path / "tiny.gguf").stat().st_size
@@ -123,8 +154,11 @@ def test_list_shows_all_three_sources_and_rm_removes_only_ours(store, tmp_path, 
         catalog.remove("hf:acme/tiny-GGUF:F32")
     assert catalog.remove("hf:acme/tiny-GGUF:Q8_0") == ("hf:acme/tiny-GGUF:Q8_0", q8.size)
     assert catalog.remove("smollm2")[0] == "smollm2" and not registry.exists()
-    assert {e.name for e in catalog.installed()} == {"hf:acme/tiny-GGUF:F32", "ollama:tiny:latest",
-                                                     "ollama:someone/tiny:f32"}
+    assert {e.name for e in catalog.installed()} == {
+        "hf:acme/tiny-GGUF:F32",
+        "ollama:tiny:latest",
+        "ollama:someone/tiny:f32",
+    }
     assert blob.is_file() and other.is_file()
     assert not list((hub.repo_folder("acme/tiny-GGUF") / "blobs").iterdir())  # the Q8_0 blob went with it
     with pytest.raises(KvchatError, match="no model 'nothing' to remove; `kvchat list` shows"):

@@ -1,5 +1,6 @@
 """Split GGUF models (llama.cpp's gguf-split layout) load as one model, bit-identical to the file
 they were split from; every broken split is one ModelFileError line."""
+
 import os
 
 import numpy as np
@@ -35,8 +36,10 @@ def test_split_names_follow_llama_split_path():
     assert parse_split_name("M-00001-OF-00002.GGUF") == ("M", 0, 2)
     assert parse_split_name("m-Q4_K_M.gguf") is None
     assert parse_split_name("m-00004-of-00003.gguf") is None
-    assert [p.name for p in part_paths("/x/a-00001-of-00002.gguf")] == ["a-00001-of-00002.gguf",
-                                                                        "a-00002-of-00002.gguf"]
+    assert [p.name for p in part_paths("/x/a-00001-of-00002.gguf")] == [
+        "a-00001-of-00002.gguf",
+        "a-00002-of-00002.gguf",
+    ]
 
 
 def test_split_model_has_every_tensor_of_the_original_as_a_view_on_its_part(single_and_split):

@@ -1,6 +1,7 @@
 """Start-up pieces: the first-run probe of numba's kernel cache (the CLI's "compiling kernels,
 first run only" wording), cache loads without numba's compiler registries, and the serial twin
 of row dequantization (embedding lookups)."""
+
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def test_an_empty_numba_cache_reads_as_a_first_run(tmp_path):
 
 def test_a_compiled_matmul_reads_as_a_warm_cache():
     from kvchat.kernels.jit_cache import kernels_compiled
+
     qm = QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64)
     qm.matmul(np.ones((1, 64), np.float32))  # compiles (and caches) the serial kernel if needed
     assert kernels_compiled()
@@ -42,10 +44,17 @@ def test_a_compiled_matmul_reads_as_a_warm_cache():
 
 def test_a_cached_kernel_loads_in_a_new_process_without_numbas_compiler_registries():
     from tests.conftest import ROOT
+
     qm = QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64)
     expected = qm.matmul(np.arange(64, dtype=np.float32)[None])  # compiles (and caches) if needed
-    out = subprocess.run([sys.executable, "-c", LOAD_CACHED], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_CACHED],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     got, loaded = out.stdout.split("\n")[:2]
     assert got == expected.tobytes().hex()
     assert loaded == "[]"
@@ -55,31 +64,39 @@ def test_a_cache_miss_still_compiles_with_every_registry(tmp_path):
     """The lean load leaves compiling alone: a new kernel using np.cumsum (a numba.np.arraymath
     registration) compiles, is cached, and loads from the cache in the next process."""
     from tests.conftest import ROOT
+
     (tmp_path / "lean_probe.py").write_text(
         "import numpy as np\nimport kernels\nfrom numba import njit\n"
-        "@njit(cache=True)\ndef norm(x):\n    return np.cumsum(x * x)[-1]\n")
-    code = "import numpy as np, lean_probe; print(lean_probe.norm(np.array([3.0, 4.0])), " \
-           "lean_probe.norm.stats.cache_hits)"
+        "@njit(cache=True)\ndef norm(x):\n    return np.cumsum(x * x)[-1]\n"
+    )
+    code = (
+        "import numpy as np, lean_probe; print(lean_probe.norm(np.array([3.0, 4.0])), lean_probe.norm.stats.cache_hits)"
+    )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.split() for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+        for _ in range(2)
+    ]
     assert runs[0][0] == runs[1][0] == "25.0"
     assert runs[0][1] == "Counter()" and runs[1][1] != "Counter()"  # compiled, then loaded
-
 
 
 def test_a_kernel_loaded_from_the_cache_links_into_a_new_compile(tmp_path):
     """The lazy load keeps the kernel's bitcode unparsed until a new compile inlines the kernel:
     `outer` (not cached) compiles against `inner` loaded from the cache, then both give 7.0."""
     from tests.conftest import ROOT
+
     (tmp_path / "lazy_probe.py").write_text(
         "import kernels\nfrom numba import njit\n"
         "@njit(cache=True)\ndef inner(x):\n    return x * 3.0\n"
-        "@njit(cache=True)\ndef outer(x):\n    return inner(x) + 1.0\n")
-    code = ("import lazy_probe as p\nr = p.inner(2.0)\n"
-            "lib = p.inner.overloads[p.inner.signatures[0]].library\n"
-            "print(r, '_kvchat_bitcode' in vars(lib), sum(p.inner.stats.cache_hits.values()), "
-            "p.outer(2.0), '_kvchat_bitcode' in vars(lib))")
+        "@njit(cache=True)\ndef outer(x):\n    return inner(x) + 1.0\n"
+    )
+    code = (
+        "import lazy_probe as p\nr = p.inner(2.0)\n"
+        "lib = p.inner.overloads[p.inner.signatures[0]].library\n"
+        "print(r, '_kvchat_bitcode' in vars(lib), sum(p.inner.stats.cache_hits.values()), "
+        "p.outer(2.0), '_kvchat_bitcode' in vars(lib))"
+    )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     subprocess.run([sys.executable, "-c", "import lazy_probe; lazy_probe.inner(2.0)"], env=env, check=True)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -111,14 +128,22 @@ print(len(seen) > 0 and all(a and b for a, b in seen))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF objects")
 def test_the_symbols_read_from_a_cached_object_are_the_ones_numba_reads_from_its_bitcode():
     from tests.conftest import ROOT
+
     QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
-    out = subprocess.run([sys.executable, "-c", ELF_SYMBOLS], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", ELF_SYMBOLS],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     assert out.stdout.strip() == "True"
 
 
 def test_a_file_that_is_not_an_elf_object_gets_no_symbol_set():
     from kvchat.kernels.jit_cache import elf_defined_symbols
+
     assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(100)) is None  # Mach-O: numba's own load
     assert elf_defined_symbols(b"\x7fELF") is None  # truncated
 
@@ -139,9 +164,16 @@ print(qm.matmul(x).tobytes().hex() == before, QMatrix(random_raw(3, 32, 64), 3, 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise")
 def test_llvms_clean_pages_leave_the_resident_set_and_every_kernel_still_runs():
     from tests.conftest import ROOT
+
     QMatrix(random_raw(GGMLType.Q4_1, 32, 64), GGMLType.Q4_1, 64)  # compiled (and cached) if needed
-    out = subprocess.run([sys.executable, "-c", RELEASE], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     assert out.stdout.split() == ["True", "True", "True", "32"]  # released once, then nothing left
 
 
@@ -159,8 +191,15 @@ print(pagemap == smaps, len(pagemap) > 0, sum(r for _, _, r in pagemap) > 0)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap and smaps")
 def test_pagemap_finds_the_same_clean_library_mappings_and_resident_bytes_as_smaps():
     from tests.conftest import ROOT
-    out = subprocess.run([sys.executable, "-c", PAGE_KINDS], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+
+    out = subprocess.run(
+        [sys.executable, "-c", PAGE_KINDS],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     assert out.stdout.split() == ["True", "True", "True"]
 
 
@@ -171,28 +210,30 @@ def test_dequantized_rows_are_the_same_alone_and_in_a_batch(t, monkeypatch):
     batch = dequantize(raw, int(t), k)  # 20 rows: the parallel twin
     assert raw.shape[0] >= parallel.DEQUANT_PAR_MIN_ROWS
     for r in (0, 7, 19):
-        np.testing.assert_array_equal(dequantize(raw[r:r + 1], int(t), k)[0], batch[r])  # serial twin
+        np.testing.assert_array_equal(dequantize(raw[r : r + 1], int(t), k)[0], batch[r])  # serial twin
     monkeypatch.setattr(parallel, "DEQUANT_PAR_MIN_ROWS", 1 << 30)
     np.testing.assert_array_equal(dequantize(raw, int(t), k), batch)
 
 
 @pytest.mark.parametrize("n_ctx", [256, 32])
-def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(tiny_model, n_ctx,
-                                                                             monkeypatch):
+def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(tiny_model, n_ctx, monkeypatch):
     """64 tokens reach every kernel's parallel twin; a context smaller than that still warms up."""
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.generate import decode_tokens, warm_up
     from kvchat.runtime.model import Model
+
     model = Model.load(tiny_model("llama"))
     ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=64, n_ubatch=64))
     calls = []
     import kvchat.runtime.generate as gen
+
     real = gen.decode_tokens
 
     def spy(ctx_, ids, pos0, seq=0, **kw):
         calls.append((len(ids), pos0))
         return real(ctx_, ids, pos0, seq, **kw)
+
     monkeypatch.setattr(gen, "decode_tokens", spy)
     warm_up(ctx, 1, n_prompt=64)
     monkeypatch.undo()
@@ -213,8 +254,8 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
     import kvchat.kernels.jit_cache
     import kvchat.kernels.warm_set
     import kvchat.runtime.generate
-    from kvchat.cli.options import ChatSettings
     from kvchat.cli.chat.render import Renderer
+    from kvchat.cli.options import ChatSettings
 
     class Recording(Renderer):
         @contextlib.contextmanager
@@ -226,8 +267,11 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
     real_warm_up = kvchat.runtime.generate.warm_up
     monkeypatch.setattr(kvchat.kernels.jit_cache, "kernels_compiled", lambda: compiled)
     monkeypatch.setattr(kvchat.kernels.warm_set, "covered", lambda name: False)  # no warm-up recorded yet
-    monkeypatch.setattr(kvchat.runtime.generate, "warm_up",
-                        lambda ctx, tok, n_prompt=2: warmed.append(n_prompt) or real_warm_up(ctx, tok, n_prompt=n_prompt))
+    monkeypatch.setattr(
+        kvchat.runtime.generate,
+        "warm_up",
+        lambda ctx, tok, n_prompt=2: warmed.append(n_prompt) or real_warm_up(ctx, tok, n_prompt=n_prompt),
+    )
     r = Recording(out=io.StringIO())
     r.texts = []
     setup.open_engine(ChatSettings(model=str(tiny_chat), ctx_size=256), r, threading.Event())
@@ -236,10 +280,12 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
     assert warmed == [2 if compiled else 64]
 
 
-LEAN_RUN = ("import atexit, sys\n"
-            "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
-            "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj', 'typer', 'email', 'numpy.ma') if m in sys.modules)))\n"
-            "from kvchat.cli.app import main\nmain()\n")
+LEAN_RUN = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
+    "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj', 'typer', 'email', 'numpy.ma') if m in sys.modules)))\n"
+    "from kvchat.cli.app import main\nmain()\n"
+)
 
 
 def test_a_plain_kvchat_run_imports_none_of_the_modules_a_warm_start_does_not_need(tiny_chat, tmp_path):
@@ -248,15 +294,23 @@ def test_a_plain_kvchat_run_imports_none_of_the_modules_a_warm_start_does_not_ne
     installed), numpy.ma (no masked array exists): none is imported, and the answer is the one a
     run that imports rich (FORCE_COLOR makes rich treat stderr as a terminal: spinners) gives."""
     from tests.conftest import ROOT
+
     args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "--seed", "3", "--temp", "0.9", "-c", "256"]
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
     env["PYTHONPATH"] = str(ROOT)
-    plain = subprocess.run([sys.executable, "-c", LEAN_RUN, *args], env=env, capture_output=True,
-                           text=True, cwd=tmp_path, timeout=600)
+    plain = subprocess.run(
+        [sys.executable, "-c", LEAN_RUN, *args], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
     assert plain.returncode == 0, plain.stderr
     assert plain.stderr.strip().splitlines()[-1] == "MODULES []"
-    forced = subprocess.run([sys.executable, "-c", LEAN_RUN, *args], env=dict(env, FORCE_COLOR="1"),
-                            capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    forced = subprocess.run(
+        [sys.executable, "-c", LEAN_RUN, *args],
+        env=dict(env, FORCE_COLOR="1"),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert forced.returncode == 0, forced.stderr
     assert "'rich'" in forced.stderr.strip().splitlines()[-1]
     assert plain.stdout == forced.stdout and len(plain.stdout.strip()) > 0
@@ -266,6 +320,7 @@ def test_the_renderer_makes_its_stderr_console_only_when_it_shows_something(monk
     import io
 
     from kvchat.cli.chat.render import Renderer
+
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
@@ -303,6 +358,7 @@ def _fake_distribution(root, name, entry_points):
 
 def test_a_declared_numba_extension_still_initialises_and_an_undeclared_one_costs_no_scan(tmp_path):
     from tests.conftest import ROOT
+
     plain, extended = tmp_path / "plain", tmp_path / "extended"
     _fake_distribution(plain, "tool", "[console_scripts]\ntool = tool:main\n")
     _fake_distribution(extended, "ext", "[numba_extensions]\ninit = ext_init:init\n")
@@ -310,8 +366,9 @@ def test_a_declared_numba_extension_still_initialises_and_an_undeclared_one_cost
     runs = {}
     for name, root in (("plain", plain), ("extended", extended)):
         env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-        runs[name] = subprocess.run([sys.executable, "-c", EXTENSION_RUN], env=env, capture_output=True,
-                                    text=True, check=True, cwd=tmp_path).stdout.split("\n")
+        runs[name] = subprocess.run(
+            [sys.executable, "-c", EXTENSION_RUN], env=env, capture_output=True, text=True, check=True, cwd=tmp_path
+        ).stdout.split("\n")
     assert runs["plain"][0] == "False 6.0 False"  # no scan, no numpy.ma for typing the array
     assert runs["extended"][:2] == ["extension initialised", "True 6.0 False"]
 
@@ -322,6 +379,7 @@ def test_numba_reads_no_distribution_as_declaring_an_extension_where_the_cheap_c
     from importlib import metadata
 
     from kvchat.kernels.numba_start import extensions_may_be_declared
+
     declared = list(metadata.entry_points().select(group="numba_extensions"))
     assert extensions_may_be_declared() or not declared
     assert not declared and extensions_may_be_declared() is False
@@ -346,9 +404,14 @@ except Exception as e:
 
 def test_arrays_get_numbas_types_before_and_after_numpy_ma_is_imported():
     from tests.conftest import ROOT
+
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    said = [subprocess.run([sys.executable, "-c", TYPEOF, who], env=env, capture_output=True, text=True,
-                           check=True, cwd=ROOT).stdout.splitlines() for who in ("numba", "kvchat")]
+    said = [
+        subprocess.run(
+            [sys.executable, "-c", TYPEOF, who], env=env, capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout.splitlines()
+        for who in ("numba", "kvchat")
+    ]
     assert said[0][0].endswith("True") and said[1][0].endswith("False")  # numba's own imports numpy.ma
     assert said[0][0][:-4] == said[1][0][:-5] and said[0][1:] == said[1][1:]
     assert "MaskedArray" in said[1][1]
@@ -359,6 +422,7 @@ def test_llvm_lock_events_reach_a_listener_and_are_not_made_without_one(monkeypa
     from numba.core import event
 
     import kvchat.kernels  # noqa: F401 (installs kernels/numba_start.py)
+
     made = []
     real_start = event.start_event
     monkeypatch.setattr(event, "start_event", lambda kind, data=None: made.append(kind) or real_start(kind, data))
@@ -375,20 +439,26 @@ def test_llvm_lock_events_reach_a_listener_and_are_not_made_without_one(monkeypa
 
 def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_next_process(tmp_path):
     from tests.conftest import ROOT
+
     (tmp_path / "late_probe.py").write_text(
-        "import kernels\nfrom numba import njit\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n")
-    code = ("import late_probe as p\nbefore = p.twice._cache._made is None\n"
-            "print(before, p.twice(21), p.twice._cache._made is not None, sum(p.twice.stats.cache_hits.values()))")
+        "import kernels\nfrom numba import njit\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n"
+    )
+    code = (
+        "import late_probe as p\nbefore = p.twice._cache._made is None\n"
+        "print(before, p.twice(21), p.twice._cache._made is not None, sum(p.twice.stats.cache_hits.values()))"
+    )
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.split() for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+        for _ in range(2)
+    ]
     assert runs == [["True", "42", "True", "0"], ["True", "42", "True", "1"]]  # compiled, then loaded
 
 
 # ---- the warm-up skipped when it could only load kernels (kernels/warm_set.py) --------------------
 
-def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_cached(tiny_chat, tmp_path,
-                                                                                   monkeypatch):
+
+def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_cached(tiny_chat, tmp_path, monkeypatch):
     """First `run`: the warm-up runs and its kernels are recorded; the next skips it and answers
     the same bytes (the chat keeps it); a recorded kernel without a cache entry brings it back."""
     import pickle
@@ -396,6 +466,7 @@ def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_ca
     import kvchat.kernels.warm_set as warm_set
     import kvchat.runtime.generate
     from tests.cli_inproc import kvchat
+
     monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
     warmed = []
     real_warm_up = kvchat.runtime.generate.warm_up
@@ -407,9 +478,10 @@ def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_ca
     import io
     import threading
 
+    from kvchat.cli.chat.render import Renderer
     from kvchat.cli.chat.setup import open_engine
     from kvchat.cli.options import ChatSettings
-    from kvchat.cli.chat.render import Renderer
+
     open_engine(ChatSettings(model=str(tiny_chat), ctx_size=256), Renderer(out=io.StringIO()), threading.Event())
     assert warmed == [1, 1]  # the chat warms up while its user reads the prompt, cached or not
     warmed.clear()
@@ -431,10 +503,12 @@ def test_a_recorded_warm_up_is_not_trusted_when_a_kernels_index_is_stale(tmp_pat
 
     import kvchat.kernels.warm_set as warm_set
     from kvchat.kernels.matmul import QMatrix
+
     monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
     QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
     assert warm_set.record("probe") and warm_set.covered("probe")
     from kvchat.kernels.matmul_int import matmul_q_serial
+
     cache_file = matmul_q_serial._cache._cache_file
     monkeypatch.setattr(cache_file, "_source_stamp", ("another", "source"))
     assert not warm_set.covered("probe")

@@ -1,23 +1,25 @@
 """State save/restore: byte-identical round trips, sequence restore into a fragmented cache,
 and refusal (with nothing changed) of corrupted or mismatched blobs."""
+
 import os
 import struct
 
 import numpy as np
 import pytest
+from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.state import StateError, StateReader, StateWriter, atomic_write
 
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
-
 
 def make(n_ctx=256, n_seq_max=3, hp=None, **kw):
     hp = hp or make_hparams(n_layer=2)
-    return Context(StubModel(hp), ContextParams(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_ctx,
-                                                n_ubatch=kw.pop("n_ubatch", 16), **kw))
+    return Context(
+        StubModel(hp),
+        ContextParams(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_ctx, n_ubatch=kw.pop("n_ubatch", 16), **kw),
+    )
 
 
 def rows_by_pos(kv, seq):
@@ -64,8 +66,9 @@ def two_seqs(ctx, n=20):
     assert ctx.decode(Batch(toks, pos=pos, seq_ids=sids)) == 0
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(type_k="q8_0"), dict(flash_attn="off", type_v="f32"),
-                                dict(type_k="q4_0", type_v="q8_0")])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(type_k="q8_0"), dict(flash_attn="off", type_v="f32"), dict(type_k="q4_0", type_v="q8_0")]
+)
 def test_sequence_save_clear_restore_into_fragmented_cache_is_byte_identical(kw):
     ctx = make(**kw)
     two_seqs(ctx)

@@ -1,4 +1,5 @@
 """StringArray / StringIndex (runtime/gguf/string_array.py) behave as the list and dict they replace."""
+
 import random
 
 import numpy as np
@@ -24,14 +25,15 @@ def test_string_array_items_equal_the_strings_it_was_built_from_including_surrog
     assert arr.has_empty() == ("" in words)
 
 
-
 @pytest.mark.parametrize("nul_inside", [False, True])
 def test_iterating_decodes_every_text_as_indexing_it_does_including_invalid_utf8(nul_inside):
     """Iteration decodes runs of NUL-separated texts at once; byte strings that are not UTF-8
     (cut sequences, lone continuation bytes, surrogates) come out as the per-text decode."""
     rng = random.Random(7)
-    pieces = [bytes(rng.choice(b"ab\x80\xbf\xc3\xa9\xe2\x82\xac\xed\xa0\xf0\x9f\xff ")
-                    for _ in range(rng.randint(0, 6))) for _ in range(40000)]
+    pieces = [
+        bytes(rng.choice(b"ab\x80\xbf\xc3\xa9\xe2\x82\xac\xed\xa0\xf0\x9f\xff ") for _ in range(rng.randint(0, 6)))
+        for _ in range(40000)
+    ]
     if nul_inside:
         pieces[20001] = b"a\0b"
     blob = b"\0".join(pieces)
@@ -40,6 +42,7 @@ def test_iterating_decodes_every_text_as_indexing_it_does_including_invalid_utf8
     want = [p.decode("utf-8", "surrogateescape") for p in pieces]
     assert list(arr) == want and [arr[i] for i in range(len(arr))] == want
     assert list(StringArray.from_strings(want)) == want
+
 
 def test_string_index_gives_the_last_position_of_each_text_as_a_dict_built_from_the_list_does():
     words = _words(2, 3000)  # many repeats
@@ -54,27 +57,29 @@ def test_string_index_gives_the_last_position_of_each_text_as_a_dict_built_from_
         idx["never a token \u2603"]
 
 
-
 def test_the_index_hashes_are_zlibs_crc32_of_each_texts_bytes():
     """get() hashes its key with zlib.crc32; the compiled build must give the same numbers."""
     import zlib
+
     words = _words(6, 500) + ["", "\u4e2d\u6587", "a" * 300]
     idx = StringIndex(StringArray.from_strings(words))
     want = [zlib.crc32(w.encode("utf-8", "surrogateescape")) for w in words]
     assert list(idx._hash) == want
     assert idx.get("\ud800") is None and idx.get(3) is None  # no text holds a lone high surrogate
 
+
 def _old_ranks(merges):
     ranks = {}
     for rank, m in enumerate(merges):
         cut = m.find(" ", 1)
-        ranks[(m, "") if cut < 0 else (m[:cut], m[cut + 1:])] = rank
+        ranks[(m, "") if cut < 0 else (m[:cut], m[cut + 1 :])] = rank
     return ranks
 
 
 def test_bpe_merge_rank_equals_the_tuple_dict_of_the_converter_split_for_every_pair():
-    merges = ["a b", "Ġ a", "ab b", "a b", "x", "x ", " y", "  z", "a b c", "q  r", ""] + \
-             [a + " " + b for a, b in zip(_words(4, 300), _words(5, 300))]
+    merges = ["a b", "Ġ a", "ab b", "a b", "x", "x ", " y", "  z", "a b c", "q  r", ""] + [
+        a + " " + b for a, b in zip(_words(4, 300), _words(5, 300))
+    ]
     old = _old_ranks(merges)
     bpe = BPETokenizer(pre_tokenizer("gpt-2"), {}, merges)
     pieces = sorted({p for m in merges for p in m.split(" ")} | {"a b", " ", "", "x", "x "})

@@ -1,6 +1,7 @@
 """BPE merges: the tokenizer applies exactly the pairs of splitting every merge line at its first
 space after position 0 (the converter's format), also for lines with more spaces in them, whatever
 index it looks the pairs up in."""
+
 import random
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ def _merge_by_split_pairs(merges, word):
     ranks = {}
     for rank, m in enumerate(merges):
         cut = m.find(" ", 1)
-        ranks[(m, "") if cut < 0 else (m[:cut], m[cut + 1:])] = rank
+        ranks[(m, "") if cut < 0 else (m[:cut], m[cut + 1 :])] = rank
     syms = list(word)
     while True:
         best = None
@@ -23,7 +24,7 @@ def _merge_by_split_pairs(merges, word):
         if best is None:
             return syms
         i = best[1]
-        syms[i:i + 2] = [syms[i] + syms[i + 1]]
+        syms[i : i + 2] = [syms[i] + syms[i + 1]]
 
 
 def test_merges_keyed_by_line_give_the_pairs_the_converter_wrote():

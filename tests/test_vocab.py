@@ -1,4 +1,5 @@
 """Tokenizer tests: exact ids against llama.cpp's reference, round trips, streaming UTF-8, tiny vocabs."""
+
 import json
 import time
 
@@ -28,6 +29,7 @@ def vocabs(smollm2_path, gemma3_path):
 def _case_ids():
     # the reference file is read at collection time so that every case is its own test
     from tests.conftest import REFERENCE_DIR
+
     return [(m, i) for m in MODELS for i in range(len(_cases(REFERENCE_DIR, m)))]
 
 
@@ -121,9 +123,13 @@ def test_gemma_vocab_loads_fast(gemma3_path):
 
 # ------------------------------------------------------------------ tiny vocabularies (no model)
 
+
 def _tiny_spm(**kw):
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
-             ["▁", "a", "b", "c", "ab", "bc", "▁a", "▁ab", "abc", "<tool>"]
+    tokens = (
+        ["<unk>", "<s>", "</s>"]
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + ["▁", "a", "b", "c", "ab", "bc", "▁a", "▁ab", "abc", "<tool>"]
+    )
     types = [2, 3, 3] + [6] * 256 + [1] * 9 + [4]
     scores = np.zeros(len(tokens), np.float32)
     idx = {t: i for i, t in enumerate(tokens)}
@@ -158,8 +164,9 @@ def test_tiny_bpe_merges_by_rank():
     types = [1] * len(tokens)
     types[words.index("<|end|>")] = 3
     merges = ["b c", "a b", "a bc", "Ġ a"]
-    vocab = Vocab(kind="bpe", tokens=tokens, token_types=types, merges=merges, pre="gpt-2",
-                  bos=8, eos=8)  # without them llama.cpp defaults both to id 11
+    vocab = Vocab(
+        kind="bpe", tokens=tokens, token_types=types, merges=merges, pre="gpt-2", bos=8, eos=8
+    )  # without them llama.cpp defaults both to id 11
     idx = vocab.token_to_id
     # rank 0 "b c" first, then "a bc" → abc; " abc" is one pre-token "Ġabc": Ġ a merges last
     assert vocab.tokenize("abc") == [idx["abc"]]

@@ -2,6 +2,7 @@
 packs and answers with identical logits; any change of the model file or the layout, and any
 truncated or corrupt file, rebuilds the pack and never uses it; an unwritable cache or an
 interrupted write leaves the load working and no file behind; `kvchat rm` removes the pack."""
+
 from __future__ import annotations
 
 import mmap
@@ -71,11 +72,21 @@ def _load(path):
     return model, _matrices(model), _logits(model)
 
 
-@pytest.mark.parametrize("arch,wt", [("llama", GGMLType.Q4_1), ("qwen2", GGMLType.Q8_0), ("gemma3", GGMLType.Q4_0),
-                                     ("llama", GGMLType.Q5_0), ("llama", GGMLType.F16), ("llama", GGMLType.F32)],
-                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize(
+    "arch,wt",
+    [
+        ("llama", GGMLType.Q4_1),
+        ("qwen2", GGMLType.Q8_0),
+        ("gemma3", GGMLType.Q4_0),
+        ("llama", GGMLType.Q5_0),
+        ("llama", GGMLType.F16),
+        ("llama", GGMLType.F32),
+    ],
+    ids=lambda v: getattr(v, "name", v),
+)
 def test_a_warm_load_maps_packs_byte_identical_to_the_in_memory_repack_and_gives_equal_logits(
-        tmp_path, cache, monkeypatch, arch, wt):
+    tmp_path, cache, monkeypatch, arch, wt
+):
     path = write_tiny_model(tmp_path / "m.gguf", arch=arch, weight_type=wt, n_embd=256, n_ff=512, tied=False)
     monkeypatch.setenv("KVCHAT_WEIGHT_CACHE", "0")
     _, plain, want = _load(path)
@@ -200,6 +211,7 @@ def test_a_full_disk_or_an_interrupted_write_leaves_no_file_behind(tmp_path, cac
         def write(self, f):
             real_write(self, f)  # the whole temporary file is written, then the failure
             raise exc
+
         return write
 
     monkeypatch.setattr(wc.PackStore, "_write", fails(OSError(28, "No space left on device")))
@@ -259,5 +271,6 @@ def test_rm_removes_the_models_pack(tmp_path, cache, capsys):
     freed = size + sum(n for p, n in packs.items() if p != kept)
     out = capsys.readouterr().out
     from kvchat.cli.sources.catalog import human_size
+
     assert out.startswith(f"removed smollm2 ({human_size(freed)} freed)")
     assert wc.PackStore(cache, [os.path.realpath(other)]).get(*_embd(other)) is not None

@@ -7,6 +7,7 @@
 - after Model.load no page of the model file stays in the process's resident set (the repacked
   copy is the only one held): counted from /proc/self/pagemap on Linux.
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,17 +22,17 @@ from tests.test_matmul import random_raw
 
 # packed bytes per block of the type's block size (m a multiple of 32 rows): values + scales
 _PACKED_PER_BLOCK = {
-    GGMLType.Q4_0: 16 + 2,             # the file's 18: nibbles + d
-    GGMLType.Q4_1: 16 + 2 + 2,         # 20: + m
-    GGMLType.Q5_0: 16 + 4 + 2,         # 22: nibbles + one bit plane + d
-    GGMLType.Q5_1: 16 + 4 + 2 + 2,     # 24
-    GGMLType.Q8_0: 32 + 2,             # 34
-    GGMLType.IQ4_NL: 32 + 2,           # 18 in the file: table values held as i8 (left: nibble + lookup)
+    GGMLType.Q4_0: 16 + 2,  # the file's 18: nibbles + d
+    GGMLType.Q4_1: 16 + 2 + 2,  # 20: + m
+    GGMLType.Q5_0: 16 + 4 + 2,  # 22: nibbles + one bit plane + d
+    GGMLType.Q5_1: 16 + 4 + 2 + 2,  # 24
+    GGMLType.Q8_0: 32 + 2,  # 34
+    GGMLType.IQ4_NL: 32 + 2,  # 18 in the file: table values held as i8 (left: nibble + lookup)
     GGMLType.Q2_K: 128 + 2 + 2 + 16 + 16,  # 84 in the file: 2-bit values held as nibbles
-    GGMLType.Q3_K: 128 + 2 + 16,           # 110 in the file: 3-bit values held as nibbles
-    GGMLType.Q4_K: 128 + 2 + 2 + 8 + 8,    # 144 in the file + 4 B: 6-bit scales / mins as i8
+    GGMLType.Q3_K: 128 + 2 + 16,  # 110 in the file: 3-bit values held as nibbles
+    GGMLType.Q4_K: 128 + 2 + 2 + 8 + 8,  # 144 in the file + 4 B: 6-bit scales / mins as i8
     GGMLType.Q5_K: 128 + 32 + 2 + 2 + 8 + 8,  # 176 + 4 B
-    GGMLType.Q6_K: 128 + 64 + 2 + 16,      # the file's 210: nibbles + two bit planes + d + scales
+    GGMLType.Q6_K: 128 + 64 + 2 + 16,  # the file's 210: nibbles + two bit planes + d + scales
 }
 # formats held in exactly their file bytes (no widening at all)
 _EXACT = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q6_K}
@@ -80,9 +81,12 @@ def test_model_file_pages_leave_the_resident_set_once_the_weights_are_repacked(g
 
 def _untied_and_tied(tmp_path):
     from tests.gguf_factory import write_tiny_model
+
     kw = dict(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, weight_type=GGMLType.Q8_0)
-    return (write_tiny_model(tmp_path / "untied.gguf", tied=False, **kw),
-            write_tiny_model(tmp_path / "tied.gguf", tied=True, **kw))
+    return (
+        write_tiny_model(tmp_path / "untied.gguf", tied=False, **kw),
+        write_tiny_model(tmp_path / "tied.gguf", tied=True, **kw),
+    )
 
 
 def test_an_embedding_with_its_own_head_is_looked_up_in_the_file_and_not_repacked(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ branch: name, sequence id, messages, token mirror, context-shift counters, sampl
 such a file restores the memory whole and rebuilds every branch; a file written with another
 --parallel is refused with one line.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,14 +35,18 @@ class BranchCommands:
     def cmd_branch(self, arg: str) -> None:
         self.branches.fork(arg.strip())
         self._follow()
-        self.r.notice(f"branch {self.branches.current}: forked at {self.conv.n_cached} tokens "
-                      f"(sequence {self.conv.seq_id}; cells shared, nothing decoded)")
+        self.r.notice(
+            f"branch {self.branches.current}: forked at {self.conv.n_cached} tokens "
+            f"(sequence {self.conv.seq_id}; cells shared, nothing decoded)"
+        )
 
     def cmd_switch(self, arg: str) -> None:
         self.branches.switch(arg.strip())
         self._follow()
-        self.r.notice(f"on branch {self.branches.current}: {len(self.conv.messages)} messages, "
-                      f"ctx {self.conv.n_cached}/{self.conv.n_ctx}")
+        self.r.notice(
+            f"on branch {self.branches.current}: {len(self.conv.messages)} messages, "
+            f"ctx {self.conv.n_cached}/{self.conv.n_ctx}"
+        )
 
     def cmd_branches(self, arg: str) -> None:
         for name, seq, n_cached, n_msg, shared, prefix, current in self.branches.tree():
@@ -60,6 +65,7 @@ class BranchCommands:
             raise KvchatError("usage: /alts N (N >= 2)") from None
         seed = self.conv.sampler.seed
         from kvchat.cli.chat.setup import sigint_sets
+
         with sigint_sets(self.conv.stop_event):
             self.conv.stop_event.clear()
             results = self.branches.alternatives(n, seed + 1)
@@ -84,25 +90,46 @@ class BranchCommands:
 
 # ---- session files with every branch ---------------------------------------------------------------
 
+
 def save_all(path, branches, identity: dict, cache: dict, force: bool = False) -> int:
     """Write a session of every branch (one branch: the plain single-sequence format)."""
     from kvchat.cli.session.session import SessionData, save_conversation, save_session
+
     conv = branches.conv
     if len(branches.items) == 1:
         return save_conversation(path, conv, identity, cache, force)
-    listed = [{"name": name, "seq": c.seq_id, "messages": [dict(m) for m in c.messages],
-               "tokens": [int(t) for t in c.tokens], "n_dropped": int(c.n_dropped),
-               "n_keep": int(c.n_keep_shift),
-               "sampling": c.sampler.params.to_dict() | {"seed": c.sampler.seed}}
-              for name, c in branches.items.items()]
-    extra = {"branches": {"current": branches.current, "n_seq_max": branches.n_seq_max,
-                          "kv_unified": bool(getattr(branches.ctx.cparams, "kv_unified", True)),
-                          "list": listed}}
+    listed = [
+        {
+            "name": name,
+            "seq": c.seq_id,
+            "messages": [dict(m) for m in c.messages],
+            "tokens": [int(t) for t in c.tokens],
+            "n_dropped": int(c.n_dropped),
+            "n_keep": int(c.n_keep_shift),
+            "sampling": c.sampler.params.to_dict() | {"seed": c.sampler.seed},
+        }
+        for name, c in branches.items.items()
+    ]
+    extra = {
+        "branches": {
+            "current": branches.current,
+            "n_seq_max": branches.n_seq_max,
+            "kv_unified": bool(getattr(branches.ctx.cparams, "kv_unified", True)),
+            "list": listed,
+        }
+    }
     st = conv.session_state()
-    data = SessionData(model=identity, cache=cache, messages=st["messages"],
-                       sampling=conv.sampler.params.to_dict() | {"seed": conv.sampler.seed},
-                       tokens=st["tokens"], n_dropped=st["n_dropped"], n_keep=st["n_keep"],
-                       state=branches.ctx.state_get_data(), extra=extra)
+    data = SessionData(
+        model=identity,
+        cache=cache,
+        messages=st["messages"],
+        sampling=conv.sampler.params.to_dict() | {"seed": conv.sampler.seed},
+        tokens=st["tokens"],
+        n_dropped=st["n_dropped"],
+        n_keep=st["n_keep"],
+        state=branches.ctx.state_get_data(),
+        extra=extra,
+    )
     return save_session(path, data, force)
 
 
@@ -110,15 +137,24 @@ def _check_listed(info, n_seq_max: int, where: str) -> list:
     if not isinstance(info, dict) or not isinstance(info.get("list"), list) or not info["list"]:
         raise SessionError(f"{where}: invalid branch list")
     if info.get("n_seq_max") != n_seq_max:
-        raise SessionError(f"{where}: saved with --parallel {info.get('n_seq_max')}, this chat has "
-                           f"--parallel {n_seq_max} (restart with matching --parallel)")
+        raise SessionError(
+            f"{where}: saved with --parallel {info.get('n_seq_max')}, this chat has "
+            f"--parallel {n_seq_max} (restart with matching --parallel)"
+        )
     seen = set()
     for b in info["list"]:
-        ok = (isinstance(b, dict) and isinstance(b.get("name"), str) and isinstance(b.get("seq"), int)
-              and 0 <= b["seq"] < n_seq_max and isinstance(b.get("messages"), list)
-              and isinstance(b.get("tokens"), list) and isinstance(b.get("n_dropped"), int)
-              and isinstance(b.get("n_keep"), int) and isinstance(b.get("sampling"), dict)
-              and b["seq"] not in seen)
+        ok = (
+            isinstance(b, dict)
+            and isinstance(b.get("name"), str)
+            and isinstance(b.get("seq"), int)
+            and 0 <= b["seq"] < n_seq_max
+            and isinstance(b.get("messages"), list)
+            and isinstance(b.get("tokens"), list)
+            and isinstance(b.get("n_dropped"), int)
+            and isinstance(b.get("n_keep"), int)
+            and isinstance(b.get("sampling"), dict)
+            and b["seq"] not in seen
+        )
         if not ok:
             raise SessionError(f"{where}: invalid branch entry")
         seen.add(b["seq"])
@@ -133,6 +169,7 @@ def load_all(path, branches, identity: dict, cache: dict, n_vocab: int | None = 
     from kvchat.cli.session.session import load_conversation, load_session
     from kvchat.runtime.chat.branches import clone_conversation
     from kvchat.runtime.sampling import Sampler, SamplingParams
+
     data = load_session(path, identity, cache, n_vocab)
     info = (data.extra or {}).get("branches")
     base = branches.conv

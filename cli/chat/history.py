@@ -6,6 +6,7 @@ atomically when it had grown past that, stores text that is not valid UTF-8 with
 gives up quietly (history in memory only) when the file cannot be read or written — the chat
 never fails over its history.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -48,7 +49,7 @@ class BoundedFileHistory(FileHistory):
         except OSError:
             self._broken = True
             return []
-        kept = newest_first[:self.max_entries]
+        kept = newest_first[: self.max_entries]
         while kept and sum(len(e) + 40 for e in kept) > self.max_bytes:
             kept.pop()
         if len(kept) < len(newest_first):
@@ -57,6 +58,7 @@ class BoundedFileHistory(FileHistory):
 
     def _rewrite(self, oldest_first: list[str]) -> None:
         from kvchat.runtime.memory.state import atomic_write
+
         try:
             atomic_write(self.filename, "".join(_entry_text(e) for e in oldest_first).encode("utf-8", "replace"))
         except OSError:

@@ -6,6 +6,7 @@ prompt_toolkit's mouse handler then fails to parse it, prints "Unhandled excepti
 loop" and waits for Enter. `safe_mouse_bindings` wraps that handler: a report that does not
 parse is inserted as the text it was, and the chat goes on.
 """
+
 from __future__ import annotations
 
 from prompt_toolkit.key_binding import KeyBindings

@@ -6,6 +6,7 @@ as they are produced; everything else (notices, timings, tables, spinners) goes 
 imported when something is first shown on stderr (a spinner, a notice): a `kvchat run` whose
 stderr is not a terminal and that has nothing to say never imports it (~0.05 s of a start).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ class Renderer:
         """The stderr console (made, and rich imported, on first use)."""
         if self._err is None:
             from rich.console import Console
+
             self._err = Console(stderr=True, highlight=False)
         return self._err
 
@@ -80,6 +82,7 @@ class Renderer:
         self.out_lost = True
         try:  # the interpreter's final flush of stdout would fail again, with a traceback
             import os
+
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
@@ -104,9 +107,14 @@ class Renderer:
             from rich.console import Console
             from rich.live import Live
             from rich.text import Text
+
             if self._live is None:
-                self._live = Live(Text(""), console=Console(file=self.out, highlight=False),
-                                  auto_refresh=False, vertical_overflow="visible")
+                self._live = Live(
+                    Text(""),
+                    console=Console(file=self.out, highlight=False),
+                    auto_refresh=False,
+                    vertical_overflow="visible",
+                )
                 self._live.start()
             self._live.update(Text("".join(self._text)), refresh=True)
         else:
@@ -127,6 +135,7 @@ class Renderer:
             return
         if self._live is not None:
             from rich.markdown import Markdown  # markdown-it + pygments: only with --markdown
+
             self._live.update(Markdown(text), refresh=True)
             self._live.stop()
             self._live = None
@@ -134,6 +143,7 @@ class Renderer:
             try:
                 from rich.console import Console
                 from rich.markdown import Markdown
+
                 Console(file=self.out, highlight=False).print(Markdown(text))
             except (BrokenPipeError, ValueError, OSError):
                 self._lose_out()
@@ -151,19 +161,23 @@ class Renderer:
     def notice(self, text: str) -> None:
         """One dim line (context shifts, stops, saves)."""
         from rich.text import Text
+
         self._break_line()
         self.err.print(Text(text, style="dim"))
 
     def warn(self, text: str) -> None:
         from rich.text import Text
+
         self.err.print(Text(text, style="yellow"))
 
     def error(self, text: str) -> None:
         from rich.text import Text
+
         self.err.print(Text(f"error: {text}", style="bold red"))
 
     def timings(self, stats) -> None:
         from rich.text import Text
+
         self.err.print(Text(timings_line(stats), style="dim"))
 
     @contextlib.contextmanager
@@ -177,6 +191,7 @@ class Renderer:
 
     def verbose_prompt(self, vocab, ids) -> None:
         from rich.text import Text
+
         self.err.print(Text(f"prompt: {len(ids)} new tokens", style="dim"))
         for t in ids:
             piece = vocab.token_to_piece(int(t), True).decode("utf-8", errors="replace")
@@ -186,21 +201,23 @@ class Renderer:
 
     def stats(self, conv) -> None:
         from rich.table import Table
+
         s = conv.last_stats
         t = Table(title="last turn", show_header=False, box=None, pad_edge=False)
-        t.add_row("prompt tokens decoded", str(s.n_prompt), f"{s.t_prompt * 1000:.0f} ms",
-                  f"{s.prompt_tps:.1f} t/s")
+        t.add_row("prompt tokens decoded", str(s.n_prompt), f"{s.t_prompt * 1000:.0f} ms", f"{s.prompt_tps:.1f} t/s")
         t.add_row("answer tokens", str(s.n_gen), f"{s.t_gen * 1000:.0f} ms", f"{s.gen_tps:.1f} t/s")
         t.add_row("stopped by", s.stop or "-", "", "")
         t.add_row("dropped by context shift", str(s.n_shifted), "", "")
-        t.add_row("context", f"{conv.n_cached}/{conv.n_ctx}", f"{len(conv.tokens)} in total",
-                  f"{conv.n_dropped} dropped")
+        t.add_row(
+            "context", f"{conv.n_cached}/{conv.n_ctx}", f"{len(conv.tokens)} in total", f"{conv.n_dropped} dropped"
+        )
         t.add_row("messages", str(len(conv.messages)), "", "")
         self.err.print(t)
 
     def memory(self, breakdown: dict, weights_bytes: int | None = None) -> None:
         """/mem: weights, KV caches (per layer kind and type), outputs."""
         from rich.table import Table
+
         t = Table(title="memory", box=None, pad_edge=False)
         t.add_column("buffer")
         t.add_column("detail")
@@ -208,18 +225,24 @@ class Renderer:
         if weights_bytes is not None:
             t.add_row("weights", "mmap of the GGUF (quantized blocks)", f"{weights_bytes / MIB:.2f}")
         for name, mem in kv_breakdowns(breakdown.get("memory", breakdown)):
-            detail = (f"{mem.get('kv_size', '?')} cells × {mem.get('n_layer', '?')} layers, "
-                      f"K {mem.get('type_k', '?')} {mem.get('k_bytes', 0) / MIB:.2f} MiB, "
-                      f"V {mem.get('type_v', '?')} {mem.get('v_bytes', 0) / MIB:.2f} MiB")
-            t.add_row(f"KV cache{(' (' + name + ')') if name else ''}", detail,
-                      f"{mem.get('total_bytes', 0) / MIB:.2f}")
+            detail = (
+                f"{mem.get('kv_size', '?')} cells × {mem.get('n_layer', '?')} layers, "
+                f"K {mem.get('type_k', '?')} {mem.get('k_bytes', 0) / MIB:.2f} MiB, "
+                f"V {mem.get('type_v', '?')} {mem.get('v_bytes', 0) / MIB:.2f} MiB"
+            )
+            t.add_row(
+                f"KV cache{(' (' + name + ')') if name else ''}", detail, f"{mem.get('total_bytes', 0) / MIB:.2f}"
+            )
         for name, rec in recurrent_breakdowns(breakdown.get("memory", breakdown)):
-            detail = (f"{rec['mem_size']} cells × {rec['n_layer']} layers, "
-                      f"R {rec['type_r']} {rec['r_bytes'] / MIB:.2f} MiB, S {rec['type_s']} "
-                      f"{rec['s_bytes'] / MIB:.2f} MiB ({(rec['r_bytes'] + rec['s_bytes']) // max(1, rec['mem_size']):,} "
-                      f"bytes per sequence)")
-            t.add_row(f"recurrent states{(' (' + name + ')') if name else ''}", detail,
-                      f"{rec['total_bytes'] / MIB:.2f}")
+            detail = (
+                f"{rec['mem_size']} cells × {rec['n_layer']} layers, "
+                f"R {rec['type_r']} {rec['r_bytes'] / MIB:.2f} MiB, S {rec['type_s']} "
+                f"{rec['s_bytes'] / MIB:.2f} MiB ({(rec['r_bytes'] + rec['s_bytes']) // max(1, rec['mem_size']):,} "
+                f"bytes per sequence)"
+            )
+            t.add_row(
+                f"recurrent states{(' (' + name + ')') if name else ''}", detail, f"{rec['total_bytes'] / MIB:.2f}"
+            )
         if "output_bytes" in breakdown:
             t.add_row("compute: logits", "output buffer", f"{breakdown['output_bytes'] / MIB:.2f}")
         total = breakdown.get("total_bytes", 0) + (weights_bytes or 0)
@@ -229,6 +252,7 @@ class Renderer:
     def kv_map(self, memory, seq_names=None, max_cells: int = 512) -> None:
         """/kv: every cell of each cache — sequence and position, empty cells, the head."""
         from rich.text import Text
+
         for name, cache in kv_caches(memory):
             for strm, cells in enumerate(cache.cells):
                 size = int(cells.pos.shape[0])
@@ -238,8 +262,7 @@ class Renderer:
                 if size > max_cells:
                     last = int(cells.used_max_p1()) if hasattr(cells, "used_max_p1") else size
                     shown = min(size, max(64, (max(last, head + 1) + 63) // 64 * 64))
-                title = (f"KV cache{(' ' + name) if name else ''}, stream {strm}: {used}/{size} cells "
-                         f"used, head {head}")
+                title = f"KV cache{(' ' + name) if name else ''}, stream {strm}: {used}/{size} cells used, head {head}"
                 self.err.print(Text(title, style="bold"))
                 self.err.print(kv_grid(cells.pos[:shown], cells.seq[:shown], head))
                 if shown < size:
@@ -248,8 +271,13 @@ class Renderer:
             c = rec.cells
             used = int(c.seq.any(axis=1).sum())
             per_cell = 4 * (rec.n_embd_r + rec.n_embd_s) * len(rec.layers)
-            self.err.print(Text(f"recurrent states: {used}/{rec.size} cells used, {per_cell:,} bytes "
-                                f"of state per cell ({len(rec.layers)} layers)", style="bold"))
+            self.err.print(
+                Text(
+                    f"recurrent states: {used}/{rec.size} cells used, {per_cell:,} bytes "
+                    f"of state per cell ({len(rec.layers)} layers)",
+                    style="bold",
+                )
+            )
             self.err.print(kv_grid(c.pos, c.seq, -1))
         self.err.print(Text("cell = s<seq>:<pos> · '····' empty · reverse = head", style="dim"))
 
@@ -277,6 +305,7 @@ SEQ_STYLES = ["cyan", "green", "magenta", "yellow", "blue", "red"]
 def kv_grid(pos, seq, head: int, per_row: int = 8) -> Text:
     """pos i32 [n], seq bool [n, n_seq_max] → rows of cells like `s0:12`."""
     from rich.text import Text
+
     out = Text()
     n = int(pos.shape[0])
     for i in range(n):

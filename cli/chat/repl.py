@@ -10,6 +10,7 @@ With --session the chat saves after every turn to its target file, locked for th
 life; /load of another file moves the target there (and says so), so the --session file is never
 overwritten by a conversation it did not hold. /clear empties the file too.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -21,8 +22,8 @@ from pathlib import Path
 from kvchat.cli.chat.setup import apply_saved_sampling, sigint_sets
 from kvchat.cli.options import CACHE, CONVERSATION, LIVE, LIVE_BY_KEY, OUTPUT, SAMPLING, parse_value
 from kvchat.cli.wording import error_text, stop_text
-from kvchat.runtime.generate import Interrupted
 from kvchat.runtime.errors import KvchatError, ModelOutputError
+from kvchat.runtime.generate import Interrupted
 from kvchat.runtime.sampling import Sampler, SamplingParams
 
 TRIPLE = '"""'
@@ -36,9 +37,9 @@ COMMANDS = {
     "/system": "/system TEXT sets the system prompt; /system alone shows it; /system - removes it",
     "/set": f"/set PARAM VALUE ({', '.join(o.key for o in LIVE)}); /set alone lists",
     "/save": "/save FILE: save the conversation and its cache state (/save! FILE replaces a "
-             "file that is not a session); quote names with spaces",
+    "file that is not a session); quote names with spaces",
     "/load": "/load FILE: resume a saved conversation (no tokens re-processed); with --session, "
-             "later turns are saved to FILE",
+    "later turns are saved to FILE",
     "/stats": "tokens and speeds of the last turn, context use",
     "/mem": "memory: weights, KV cache per layer kind and type, outputs",
     "/kv": "map of the KV cache cells: sequence and position of each cell, empty cells, head",
@@ -48,6 +49,7 @@ from kvchat.cli.chat.branches import BRANCH_COMMANDS, BranchCommands  # noqa: E4
 COMMANDS.update(BRANCH_COMMANDS)
 ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help", "/save!": "/save"}
 LEAVE_HINT = "(Ctrl-D or /exit leaves the chat)"
+
 
 def file_argument(arg: str, command: str) -> Path:
     """The one FILE argument of /save or /load, quoted as a shell would ("my talk.kvs"), ~ expanded."""
@@ -63,11 +65,13 @@ def file_argument(arg: str, command: str) -> Path:
 
 def history_path() -> Path:
     from kvchat.cli.sources.models import cache_dir
+
     return cache_dir() / "history"
 
 
 def _read_stdin_line(prompt: str) -> str:
     from kvchat.runtime.text.utf8 import read_stream_line
+
     line = read_stream_line(sys.stdin)  # bad bytes -> U+FFFD, whatever the locale's error mode
     if not line:
         raise EOFError
@@ -77,10 +81,12 @@ def _read_stdin_line(prompt: str) -> str:
 class Repl(BranchCommands):
     def __init__(self, engine, conv, settings, renderer, session_factory=None, target=None):
         from kvchat.cli.session.file import AutosaveTarget
+
         self.engine = engine
         self.target = target if target is not None else AutosaveTarget(None)
         self._bang = False
         from kvchat.runtime.chat.branches import BranchConversation, Branches, clone_conversation
+
         if not isinstance(conv, BranchConversation):  # (it refuses to shift shared cells)
             conv = clone_conversation(conv, conv.seq_id)
         self.conv = conv
@@ -97,8 +103,10 @@ class Repl(BranchCommands):
         c = self.engine.cache
         shift = "" if self.conv.config.context_shift else " · no shift"
         branch = f" [{self.branches.current}]" if len(self.branches.items) > 1 else ""
-        return (f"{branch} ctx {self.conv.n_cached}/{self.conv.n_ctx} · {c['type_k']}/{c['type_v']}"
-                f"{shift} · {self.engine.identity['file']} · /help ")
+        return (
+            f"{branch} ctx {self.conv.n_cached}/{self.conv.n_ctx} · {c['type_k']}/{c['type_v']}"
+            f"{shift} · {self.engine.identity['file']} · /help "
+        )
 
     def _make_prompt(self):
         from prompt_toolkit import PromptSession
@@ -123,8 +131,7 @@ class Repl(BranchCommands):
                 run_in_terminal(lambda: self.r.notice(LEAVE_HINT))
 
         history = open_history(history_path())
-        return PromptSession(history=history, key_bindings=kb, bottom_toolbar=self.toolbar,
-                             enable_history_search=False)
+        return PromptSession(history=history, key_bindings=kb, bottom_toolbar=self.toolbar, enable_history_search=False)
 
     def read(self) -> str | None:
         """One message (None at end of input). A line starting with \"\"\" opens a block."""
@@ -145,9 +152,9 @@ class Repl(BranchCommands):
             return ""
         if not line.lstrip().startswith(TRIPLE):
             return line
-        body = line.lstrip()[len(TRIPLE):]
+        body = line.lstrip()[len(TRIPLE) :]
         if body.rstrip().endswith(TRIPLE) and body.strip():
-            return body.rstrip()[:-len(TRIPLE)]
+            return body.rstrip()[: -len(TRIPLE)]
         lines = [body] if body else []
         while True:
             try:
@@ -155,7 +162,7 @@ class Repl(BranchCommands):
             except EOFError:
                 return "\n".join(lines)
             if more.rstrip().endswith(TRIPLE):
-                lines.append(more.rstrip()[:-len(TRIPLE)])
+                lines.append(more.rstrip()[: -len(TRIPLE)])
                 return "\n".join(x for x in lines).rstrip("\n") if lines else ""
             lines.append(more)
 
@@ -164,8 +171,10 @@ class Repl(BranchCommands):
     def banner(self) -> None:
         e, c = self.engine, self.engine.cache
         fa = "on" if c["flash_attn"] else "off"
-        self.r.notice(f"kvchat · {e.identity['file']} · ctx {self.conv.n_ctx} · K {c['type_k']} "
-                      f"V {c['type_v']} · flash-attn {fa} · seed {self.conv.sampler.seed}")
+        self.r.notice(
+            f"kvchat · {e.identity['file']} · ctx {self.conv.n_ctx} · K {c['type_k']} "
+            f"V {c['type_v']} · flash-attn {fa} · seed {self.conv.sampler.seed}"
+        )
         self.r.notice('/help for commands · Alt-Enter or """ for several lines · Ctrl-C stops an answer')
 
     def run(self) -> None:
@@ -227,22 +236,24 @@ class Repl(BranchCommands):
         if path is None or not (self.conv.messages or (even_empty and path.exists())):
             return
         from kvchat.cli.chat.branches import save_all
+
         try:
-            save_all(path, self.branches, self.engine.identity, self.engine.cache,
-                     force=self.settings.force)
+            save_all(path, self.branches, self.engine.identity, self.engine.cache, force=self.settings.force)
         except KvchatError as e:
             self.r.error(str(e))
 
     def resume(self, path) -> None:
         """Load a session at startup; SessionError propagates (the program exits, file untouched)."""
         from kvchat.cli.chat.branches import load_all
-        data = load_all(path, self.branches, self.engine.identity, self.engine.cache,
-                        self.engine.vocab.n_vocab)
+
+        data = load_all(path, self.branches, self.engine.identity, self.engine.cache, self.engine.vocab.n_vocab)
         self._follow()
         if "branches" not in (data.extra or {}):
             apply_saved_sampling(self.conv, data.sampling, self.settings)
-        self.r.notice(f"resumed {path}: {self.conv.n_cached} tokens in the cache, "
-                      f"{len(self.conv.messages)} messages (nothing re-processed)")
+        self.r.notice(
+            f"resumed {path}: {self.conv.n_cached} tokens in the cache, "
+            f"{len(self.conv.messages)} messages (nothing re-processed)"
+        )
 
     # ---- slash commands ---------------------------------------------------------------------
 
@@ -261,6 +272,7 @@ class Repl(BranchCommands):
 
     def cmd_help(self, arg: str) -> None:
         from rich.table import Table
+
         t = Table(show_header=False, box=None, pad_edge=False)
         for name, what in COMMANDS.items():
             t.add_row(name, what)
@@ -284,8 +296,11 @@ class Repl(BranchCommands):
 
     def cmd_system(self, arg: str) -> None:
         if not arg:
-            self.r.notice(f"system prompt: {self.conv.system_prompt!r}" if self.conv.system_prompt
-                          else "no system prompt (the template's default applies, if it has one)")
+            self.r.notice(
+                f"system prompt: {self.conv.system_prompt!r}"
+                if self.conv.system_prompt
+                else "no system prompt (the template's default applies, if it has one)"
+            )
             return
         self.conv.set_system(None if arg == "-" else arg)
         self.r.notice("system prompt removed" if arg == "-" else "system prompt set (applies from the next turn)")
@@ -343,23 +358,25 @@ class Repl(BranchCommands):
         path = file_argument(arg, "/save")
         from kvchat.cli.chat.branches import save_all
         from kvchat.cli.session.file import SessionLock
+
         force = self._bang or self.settings.force
         if self.target.is_target(path):
             size = save_all(path, self.branches, self.engine.identity, self.engine.cache, force=force)
         else:
             with SessionLock(path):  # not over a file another chat is using
-                size = save_all(path, self.branches, self.engine.identity, self.engine.cache,
-                                force=force)
-        self.r.notice(f"saved {len(self.conv.messages)} messages, {self.conv.n_cached} cached tokens "
-                      f"to {path} ({size / 1024:.0f} KiB)")
+                size = save_all(path, self.branches, self.engine.identity, self.engine.cache, force=force)
+        self.r.notice(
+            f"saved {len(self.conv.messages)} messages, {self.conv.n_cached} cached tokens "
+            f"to {path} ({size / 1024:.0f} KiB)"
+        )
 
     def cmd_load(self, arg: str) -> None:
         path = file_argument(arg, "/load")
         from kvchat.cli.chat.branches import load_all
+
         lock = self.target.claim(path)  # another process's file: refused before anything changes
         try:
-            data = load_all(path, self.branches, self.engine.identity, self.engine.cache,
-                            self.engine.vocab.n_vocab)
+            data = load_all(path, self.branches, self.engine.identity, self.engine.cache, self.engine.vocab.n_vocab)
             self._follow()
         except BaseException:
             if lock is not None:
@@ -367,8 +384,10 @@ class Repl(BranchCommands):
             raise
         if "branches" not in (data.extra or {}):
             apply_saved_sampling(self.conv, data.sampling, None)
-        self.r.notice(f"loaded {path}: {len(self.conv.messages)} messages, {self.conv.n_cached} "
-                      "cached tokens (nothing re-processed)")
+        self.r.notice(
+            f"loaded {path}: {len(self.conv.messages)} messages, {self.conv.n_cached} "
+            "cached tokens (nothing re-processed)"
+        )
         if lock is not None:
             old = self.target.adopt(path, lock)
             self.r.notice(f"autosave now goes to {path} ({old} is left as it was)")
@@ -382,6 +401,7 @@ class Repl(BranchCommands):
         from kvchat.kernels.ggml_types import cache_type_by_name
         from kvchat.runtime.memory.interface import MemoryOpError
         from kvchat.runtime.memory.kv_convert import convert_context_cache_types
+
         ctx = self.engine.ctx
         value = cache_type_by_name(value).name  # ValueError "invalid cache type ..." -> one line
         tk, tv = (value, ctx.params.type_v) if name == "cache_type_k" else (ctx.params.type_k, value)
@@ -396,8 +416,10 @@ class Repl(BranchCommands):
         model = self.engine.model
         self.r.memory(self.engine.ctx.memory_breakdown(), getattr(model, "size_bytes", None))
         from kvchat.runtime.eval.kv_sweep import kv_footprint
+
         ctx = self.engine.ctx
         per_tok, at_ctx = kv_footprint(model.hparams, ctx.params.type_k, ctx.params.type_v, ctx.n_ctx)
-        self.r.notice(f"KV cache K {ctx.params.type_k} / V {ctx.params.type_v}: {per_tok:,} bytes per "
-                      f"token ({at_ctx / 2**20:.2f} MiB for a full {ctx.n_ctx}-token context)")
-
+        self.r.notice(
+            f"KV cache K {ctx.params.type_k} / V {ctx.params.type_v}: {per_tok:,} bytes per "
+            f"token ({at_ctx / 2**20:.2f} MiB for a full {ctx.n_ctx}-token context)"
+        )

@@ -7,6 +7,7 @@ make_conversation = the Conversation on it, its notices worded by cli/wording.py
 Ctrl-C handling while an answer streams, the --session lock, and sampling settings taken
 from a resumed session. The REPL and both commands import this module; it imports neither.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.cli.options import ChatSettings
 from kvchat.cli.chat.render import Renderer
+from kvchat.cli.options import ChatSettings
 from kvchat.cli.wording import event_text
 from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
 from kvchat.runtime.errors import KvchatError
@@ -27,10 +28,10 @@ from kvchat.runtime.sampling import Sampler, SamplingParams
 class Engine:
     model: object
     ctx: object
-    template: object          # ChatTemplate, or None when the model has none and none was given
-    has_template: bool        # the model (or --chat-template-file) provides one
-    identity: dict            # session.model_identity
-    cache: dict               # session.cache_config
+    template: object  # ChatTemplate, or None when the model has none and none was given
+    has_template: bool  # the model (or --chat-template-file) provides one
+    identity: dict  # session.model_identity
+    cache: dict  # session.cache_config
 
     @property
     def vocab(self):
@@ -41,34 +42,46 @@ FIRST_RUN = "compiling kernels, first run only (a few minutes; cached afterwards
 AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
 
 
-def open_engine(settings: ChatSettings, renderer: Renderer, stop_event, n_seq_max: int = 1,
-                kv_unified: bool = True, skip_cached_warm_up: bool = False) -> Engine:
+def open_engine(
+    settings: ChatSettings,
+    renderer: Renderer,
+    stop_event,
+    n_seq_max: int = 1,
+    kv_unified: bool = True,
+    skip_cached_warm_up: bool = False,
+) -> Engine:
     """Model + Context + template from the flags; KvchatError (one line) for bad input.
     skip_cached_warm_up (`run`): no warm-up when it would only load cached kernels — the
     prompt loads them next anyway; the chat keeps it, as it runs while the user reads the prompt
     and would otherwise land in the first answer."""
-    from kvchat.cli.sources.models import resolve_model
     from kvchat.cli.session.session import cache_config, model_identity
-    from kvchat.runtime.text.chat_template import ChatTemplate
+    from kvchat.cli.sources.models import resolve_model
+    from kvchat.kernels.jit_cache import kernels_compiled
     from kvchat.runtime.context import Context
     from kvchat.runtime.model import Model
+    from kvchat.runtime.text.chat_template import ChatTemplate
 
-    from kvchat.kernels.jit_cache import kernels_compiled
     path = resolve_model(settings.model, renderer.err_console)
     first_run = not kernels_compiled()  # numba compiles while loading and warming up
     with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
         model = Model.load(path)
-    ctx = Context(model, settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified),
-                  abort_callback=stop_event.is_set)
+    ctx = Context(
+        model,
+        settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified),
+        abort_callback=stop_event.is_set,
+    )
     if not n_seq_max:  # auto: room for branches in a KV cache; a recurrent state per sequence costs more
         from kvchat.runtime.serving.prompt_cache import kv_caches
+
         if kv_caches(ctx.memory) is None:
-            ctx = Context(model, settings.context_params(n_seq_max=1, kv_unified=kv_unified),
-                          abort_callback=stop_event.is_set)
+            ctx = Context(
+                model, settings.context_params(n_seq_max=1, kv_unified=kv_unified), abort_callback=stop_event.is_set
+            )
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
     warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
     from kvchat.runtime.weights.os_memory import release_library_pages
+
     release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
     if settings.chat_template_file is not None:
         template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
@@ -84,32 +97,50 @@ def warm_up_kernels(ctx, model, path, renderer, first_run: bool, skip_if_cached:
     first run (the parallel twins too), 2 otherwise. With skip_if_cached, not when the kernels a
     warm-up of this model and context loaded before are all still in numba's cache
     (kernels/warm_set.py): then it would only load them, which the prompt does anyway."""
-    import os
     from kvchat.kernels import warm_set
+
     st = os.stat(path)
-    name = warm_set.name_for(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, ctx.cparams,
-                             sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_")))
+    name = warm_set.name_for(
+        str(Path(path).resolve()),
+        st.st_size,
+        st.st_mtime_ns,
+        ctx.cparams,
+        sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_")),
+    )
     if skip_if_cached and not first_run and warm_set.covered(name):
         return
     with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
         from kvchat.runtime.generate import warm_up
+
         bos = getattr(model.vocab, "bos", None)
         warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64 if first_run else 2)
     warm_set.record(name)
 
 
-def make_conversation(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event,
-                      raw: bool = False) -> Conversation:
-    config = ConversationConfig(n_predict=settings.n_predict, context_shift=settings.context_shift,
-                                keep=settings.keep, ignore_eos=settings.ignore_eos, raw=raw,
-                                system_prompt=None if raw else settings.system_prompt)
+def make_conversation(
+    engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event, raw: bool = False
+) -> Conversation:
+    config = ConversationConfig(
+        n_predict=settings.n_predict,
+        context_shift=settings.context_shift,
+        keep=settings.keep,
+        ignore_eos=settings.ignore_eos,
+        raw=raw,
+        system_prompt=None if raw else settings.system_prompt,
+    )
     try:
         sampler = Sampler(settings.sampling())
     except ValueError as e:
         raise KvchatError(str(e)) from None
-    conv = Conversation(engine.ctx, engine.vocab, None if raw else engine.template, sampler, config,
-                        notify=lambda event: renderer.notice(event_text(event)),
-                        stop_event=stop_event)
+    conv = Conversation(
+        engine.ctx,
+        engine.vocab,
+        None if raw else engine.template,
+        sampler,
+        config,
+        notify=lambda event: renderer.notice(event_text(event)),
+        stop_event=stop_event,
+    )
     if settings.verbose_prompt:
         conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
     return conv
@@ -160,9 +191,11 @@ def should_resume(settings, renderer) -> bool:
         return False
     if settings.force:
         from kvchat.cli.session.file import is_session_file
+
         if not is_session_file(path):
-            renderer.notice(f"{path} is not a kvchat session: starting a new conversation "
-                            "(--force: the first save replaces it)")
+            renderer.notice(
+                f"{path} is not a kvchat session: starting a new conversation (--force: the first save replaces it)"
+            )
             return False
     return True
 
@@ -173,7 +206,9 @@ def hold_session_lock(path):
     if path is None:
         return None
     import atexit
+
     from kvchat.cli.session.file import SessionLock
+
     lock = SessionLock(path).acquire()
     atexit.register(lock.release)  # removes the lock file; the kernel drops the lock anyway
     return lock

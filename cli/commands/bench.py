@@ -6,6 +6,7 @@ Tests: `pp N` decodes N random tokens as batches of n_batch (only the last token
 of the weights) and then `-r` timed repetitions on a cleared memory; t/s is reported as mean ±
 standard deviation over the repetitions, in llama-bench's markdown table or as --json.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from kvchat.runtime.errors import KvchatError
 def _fill(ctx, tokens, pos0=0):
     """Decode tokens into sequence 0 in n_batch pieces (no logits kept: only the cost counts)."""
     from kvchat.runtime.generate import DecodeError, decode_tokens
+
     try:
         decode_tokens(ctx, tokens, pos0, 0, logits="none")
     except DecodeError as e:
@@ -35,6 +37,7 @@ def run_test(ctx, kind: str, n: int, depth: int, rng) -> float:
     pp: n random tokens decoded as a prompt. tg: n tokens one at a time through generate(),
     the chat's own loop, drawing random tokens instead of sampling (llama-bench's tg)."""
     from kvchat.runtime.generate import generate
+
     n_vocab = ctx.model.hparams.n_vocab
     ctx.memory.clear(True)
     if depth:
@@ -46,8 +49,7 @@ def run_test(ctx, kind: str, n: int, depth: int, rng) -> float:
     else:
         # the prompt token, then n - 1 decoded steps (the n-th drawn token is not decoded)
         source = iter(toks[1:] + toks[:1])
-        steps = generate(ctx, lambda logits: next(source), prompt=toks[:1], pos0=depth,
-                         max_tokens=n)
+        steps = generate(ctx, lambda logits: next(source), prompt=toks[:1], pos0=depth, max_tokens=n)
         for _ in steps:
             pass
         if steps.n_decoded != n - 1:
@@ -60,8 +62,7 @@ def model_desc(model) -> str:
     return f"{model.hparams.arch} {label} {model.ftype_name}"
 
 
-BENCH_FLAGS = ("model", "hf_repo", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v",
-               "flash_attn")
+BENCH_FLAGS = ("model", "hf_repo", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v", "flash_attn")
 
 
 def register(app: typer.Typer) -> None:
@@ -86,6 +87,7 @@ def register(app: typer.Typer) -> None:
         cache_type_k, cache_type_v, threads = settings.cache_type_k, settings.cache_type_v, settings.threads
         n_batch = ctx.cparams.n_batch
         import numba
+
         n_threads = threads or numba.get_num_threads()
         rows = []
         rng = np.random.default_rng(1234)
@@ -98,20 +100,36 @@ def register(app: typer.Typer) -> None:
             warm = time.perf_counter() - t0
             speeds = [run_test(ctx, kind, n, depth, rng) for _ in range(reps)]
             name = f"{kind}{n}" + (f" @ d{depth}" if depth else "")
-            rows.append(dict(model=model_desc(m), model_filename=str(m.path), size_bytes=m.size_bytes,
-                             n_params=m.n_params, n_threads=n_threads, type_k=cache_type_k,
-                             type_v=cache_type_v, flash_attn=bool(ctx.cparams.flash_attn),
-                             n_batch=n_batch, n_ubatch=ctx.cparams.n_ubatch, test=name,
-                             n_prompt=n if kind == "pp" else 0, n_gen=n if kind == "tg" else 0,
-                             n_depth=depth, avg_ts=statistics.mean(speeds),
-                             stddev_ts=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
-                             samples_ts=speeds, warmup_s=warm))
+            rows.append(
+                dict(
+                    model=model_desc(m),
+                    model_filename=str(m.path),
+                    size_bytes=m.size_bytes,
+                    n_params=m.n_params,
+                    n_threads=n_threads,
+                    type_k=cache_type_k,
+                    type_v=cache_type_v,
+                    flash_attn=bool(ctx.cparams.flash_attn),
+                    n_batch=n_batch,
+                    n_ubatch=ctx.cparams.n_ubatch,
+                    test=name,
+                    n_prompt=n if kind == "pp" else 0,
+                    n_gen=n if kind == "tg" else 0,
+                    n_depth=depth,
+                    avg_ts=statistics.mean(speeds),
+                    stddev_ts=statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
+                    samples_ts=speeds,
+                    warmup_s=warm,
+                )
+            )
         if as_json:
             print(json.dumps(rows, indent=2))
             return
         print("| model | size | params | backend | threads | type_k | type_v | fa | test | t/s |")
         print("| ----- | ---: | -----: | ------- | ------: | -----: | -----: | -: | ---: | --: |")
         for r in rows:
-            print(f"| {r['model']} | {r['size_bytes'] / 2**20:.2f} MiB | {r['n_params'] / 1e6:.2f} M | "
-                  f"CPU (numba) | {r['n_threads']} | {r['type_k']} | {r['type_v']} | "
-                  f"{int(r['flash_attn'])} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
+            print(
+                f"| {r['model']} | {r['size_bytes'] / 2**20:.2f} MiB | {r['n_params'] / 1e6:.2f} M | "
+                f"CPU (numba) | {r['n_threads']} | {r['type_k']} | {r['type_v']} | "
+                f"{int(r['flash_attn'])} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |"
+            )

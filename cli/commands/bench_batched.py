@@ -10,6 +10,7 @@ generation throughput the batch buys.
 
 Flag names follow llama-batched-bench (`-pps` = is_pp_shared, `-kvu` = one cell pool).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,6 +48,7 @@ def _decode(ctx, batch) -> None:
 def run_case(ctx, pp: int, tg: int, pl: int, shared: bool, rng) -> dict:
     """One (PP, TG, B) test; returns the row of the table (times in seconds)."""
     from kvchat.runtime.batch import Batch
+
     n_vocab = ctx.n_vocab
     n_batch = ctx.n_batch
     ctx.memory.clear(True)
@@ -60,8 +62,15 @@ def run_case(ctx, pp: int, tg: int, pl: int, shared: bool, rng) -> dict:
             outs.append(i == pp - 1)
     t0 = time.perf_counter()
     for k in range(0, len(toks), n_batch):
-        _decode(ctx, Batch(toks[k:k + n_batch], pos=pos[k:k + n_batch], seq_ids=seqs[k:k + n_batch],
-                           logits=outs[k:k + n_batch]))
+        _decode(
+            ctx,
+            Batch(
+                toks[k : k + n_batch],
+                pos=pos[k : k + n_batch],
+                seq_ids=seqs[k : k + n_batch],
+                logits=outs[k : k + n_batch],
+            ),
+        )
     if shared:
         for j in range(1, pl):
             ctx.memory.seq_cp(0, j, -1, -1)
@@ -69,30 +78,44 @@ def run_case(ctx, pp: int, tg: int, pl: int, shared: bool, rng) -> dict:
     t1 = time.perf_counter()
     for i in range(tg):
         step = [int(t) for t in rng.integers(0, n_vocab, pl)]
-        _decode(ctx, Batch(step, pos=[pp + i] * pl, seq_ids=[[j] for j in range(pl)],
-                           logits=[True] * pl))
+        _decode(ctx, Batch(step, pos=[pp + i] * pl, seq_ids=[[j] for j in range(pl)], logits=[True] * pl))
     t_tg = time.perf_counter() - t1
     t = t_pp + t_tg
     n_pp = pp if shared else pl * pp
-    return {"n_kv_max": ctx.n_ctx, "n_batch": n_batch, "n_ubatch": ctx.n_ubatch,
-            "flash_attn": int(ctx.cparams.flash_attn), "is_pp_shared": int(shared),
-            "n_threads": ctx.n_threads, "pp": pp, "tg": tg, "pl": pl,
-            "n_kv": n_kv_required(pp, tg, pl, shared), "t_pp": t_pp,
-            "speed_pp": n_pp / t_pp if t_pp > 0 else 0.0, "t_tg": t_tg,
-            "speed_tg": pl * tg / t_tg if t_tg > 0 else 0.0, "t": t,
-            "speed": (n_pp + pl * tg) / t if t > 0 else 0.0}
+    return {
+        "n_kv_max": ctx.n_ctx,
+        "n_batch": n_batch,
+        "n_ubatch": ctx.n_ubatch,
+        "flash_attn": int(ctx.cparams.flash_attn),
+        "is_pp_shared": int(shared),
+        "n_threads": ctx.n_threads,
+        "pp": pp,
+        "tg": tg,
+        "pl": pl,
+        "n_kv": n_kv_required(pp, tg, pl, shared),
+        "t_pp": t_pp,
+        "speed_pp": n_pp / t_pp if t_pp > 0 else 0.0,
+        "t_tg": t_tg,
+        "speed_tg": pl * tg / t_tg if t_tg > 0 else 0.0,
+        "t": t,
+        "speed": (n_pp + pl * tg) / t if t > 0 else 0.0,
+    }
 
 
-HEADER = ("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |"
-          "      T s |    S t/s |\n"
-          "|-------|--------|------|--------|----------|----------|----------|----------|"
-          "----------|----------|")
+HEADER = (
+    "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |"
+    "      T s |    S t/s |\n"
+    "|-------|--------|------|--------|----------|----------|----------|----------|"
+    "----------|----------|"
+)
 
 
 def table_row(r: dict) -> str:
-    return (f"|{r['pp']:6d} | {r['tg']:6d} | {r['pl']:4d} | {r['n_kv']:6d} | {r['t_pp']:8.3f} | "
-            f"{r['speed_pp']:8.2f} | {r['t_tg']:8.3f} | {r['speed_tg']:8.2f} | {r['t']:8.3f} | "
-            f"{r['speed']:8.2f} |")
+    return (
+        f"|{r['pp']:6d} | {r['tg']:6d} | {r['pl']:4d} | {r['n_kv']:6d} | {r['t_pp']:8.3f} | "
+        f"{r['speed_pp']:8.2f} | {r['t_tg']:8.3f} | {r['speed_tg']:8.2f} | {r['t']:8.3f} | "
+        f"{r['speed']:8.2f} |"
+    )
 
 
 # the shared context / cache flags (cli/options.py); -c 0 here means "what the largest test needs"
@@ -106,21 +129,27 @@ def register(app: typer.Typer) -> None:
         npp: str = typer.Option("128", "-npp", help="prompt lengths, comma-separated"),
         ntg: str = typer.Option("64", "-ntg", help="generated tokens per sequence, comma-separated"),
         npl: str = typer.Option("1,2,4,8", "-npl", help="parallel sequence counts, comma-separated"),
-        pps: bool = typer.Option(False, "-pps", help="the prompt is shared by all sequences "
-                                 "(decoded once, seq_cp'd); default: one prompt per sequence"),
-        kv_unified: bool = typer.Option(True, "-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
-                                        help="one cell pool for all sequences (else a stream each)"),
+        pps: bool = typer.Option(
+            False,
+            "-pps",
+            help="the prompt is shared by all sequences (decoded once, seq_cp'd); default: one prompt per sequence",
+        ),
+        kv_unified: bool = typer.Option(
+            True,
+            "-kvu/-no-kvu",
+            "--kv-unified/--no-kv-unified",
+            help="one cell pool for all sequences (else a stream each)",
+        ),
         output_format: str = typer.Option("md", "--output-format", help="md or jsonl"),
         settings: ChatSettings = None,
     ):
         """Speeds with B sequences per decode, llama-batched-bench style (PP, TG, B, N_KV, ...)."""
         model, ctx_size, threads = settings.model, settings.ctx_size, settings.threads
         batch_size, ubatch_size = settings.batch_size, settings.ubatch_size
-        cache_type_k, cache_type_v, flash_attn = (settings.cache_type_k, settings.cache_type_v,
-                                                  settings.flash_attn)
+        cache_type_k, cache_type_v, flash_attn = (settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
         from kvchat.cli.sources.models import resolve_model
         from kvchat.runtime.context import Context
-        from kvchat.runtime.cparams import CParamsError, ContextParams
+        from kvchat.runtime.cparams import ContextParams, CParamsError
         from kvchat.runtime.model import Model
 
         if output_format not in ("md", "jsonl"):
@@ -130,23 +159,38 @@ def register(app: typer.Typer) -> None:
             raise KvchatError("-npl: every sequence count must be at least 1")
         need = max(n_kv_required(p, g, b, pps) for p in pps_l for g in tgs for b in pls)
         n_seq_max = max(pls)
-        n_ctx = ctx_size or (need if kv_unified else max(n_kv_required(p, g, 1, False)
-                                                         for p in pps_l for g in tgs) * n_seq_max)
+        n_ctx = ctx_size or (
+            need if kv_unified else max(n_kv_required(p, g, 1, False) for p in pps_l for g in tgs) * n_seq_max
+        )
         m = Model.load(resolve_model(model))
         try:
-            ctx = Context(m, ContextParams(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-                                           type_k=cache_type_k, type_v=cache_type_v,
-                                           flash_attn=flash_attn, n_threads=threads,
-                                           n_seq_max=n_seq_max, kv_unified=kv_unified))
+            ctx = Context(
+                m,
+                ContextParams(
+                    n_ctx=n_ctx,
+                    n_batch=batch_size,
+                    n_ubatch=ubatch_size,
+                    type_k=cache_type_k,
+                    type_v=cache_type_v,
+                    flash_attn=flash_attn,
+                    n_threads=threads,
+                    n_seq_max=n_seq_max,
+                    kv_unified=kv_unified,
+                ),
+            )
         except CParamsError as e:
             raise KvchatError(str(e)) from None
         import numba
+
         if ctx.n_threads is None:
             ctx.n_threads = numba.get_num_threads()
         rng = np.random.default_rng(1234)
-        print(f"main: n_kv_max = {ctx.n_ctx}, n_batch = {ctx.n_batch}, n_ubatch = {ctx.n_ubatch}, "
-              f"flash_attn = {int(ctx.cparams.flash_attn)}, is_pp_shared = {int(pps)}, "
-              f"kv_unified = {int(kv_unified)}, n_threads = {ctx.n_threads}", file=sys.stderr)
+        print(
+            f"main: n_kv_max = {ctx.n_ctx}, n_batch = {ctx.n_batch}, n_ubatch = {ctx.n_ubatch}, "
+            f"flash_attn = {int(ctx.cparams.flash_attn)}, is_pp_shared = {int(pps)}, "
+            f"kv_unified = {int(kv_unified)}, n_threads = {ctx.n_threads}",
+            file=sys.stderr,
+        )
         # warm-up (numba compilation, first touch of the weights): not reported
         for pl in pls:  # each batch width once: kernel paths differ between 1 and B tokens
             if n_kv_required(min(pps_l[0], 32), 2, pl, pps) <= ctx.n_ctx_seq * (1 if kv_unified else pl):
@@ -161,8 +205,10 @@ def register(app: typer.Typer) -> None:
                     req = n_kv_required(pp, tg, pl, pps)
                     per_stream = req if kv_unified else n_kv_required(pp, tg, 1, False)
                     if per_stream > ctx.n_ctx_seq:
-                        print(f"skipping PP={pp} TG={tg} B={pl}: needs {req} cells, "
-                              f"the context has {ctx.n_ctx}", file=sys.stderr)
+                        print(
+                            f"skipping PP={pp} TG={tg} B={pl}: needs {req} cells, the context has {ctx.n_ctx}",
+                            file=sys.stderr,
+                        )
                         continue
                     r = run_case(ctx, pp, tg, pl, pps, rng)
                     print(table_row(r) if output_format == "md" else json.dumps(r), flush=True)

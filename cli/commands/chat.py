@@ -1,4 +1,5 @@
 """`kvchat chat`, the interactive default: the REPL (cli/chat/repl.py) on a Conversation."""
+
 from __future__ import annotations
 
 from pathlib import Path  # noqa: F401 (typer resolves the annotations)
@@ -6,28 +7,45 @@ from typing import Annotated
 
 import typer
 
+from kvchat.cli.chat.render import Renderer
 from kvchat.cli.chat.setup import make_conversation, open_engine, should_resume
 from kvchat.cli.options import ChatSettings, with_settings
-from kvchat.cli.chat.render import Renderer
 
 
 def register(app: typer.Typer) -> None:
     @app.command("chat")
     @with_settings
-    def chat(parallel: Annotated[int, typer.Option(
-                 "-np", "--parallel", min=0, max=64, rich_help_panel="Branches",
-                 help="sequences in the cache: branches plus /alts answers (n_seq_max; 0 = auto: "
-                      "4 for a KV cache, 1 for recurrent models)")] = 0,
-             kv_unified: Annotated[bool, typer.Option(
-                 "-kvu/-no-kvu", "--kv-unified/--no-kv-unified", rich_help_panel="Branches",
-                 help="one cell pool for every branch (shared cells), or one stream of "
-                      "n_ctx/N cells each (copies)")] = True,
-             settings: ChatSettings = None):
+    def chat(
+        parallel: Annotated[
+            int,
+            typer.Option(
+                "-np",
+                "--parallel",
+                min=0,
+                max=64,
+                rich_help_panel="Branches",
+                help="sequences in the cache: branches plus /alts answers (n_seq_max; 0 = auto: "
+                "4 for a KV cache, 1 for recurrent models)",
+            ),
+        ] = 0,
+        kv_unified: Annotated[
+            bool,
+            typer.Option(
+                "-kvu/-no-kvu",
+                "--kv-unified/--no-kv-unified",
+                rich_help_panel="Branches",
+                help="one cell pool for every branch (shared cells), or one stream of n_ctx/N cells each (copies)",
+            ),
+        ] = True,
+        settings: ChatSettings = None,
+    ):
         """Chat with a model in the terminal (the default command). /help inside lists commands."""
         import atexit
         import threading
+
         from kvchat.cli.chat.repl import Repl
         from kvchat.cli.session.file import AutosaveTarget
+
         target = AutosaveTarget(settings.session)  # locked for the process's life (or refused)
         atexit.register(target.release)
         renderer = Renderer(markdown=settings.markdown)

@@ -4,6 +4,7 @@ Only metadata and tensor headers are read (the weights stay on disk), so this is
 file of an architecture kvchat cannot run is still described from its container; then the
 reason it cannot run is printed as the error (exit code 1), so scripts can tell the difference.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -98,8 +99,10 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
     model, pre = gf.get("tokenizer.ggml.model"), gf.get("tokenizer.ggml.pre")
     if model:
         vocab += f", tokenizer {model}" + (f" (pre: {pre})" if pre else "")
-    rows += [("vocabulary", vocab),
-             ("chat template", "yes" if gf.get("tokenizer.chat_template") else "no (ChatML fallback)")]
+    rows += [
+        ("vocabulary", vocab),
+        ("chat template", "yes" if gf.get("tokenizer.chat_template") else "no (ChatML fallback)"),
+    ]
     return rows
 
 
@@ -162,8 +165,10 @@ def kv_table(hp: HParams) -> Table:
         else:
             table.add_row(name, human_bytes(per_full), human_bytes(per_full * 1024))
     if swa:
-        table.caption = ("sliding layers keep at most the window (plus one ubatch) per sequence; "
-                         "--swa-full stores every token in them too")
+        table.caption = (
+            "sliding layers keep at most the window (plus one ubatch) per sequence; "
+            "--swa-full stores every token in them too"
+        )
     return table
 
 

@@ -6,6 +6,7 @@
 Every (K, V) pair and the K-only / V-only controls are scored against f16/f16 on the same
 chunks (llama-perplexity's KLD statistics), with their KV size, session size and speed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,6 +29,7 @@ def _list(flag: str, value: str) -> list[str]:
 
 def _types(flag: str, value: str) -> list[str]:
     from kvchat.kernels.ggml_types import cache_type_by_name
+
     out = []
     for t in _list(flag, value):
         try:
@@ -67,28 +69,37 @@ def register(app: typer.Typer) -> None:
         ctx_sizes: str = typer.Option("512", "-c", "--ctx-size", help="context sizes, e.g. 512,4096"),
         chunks: int = typer.Option(-1, "--chunks", help="chunks per context size (-1: all)"),
         rot: str = typer.Option("auto", "--rot", help="Hadamard rotation of quantized caches: auto,off"),
-        flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="flash attention of the "
-                                       "configurations (quantized V needs on)"),
+        flash_attn: str = typer.Option(
+            "on", "-fa", "--flash-attn", help="flash attention of the configurations (quantized V needs on)"
+        ),
         n_pp: int = typer.Option(512, "--pp", min=0, help="prompt tokens of the speed test (0: skip)"),
         n_tg: int = typer.Option(128, "--tg", min=0, help="generated tokens of the speed test (0: skip)"),
-        depth: int = typer.Option(-1, "--depth", min=-1, help="cache depth of the tg test "
-                                  "(-1: n_ctx - tg - 1, so generation ends at n_ctx)"),
+        depth: int = typer.Option(
+            -1, "--depth", min=-1, help="cache depth of the tg test (-1: n_ctx - tg - 1, so generation ends at n_ctx)"
+        ),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads"),
         json_out: Optional[Path] = typer.Option(None, "--json", help="write rows + provenance as JSON"),
         csv_out: Optional[Path] = typer.Option(None, "--csv", help="write the rows as CSV"),
         plot_out: Optional[Path] = typer.Option(None, "--plot", help="write a PNG (needs matplotlib)"),
         needle: bool = typer.Option(False, "--needle", help="also run the long-context retrieval probe"),
-        needle_len: str = typer.Option("", "--needle-len", help="needle haystack lengths in tokens "
-                                       "(default: the model's usable lengths)"),
+        needle_len: str = typer.Option(
+            "", "--needle-len", help="needle haystack lengths in tokens (default: the model's usable lengths)"
+        ),
     ):
         """Compare KV cache types against f16/f16 on the same tokens: KLD, size, speed."""
         from rich.console import Console
 
         from kvchat.cli.commands.perplexity import read_text
+        from kvchat.cli.reports.kv_sweep_report import (
+            load_average,
+            mark_pareto,
+            provenance,
+            render_table,
+            write_csv,
+            write_json,
+        )
         from kvchat.cli.sources.models import resolve_model
         from kvchat.runtime.eval.kv_sweep import measure_speed, run_sweep, sweep_configs
-        from kvchat.cli.reports.kv_sweep_report import (load_average, mark_pareto, provenance, render_table,
-                                             write_csv, write_json)
         from kvchat.runtime.model import Model
 
         ks, vs, ctxs, rots = _types("--k", k), _types("--v", v), _ints("-c", ctx_sizes), _rots(rot)
@@ -96,12 +107,16 @@ def register(app: typer.Typer) -> None:
             raise KvchatError(f"-fa: '{flash_attn}' is not one of on, off")
         if flash_attn == "off":
             from kvchat.kernels.ggml_types import cache_type_by_name
+
             bad = [t for t in vs if cache_type_by_name(t).block_size != 1]
             if bad:
-                raise KvchatError(f"--v {','.join(bad)}: a quantized V cache needs flash attention "
-                                  f"(drop -fa off or use float V types)")
+                raise KvchatError(
+                    f"--v {','.join(bad)}: a quantized V cache needs flash attention "
+                    f"(drop -fa off or use float V types)"
+                )
         if plot_out is not None:
             from kvchat.cli.reports.kv_sweep_plot import require_matplotlib
+
             require_matplotlib()
         for p in (json_out, csv_out, plot_out):
             if p is not None and not p.parent.is_dir():
@@ -112,8 +127,10 @@ def register(app: typer.Typer) -> None:
         tokens = m.vocab.tokenize(text, add_special=True, parse_special=False)
         for n_ctx in ctxs:
             if len(tokens) < n_ctx:
-                raise KvchatError(f"'{file}' tokenizes to {len(tokens)} tokens, fewer than one chunk "
-                                  f"of -c {n_ctx}; give a longer text or a smaller -c")
+                raise KvchatError(
+                    f"'{file}' tokenizes to {len(tokens)} tokens, fewer than one chunk "
+                    f"of -c {n_ctx}; give a longer text or a smaller -c"
+                )
         configs = sweep_configs(ks, vs, rots)
         err = Console(stderr=True)
         out = Console() if sys.stdout.isatty() else Console(width=220)  # a pipe gets whole lines
@@ -123,22 +140,35 @@ def register(app: typer.Typer) -> None:
         cases = []
         if needle:
             from kvchat.runtime.eval.kv_needle import default_lengths, needle_cases
+
             lengths = _ints("--needle-len", needle_len) if needle_len else default_lengths(m, len(tokens))
             cases = needle_cases(m, tokens, lengths)
             steps += len(cases) * (len(configs) + 1)
-        err.print(f"kv-sweep: {len(configs)} configurations + f16/f16 reference, "
-                  f"{', '.join(f'{n_chunks[n]} chunks of {n}' for n in ctxs)}, {len(tokens)} tokens")
+        err.print(
+            f"kv-sweep: {len(configs)} configurations + f16/f16 reference, "
+            f"{', '.join(f'{n_chunks[n]} chunks of {n}' for n in ctxs)}, {len(tokens)} tokens"
+        )
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        progress = Progress(TextColumn("kv-sweep"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err,
-                            transient=True, disable=not err.is_terminal)
+
+        progress = Progress(
+            TextColumn("kv-sweep"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=err,
+            transient=True,
+            disable=not err.is_terminal,
+        )
 
         def state_size(ctx, chunk):
             from kvchat.cli.session.session import SessionData, encode_session
+
             blob = ctx.state_seq_get_data(0)
-            sess = encode_session(SessionData(model={}, cache={}, messages=[], sampling={},
-                                              tokens=[int(t) for t in chunk], state=blob))
+            sess = encode_session(
+                SessionData(model={}, cache={}, messages=[], sampling={}, tokens=[int(t) for t in chunk], state=blob)
+            )
             return len(blob), len(sess)
 
         all_rows, pairs = [], []
@@ -155,8 +185,17 @@ def register(app: typer.Typer) -> None:
                     print(f"kv-sweep: [{done[0]}/{steps}] {label}", file=sys.stderr, flush=True)
 
             for n_ctx in ctxs:
-                ref_row, rows = run_sweep(m, tokens, configs, n_ctx, n_chunks=chunks, n_threads=threads,
-                                          flash_attn=flash_attn, on_step=step, state_size=state_size)
+                ref_row, rows = run_sweep(
+                    m,
+                    tokens,
+                    configs,
+                    n_ctx,
+                    n_chunks=chunks,
+                    n_threads=threads,
+                    flash_attn=flash_attn,
+                    on_step=step,
+                    state_size=state_size,
+                )
                 dicts = [ref_row.as_dict(m.hparams)] + [r.as_dict(m.hparams) for r in rows]
                 if n_pp or n_tg:
                     d = n_ctx - n_tg - 1 if depth < 0 else depth
@@ -169,20 +208,37 @@ def register(app: typer.Typer) -> None:
             needle_rows = []
             if cases:
                 from kvchat.runtime.eval.kv_needle import run_needle
+
                 results = run_needle(m, [ref_row.config] + configs, cases, threads, flash_attn, step)
                 for cfg, res in zip([ref_row.config] + configs, results):
-                    needle_rows += [dict(type_k=cfg.type_k, type_v=cfg.type_v,
-                                         rot="auto" if cfg.rotation else "off", **c) for c in res.cases]
-        run = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
-                   load_average=dict(start=load0, end=load_average()))
+                    needle_rows += [
+                        dict(type_k=cfg.type_k, type_v=cfg.type_v, rot="auto" if cfg.rotation else "off", **c)
+                        for c in res.cases
+                    ]
+        run = dict(
+            seconds=time.perf_counter() - t0,
+            cpu_seconds=time.process_time() - c0,
+            load_average=dict(start=load0, end=load_average()),
+        )
         err.print(_run_line(run))
         render_table(all_rows, out)
         _print_pairs(pairs, out)
         if needle_rows:
             from kvchat.runtime.eval.kv_needle import render_needle
+
             render_needle(needle_rows, out)
-        flags = dict(k=ks, v=vs, ctx_sizes=ctxs, chunks=chunks, rot=rot, flash_attn=flash_attn,
-                     pp=n_pp, tg=n_tg, depth=depth, threads=threads)
+        flags = dict(
+            k=ks,
+            v=vs,
+            ctx_sizes=ctxs,
+            chunks=chunks,
+            rot=rot,
+            flash_attn=flash_attn,
+            pp=n_pp,
+            tg=n_tg,
+            depth=depth,
+            threads=threads,
+        )
         if json_out or csv_out:
             prov = provenance(model_path, file, flags, threads, run)
             if json_out:
@@ -193,8 +249,8 @@ def register(app: typer.Typer) -> None:
                 err.print(f"wrote {csv_out}")
         if plot_out:
             from kvchat.cli.reports.kv_sweep_plot import plot_sweep
-            plot_sweep(plot_out, all_rows, f"{Path(model_path).name} on {file.name}: KV cache types "
-                       f"vs f16/f16")
+
+            plot_sweep(plot_out, all_rows, f"{Path(model_path).name} on {file.name}: KV cache types vs f16/f16")
             err.print(f"wrote {plot_out}")
 
 
@@ -202,17 +258,21 @@ def _run_line(run: dict) -> str:
     """'kv-sweep: 212 s, 390 s of CPU, load average 0.4 -> 2.1': the CPU time says how long
     the work is, the load how much a busy machine stretched the wall time."""
     la = run["load_average"]
-    load = (f", load average {la['start'][0]:.1f} -> {la['end'][0]:.1f}"
-            if la["start"] is not None and la["end"] is not None else "")
+    load = (
+        f", load average {la['start'][0]:.1f} -> {la['end'][0]:.1f}"
+        if la["start"] is not None and la["end"] is not None
+        else ""
+    )
     return f"kv-sweep: {run['seconds']:.0f} s, {run['cpu_seconds']:.0f} s of CPU{load}"
 
 
 def _pairs(rows, n_ctx) -> list[dict]:
     """Paired differences of Mean KLD between every two configurations of one n_ctx."""
     from kvchat.runtime.eval.kv_sweep import paired_difference
+
     out = []
     for i, a in enumerate(rows):
-        for b in rows[i + 1:]:
+        for b in rows[i + 1 :]:
             d = paired_difference(a.stats, b.stats)
             out.append(dict(a=a.config.label, b=b.config.label, n_ctx=n_ctx, **d))
     return out
@@ -220,6 +280,7 @@ def _pairs(rows, n_ctx) -> list[dict]:
 
 def _print_pairs(pairs, console) -> None:
     """Pairs that share K or V type, or differ only in rotation: the comparisons people ask for."""
+
     def parts(label):
         kv, _, rot = label.partition(" ")
         k, v = kv.split("/")
@@ -236,5 +297,7 @@ def _print_pairs(pairs, console) -> None:
     console.print("\nPaired Mean KLD differences (same tokens), 95 % interval:")
     for p in shown:
         verdict = "differ" if p["differ"] else "not distinguishable"
-        console.print(f"  {p['a']:>20} − {p['b']:<20} @ {p['n_ctx']}: {p['mean_diff']:+.5f} "
-                      f"[{p['ci95_lo']:+.5f}, {p['ci95_hi']:+.5f}]  {verdict}")
+        console.print(
+            f"  {p['a']:>20} − {p['b']:<20} @ {p['n_ctx']}: {p['mean_diff']:+.5f} "
+            f"[{p['ci95_lo']:+.5f}, {p['ci95_hi']:+.5f}]  {verdict}"
+        )

@@ -10,6 +10,7 @@ rule (BOS when the model adds one); --parse-special turns texts like <|im_start|
 special tokens. The tokens are decoded in -b pieces (one sequence, all logits), so the whole
 text must fit the context (-c; 0 = the model's training length).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,7 @@ def score_tokens(ctx, tokens: list[int], top: int) -> list[list[list]]:
     from kvchat.runtime.generate import decode_tokens
 
     positions = []
-    decode_tokens(ctx, tokens, 0, 0, logits="all",
-                  on_logits=lambda i, rows: positions.extend(top_logprobs(rows, top)))
+    decode_tokens(ctx, tokens, 0, 0, logits="all", on_logits=lambda i, rows: positions.extend(top_logprobs(rows, top)))
     return positions
 
 
@@ -73,8 +73,10 @@ def run_logprobs(settings: ChatSettings, file: Path, top: int, parse_special: bo
             raise KvchatError(f"'{file}' tokenizes to no tokens; give a non-empty text")
         ctx = Context(model, settings.context_params())
         if len(tokens) > ctx.n_ctx_seq:
-            raise KvchatError(f"the text is {len(tokens)} tokens, more than the context of "
-                              f"{ctx.n_ctx_seq}; give -c {len(tokens)} or more")
+            raise KvchatError(
+                f"the text is {len(tokens)} tokens, more than the context of "
+                f"{ctx.n_ctx_seq}; give -c {len(tokens)} or more"
+            )
         return logprobs_json(tokens, score_tokens(ctx, tokens, top))
     finally:
         model.close()
@@ -86,8 +88,9 @@ def register(app: typer.Typer) -> None:
     def logprobs(
         file: Path = typer.Option(..., "-f", "--file", help="text file to score"),
         top: int = typer.Option(10, "--top", min=1, help="most likely tokens listed per position"),
-        parse_special: bool = typer.Option(False, "--parse-special",
-                                           help="turn texts like <|im_start|> into their special tokens"),
+        parse_special: bool = typer.Option(
+            False, "--parse-special", help="turn texts like <|im_start|> into their special tokens"
+        ),
         settings: ChatSettings = None,
     ):
         """Print the next-token log-probabilities after every token of a text, as JSON."""

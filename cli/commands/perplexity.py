@@ -7,6 +7,7 @@ Three modes, as llama-perplexity has them:
                                             and n_ctx; no -f needed): per chunk PPL, ln ratio,
                                             KLD, Δp RMS, Same top p; then the closing statistics
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ def read_text(file: Path) -> str:
 def check_cache_types(type_k: str, type_v: str, flash_attn: str) -> None:
     """One line for an unknown type or a quantized V without flash attention."""
     from kvchat.kernels.ggml_types import cache_type_by_name
+
     for flag, t in (("-ctk", type_k), ("-ctv", type_v)):
         try:
             cache_type_by_name(t)
@@ -39,8 +41,7 @@ def check_cache_types(type_k: str, type_v: str, flash_attn: str) -> None:
             raise KvchatError(f"{flag}: {e}") from None
     info = cache_type_by_name(type_v)
     if flash_attn == "off" and info.block_size != 1:
-        raise KvchatError(f"-ctv {type_v}: a quantized V cache needs flash attention (use -fa on "
-                          f"or a float V type)")
+        raise KvchatError(f"-ctv {type_v}: a quantized V cache needs flash attention (use -fa on or a float V type)")
 
 
 def _progress(label: str):
@@ -49,9 +50,16 @@ def _progress(label: str):
         return None, None
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
-                        console=Console(stderr=True), transient=True)
+
+    progress = Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
     progress.start()
     return progress, progress.add_task(label, total=None, info="")
 
@@ -72,29 +80,31 @@ def register(app: typer.Typer) -> None:
         file: Optional[Path] = typer.Option(None, "-f", "--file", help="text file to evaluate"),
         chunks: int = typer.Option(-1, "--chunks", help="max chunks to evaluate (-1: all)"),
         kl_base: Optional[Path] = typer.Option(
-            None, "--kl-divergence-base", help="logits file: written from -f TEXT, or read with "
-            "--kl-divergence (llama-perplexity's format; files from either tool work in both)"),
+            None,
+            "--kl-divergence-base",
+            help="logits file: written from -f TEXT, or read with "
+            "--kl-divergence (llama-perplexity's format; files from either tool work in both)",
+        ),
         kl_divergence: bool = typer.Option(
-            False, "--kl-divergence", help="score against --kl-divergence-base FILE: KLD, Δp, same top"),
+            False, "--kl-divergence", help="score against --kl-divergence-base FILE: KLD, Δp, same top"
+        ),
         settings: ChatSettings = None,
     ):
         """Perplexity of a text, as llama-perplexity computes it (second half of each chunk)."""
         model, ctx_size, threads = settings.model, settings.ctx_size, settings.threads
         batch_size, ubatch_size = settings.batch_size, settings.ubatch_size
-        cache_type_k, cache_type_v, flash_attn = (settings.cache_type_k, settings.cache_type_v,
-                                                  settings.flash_attn)
+        cache_type_k, cache_type_v, flash_attn = (settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
         from kvchat.cli.sources.models import resolve_model
         from kvchat.runtime.eval.kld import KLDStats, LogitsFile
-        from kvchat.runtime.model import Model
         from kvchat.runtime.eval.perplexity import compute_perplexity
+        from kvchat.runtime.model import Model
 
         check_cache_types(cache_type_k, cache_type_v, flash_attn)
         rotation = not os.environ.get("LLAMA_ATTN_ROT_DISABLE")
         base = None
         if kl_divergence:
             if kl_base is None:
-                raise KvchatError("--kl-divergence needs --kl-divergence-base FILE (the base logits "
-                                  "to compare with)")
+                raise KvchatError("--kl-divergence needs --kl-divergence-base FILE (the base logits to compare with)")
             base = LogitsFile(kl_base)
             tokens = None
         else:
@@ -104,12 +114,18 @@ def register(app: typer.Typer) -> None:
         m = Model.load(resolve_model(model))
         if base is None:
             tokens = m.vocab.tokenize(text, add_special=True, parse_special=False)
-            print(f"perplexity: {len(tokens)} tokens, {len(tokens) // ctx_size} chunks of {ctx_size}, "
-                  f"batch {min(batch_size, ctx_size)}, cache {cache_type_k}/{cache_type_v}, flash "
-                  f"attention {flash_attn}" + (f", writing {kl_base}" if kl_base else ""), file=sys.stderr)
+            print(
+                f"perplexity: {len(tokens)} tokens, {len(tokens) // ctx_size} chunks of {ctx_size}, "
+                f"batch {min(batch_size, ctx_size)}, cache {cache_type_k}/{cache_type_v}, flash "
+                f"attention {flash_attn}" + (f", writing {kl_base}" if kl_base else ""),
+                file=sys.stderr,
+            )
         else:
-            print(f"kl-divergence: {base.n_chunk} chunks of {base.n_ctx} from {kl_base}, cache "
-                  f"{cache_type_k}/{cache_type_v}, flash attention {flash_attn}", file=sys.stderr)
+            print(
+                f"kl-divergence: {base.n_chunk} chunks of {base.n_ctx} from {kl_base}, cache "
+                f"{cache_type_k}/{cache_type_v}, flash attention {flash_attn}",
+                file=sys.stderr,
+            )
 
         progress, task = _progress("chunks")
         printed_header = []
@@ -127,11 +143,22 @@ def register(app: typer.Typer) -> None:
                 sys.stdout.flush()
 
         try:
-            res = compute_perplexity(m, tokens, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
-                                     type_k=cache_type_k, type_v=cache_type_v, flash_attn=flash_attn,
-                                     n_chunks=chunks, n_threads=threads, rotation=rotation,
-                                     base_out=None if kl_divergence else kl_base, kl_base=base,
-                                     on_chunk=on_chunk)
+            res = compute_perplexity(
+                m,
+                tokens,
+                n_ctx=ctx_size,
+                n_batch=batch_size,
+                n_ubatch=ubatch_size,
+                type_k=cache_type_k,
+                type_v=cache_type_v,
+                flash_attn=flash_attn,
+                n_chunks=chunks,
+                n_threads=threads,
+                rotation=rotation,
+                base_out=None if kl_divergence else kl_base,
+                kl_base=base,
+                on_chunk=on_chunk,
+            )
         finally:
             if progress is not None:
                 progress.stop()
@@ -145,5 +172,8 @@ def register(app: typer.Typer) -> None:
             sys.stdout.write("\n")
             print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.stderr:.5f}")
         n_ctx = base.n_ctx if base is not None else ctx_size
-        print(f"perplexity: {res.n_scored} tokens scored in {res.seconds:.1f} s "
-              f"({len(res.running) * n_ctx / max(res.seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
+        print(
+            f"perplexity: {res.n_scored} tokens scored in {res.seconds:.1f} s "
+            f"({len(res.running) * n_ctx / max(res.seconds, 1e-9):.1f} tokens/s)",
+            file=sys.stderr,
+        )

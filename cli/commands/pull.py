@@ -2,6 +2,7 @@
 
 NAME is a known model (smollm2, gemma3) or hf:owner/repo[:QUANT]. For the hub, pull always asks
 the hub (a newer revision is fetched), where -hf uses a cached model without any request."""
+
 import typer
 from rich.console import Console
 
@@ -12,8 +13,9 @@ from kvchat.runtime.errors import KvchatError
 
 def register(app: typer.Typer) -> None:
     @app.command("pull")
-    def pull(name: str = typer.Argument(..., help=f"model to fetch: {', '.join(KNOWN_MODELS)} "
-                                                  f"or hf:owner/repo[:QUANT]")):
+    def pull(
+        name: str = typer.Argument(..., help=f"model to fetch: {', '.join(KNOWN_MODELS)} or hf:owner/repo[:QUANT]"),
+    ):
         """Download a model into the cache (KVCHAT_CACHE, default ~/.cache/kvchat; hub models go to
         the Hugging Face cache, HF_HOME)."""
         console = Console(stderr=True)
@@ -27,8 +29,10 @@ def register(app: typer.Typer) -> None:
             return
         model = KNOWN_MODELS.get(name.lower())
         if model is None:
-            raise KvchatError(f"unknown model '{name}'; known models: {', '.join(KNOWN_MODELS)}, "
-                              f"or hf:owner/repo[:QUANT] from the Hugging Face hub")
+            raise KvchatError(
+                f"unknown model '{name}'; known models: {', '.join(KNOWN_MODELS)}, "
+                f"or hf:owner/repo[:QUANT] from the Hugging Face hub"
+            )
         already = (models_dir() / model.file_name).is_file()
         path = ensure_model(model, console)
         if already:

@@ -1,5 +1,6 @@
 """`kvchat rm NAME`: delete a model kvchat downloaded (never Ollama's files or another tool's), and
 its packed weights cached on disk (runtime/weights/cache.py)."""
+
 import typer
 
 from kvchat.cli.sources.catalog import human_size, remove

@@ -3,16 +3,23 @@
 With --session FILE it resumes the saved conversation (only the new prompt is decoded) and saves
 the extended one. Exit code 130 when Ctrl-C stopped the answer or the prompt evaluation.
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 from typing import Optional
 
-from kvchat.cli.chat.setup import (apply_saved_sampling, hold_session_lock, make_conversation, open_engine,
-                            should_resume, sigint_sets)
-from kvchat.cli.options import ChatSettings, Option
 from kvchat.cli.chat.render import Renderer
+from kvchat.cli.chat.setup import (
+    apply_saved_sampling,
+    hold_session_lock,
+    make_conversation,
+    open_engine,
+    should_resume,
+    sigint_sets,
+)
+from kvchat.cli.options import ChatSettings, Option
 from kvchat.runtime.chat.conversation import Interrupted, StopReason
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.text.utf8 import decode_bytes, read_stream
@@ -25,21 +32,56 @@ RUN_OPTIONS = [
     Option("prompt", Optional[str], ("-p", "--prompt"), "the prompt text", INPUT),
     Option("file", Optional[Path], ("-f", "--file"), "read the prompt from FILE", INPUT),
     Option("raw", bool, ("--raw",), "plain completion: no chat template", INPUT, default=False),
-    Option("parallel", int, ("-np", "--parallel"), "N answers of the prompt (seeds S..S+N-1), or N "
-           "prompts of --prompts-file at a time", PARALLEL, extra={"min": 1}, default=1),
-    Option("prompts_file", Optional[Path], ("--prompts-file",),
-           "answer every prompt of FILE (one per line, or .jsonl with prompt/messages)", PARALLEL),
+    Option(
+        "parallel",
+        int,
+        ("-np", "--parallel"),
+        "N answers of the prompt (seeds S..S+N-1), or N prompts of --prompts-file at a time",
+        PARALLEL,
+        extra={"min": 1},
+        default=1,
+    ),
+    Option(
+        "prompts_file",
+        Optional[Path],
+        ("--prompts-file",),
+        "answer every prompt of FILE (one per line, or .jsonl with prompt/messages)",
+        PARALLEL,
+    ),
     Option("jsonl", bool, ("--jsonl",), "one JSON object per answer on stdout", PARALLEL, default=False),
-    Option("kv_unified", bool, ("-kvu/-no-kvu", "--kv-unified/--no-kv-unified"),
-           "one cell pool for all sequences (else one stream of n_ctx/N cells each)", PARALLEL,
-           default=True),
-    Option("prompt_cache", Optional[Path], ("--prompt-cache",), "directory of the persistent prefix cache",
-           PROMPT_CACHE, extra={"show_default": "<cache dir>/prompt-cache"}),
-    Option("no_prompt_cache", bool, ("--no-prompt-cache",), "neither read nor write the prefix cache",
-           PROMPT_CACHE, default=False),
-    Option("prompt_cache_max", int, ("--prompt-cache-max",),
-           "size limit of the prefix cache in MiB (least recently used entries go first)", PROMPT_CACHE,
-           extra={"min": 1}, default=2048),
+    Option(
+        "kv_unified",
+        bool,
+        ("-kvu/-no-kvu", "--kv-unified/--no-kv-unified"),
+        "one cell pool for all sequences (else one stream of n_ctx/N cells each)",
+        PARALLEL,
+        default=True,
+    ),
+    Option(
+        "prompt_cache",
+        Optional[Path],
+        ("--prompt-cache",),
+        "directory of the persistent prefix cache",
+        PROMPT_CACHE,
+        extra={"show_default": "<cache dir>/prompt-cache"},
+    ),
+    Option(
+        "no_prompt_cache",
+        bool,
+        ("--no-prompt-cache",),
+        "neither read nor write the prefix cache",
+        PROMPT_CACHE,
+        default=False,
+    ),
+    Option(
+        "prompt_cache_max",
+        int,
+        ("--prompt-cache-max",),
+        "size limit of the prefix cache in MiB (least recently used entries go first)",
+        PROMPT_CACHE,
+        extra={"min": 1},
+        default=2048,
+    ),
 ]
 
 
@@ -68,16 +110,31 @@ def register(app) -> None:
         """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
         return run_command(settings, **own)
 
-    run.__signature__ = inspect.Signature([_parameter(o) for o in RUN_OPTIONS]
-                                          + [inspect.Parameter("settings", inspect.Parameter.KEYWORD_ONLY)])
+    run.__signature__ = inspect.Signature(
+        [_parameter(o) for o in RUN_OPTIONS] + [inspect.Parameter("settings", inspect.Parameter.KEYWORD_ONLY)]
+    )
     app.command("run")(with_settings(run))
 
 
-def run_command(settings: ChatSettings, *, prompt, file, raw, parallel, prompts_file, jsonl, kv_unified,
-                prompt_cache, no_prompt_cache, prompt_cache_max):
+def run_command(
+    settings: ChatSettings,
+    *,
+    prompt,
+    file,
+    raw,
+    parallel,
+    prompts_file,
+    jsonl,
+    kv_unified,
+    prompt_cache,
+    no_prompt_cache,
+    prompt_cache_max,
+):
     """The command itself, from converted flags (typer's, or cli/fast_args.py's for a plain line)."""
     import threading
+
     from kvchat.cli.commands import run_parallel
+
     if prompts_file is not None and (prompt is not None or file is not None):
         raise KvchatError("give either --prompts-file or a prompt (-p / -f), not both")
     if (parallel > 1 or prompts_file is not None or jsonl) and settings.session is not None:
@@ -87,25 +144,28 @@ def run_command(settings: ChatSettings, *, prompt, file, raw, parallel, prompts_
     renderer = Renderer(markdown=settings.markdown)
     stop = threading.Event()
     renderer.on_out_lost = stop.set  # nobody reads the answer any more: stop generating it
-    engine = open_engine(settings, renderer, stop,
-                         n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
-                         kv_unified=kv_unified, skip_cached_warm_up=True)
+    engine = open_engine(
+        settings,
+        renderer,
+        stop,
+        n_seq_max=run_parallel.n_seq_max_for(parallel, prompts_file),
+        kv_unified=kv_unified,
+        skip_cached_warm_up=True,
+    )
     raw = raw or not engine.has_template
     conv = make_conversation(engine, settings, renderer, stop, raw=raw)
     if prompts_file is not None or parallel > 1 or jsonl:
         with sigint_sets(stop):
             if prompts_file is not None:
-                run_parallel.run_prompts_file(engine, conv, settings, prompts_file, parallel,
-                                              jsonl, stop, renderer)
+                run_parallel.run_prompts_file(engine, conv, settings, prompts_file, parallel, jsonl, stop, renderer)
             else:
-                run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl,
-                                              stop, renderer)
+                run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl, stop, renderer)
         return
     if should_resume(settings, renderer):
         # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
         from kvchat.cli.session.session import load_conversation
-        data = load_conversation(settings.session, conv, engine.identity, engine.cache,
-                                 engine.vocab.n_vocab)
+
+        data = load_conversation(settings.session, conv, engine.identity, engine.cache, engine.vocab.n_vocab)
         apply_saved_sampling(conv, data.sampling, settings)
         renderer.notice(f"resumed {settings.session}: {conv.n_cached} tokens in the cache")
     renderer.begin_answer()
@@ -113,6 +173,7 @@ def run_command(settings: ChatSettings, *, prompt, file, raw, parallel, prompts_
         with sigint_sets(stop):
             if not no_prompt_cache:
                 from kvchat.cli.commands import run_prompt_cache
+
                 run_prompt_cache.warm(engine, conv, text, prompt_cache, prompt_cache_max, renderer)
             stats = conv.ask(text, on_text=renderer.piece)
     except Interrupted:  # Ctrl-C while the prompt was being evaluated
@@ -122,8 +183,8 @@ def run_command(settings: ChatSettings, *, prompt, file, raw, parallel, prompts_
     renderer.end_answer()
     if settings.session is not None:
         from kvchat.cli.session.session import save_conversation
-        save_conversation(settings.session, conv, engine.identity, engine.cache,
-                          force=settings.force)
+
+        save_conversation(settings.session, conv, engine.identity, engine.cache, force=settings.force)
     if settings.show_timings:
         renderer.timings(stats)
     if renderer.out_lost:

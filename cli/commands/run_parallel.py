@@ -8,6 +8,7 @@ random seed for the run, reported). Answers go to stdout - numbered blocks, or w
 JSON object per line - in input order; progress (llama-parallel's per-request lines and summary)
 goes to stderr.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,13 +44,24 @@ def read_prompts_file(path: Path) -> list[tuple[str | None, list | None, str | N
         msgs = obj.get("messages") if isinstance(obj, dict) else None
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             out.append((obj["prompt"], None, None))
-        elif isinstance(msgs, list) and msgs and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in msgs):
+        elif (
+            isinstance(msgs, list)
+            and msgs
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
             out.append((None, [{"role": m["role"], "content": m["content"]} for m in msgs], None))
         else:
-            out.append((None, None, f"{path}:{n}: expected {{\"prompt\": text}} or "
-                                    "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}"))
+            out.append(
+                (
+                    None,
+                    None,
+                    f"{path}:{n}: expected {{\"prompt\": text}} or "
+                    "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}",
+                )
+            )
     if not out:
         raise KvchatError(f"prompts file {path} holds no prompt")
     return out
@@ -85,15 +97,18 @@ def _print_answer(res: Result, jsonl: bool, what: str) -> None:
 def run_alternatives(engine, conv, settings, text: str, n: int, jsonl: bool, stop, renderer) -> None:
     ids = render_ids(conv, text, None) if not conv.config.raw else conv.render([{"role": "user", "content": text}])
     seed = base_seed(settings)
-    runner = ParallelRunner(engine.ctx, engine.vocab, settings.sampling(), n, settings.n_predict,
-                            settings.ignore_eos, stop_event=stop)
+    runner = ParallelRunner(
+        engine.ctx, engine.vocab, settings.sampling(), n, settings.n_predict, settings.ignore_eos, stop_event=stop
+    )
     results = alternatives(runner, ids, [seed + i for i in range(n)])
     for r in results:
         _print_answer(r, jsonl, "sequence")
     n_gen = sum(r.n_gen for r in results)
     t = runner.t_total
-    _err(f"main: n_parallel = {n}, prompt {len(ids)} tokens (decoded once), "
-                    f"generated {n_gen} tokens in {t:.2f} s, speed: {n_gen / t if t else 0:.2f} t/s")
+    _err(
+        f"main: n_parallel = {n}, prompt {len(ids)} tokens (decoded once), "
+        f"generated {n_gen} tokens in {t:.2f} s, speed: {n_gen / t if t else 0:.2f} t/s"
+    )
     if any(r.stop == "interrupted" for r in results):
         raise SystemExit(130)
 
@@ -107,21 +122,24 @@ def run_prompts_file(engine, conv, settings, path: Path, n: int, jsonl: bool, st
         ids = None
         if err is None:
             try:
-                ids = (render_ids(conv, text, msgs) if not conv.config.raw
-                       else conv.render(msgs or [{"role": "user", "content": text}]))
+                ids = (
+                    render_ids(conv, text, msgs)
+                    if not conv.config.raw
+                    else conv.render(msgs or [{"role": "user", "content": text}])
+                )
             except KvchatError as e:
                 err = str(e)
             except Exception as e:  # a template that rejects these messages
                 err = f"cannot render the prompt: {e}"
         reqs.append(Request(index=i, ids=ids, seed=seed + i, label=label, error=err))
-    runner = ParallelRunner(engine.ctx, engine.vocab, settings.sampling(), n, settings.n_predict,
-                            settings.ignore_eos, stop_event=stop)
+    runner = ParallelRunner(
+        engine.ctx, engine.vocab, settings.sampling(), n, settings.n_predict, settings.ignore_eos, stop_event=stop
+    )
     ok_ids = [r.ids for r in reqs if r.ids and runner.check_fits(r) is None]
     shared = list(commonprefix(ok_ids)) if len(ok_ids) > 1 else []
     if ok_ids and len(shared) >= min(len(x) for x in ok_ids):
         shared = shared[:-1]  # every request decodes at least its last token
-    _err(f"main: n_parallel = {n}, n_sequences = {len(reqs)}, cont_batching = 1, "
-                    f"system tokens = {len(shared)}")
+    _err(f"main: n_parallel = {n}, n_sequences = {len(reqs)}, cont_batching = 1, system tokens = {len(shared)}")
     done: dict[int, Result] = {}
     state = {"next": 0}
 
@@ -129,26 +147,26 @@ def run_prompts_file(engine, conv, settings, path: Path, n: int, jsonl: bool, st
         speed = res.n_gen / (res.t_prompt + res.t_gen) if (res.t_prompt + res.t_gen) > 0 else 0.0
         label = res.label.replace("\n", " ")
         if res.error:
-            _err(f"Client {res.seq_id:3d}, seq {res.index:3d}/{len(reqs):3d}, failed: "
-                            f"{res.error}  Input: {label[:60]}")
+            _err(f"Client {res.seq_id:3d}, seq {res.index:3d}/{len(reqs):3d}, failed: {res.error}  Input: {label[:60]}")
         else:
-            _err(f"Client {res.seq_id:3d}, seq {res.index:3d}/{len(reqs):3d}, prompt "
-                            f"{res.n_prompt:4d} t, response {res.n_gen:4d} t, time "
-                            f"{res.t_prompt + res.t_gen:5.2f} s, speed {speed:5.2f} t/s, cache miss "
-                            f"{runner.n_cache_miss}  Input: {label[:60]}")
+            _err(
+                f"Client {res.seq_id:3d}, seq {res.index:3d}/{len(reqs):3d}, prompt "
+                f"{res.n_prompt:4d} t, response {res.n_gen:4d} t, time "
+                f"{res.t_prompt + res.t_gen:5.2f} s, speed {speed:5.2f} t/s, cache miss "
+                f"{runner.n_cache_miss}  Input: {label[:60]}"
+            )
         done[res.index] = res
         while state["next"] in done:  # results in input order, as soon as they can be
             _print_answer(done[state["next"]], jsonl, "request")
             state["next"] += 1
 
     results = runner.run(reqs, on_result=on_result, shared_prefix=shared)
-    for r in results[state["next"]:]:
+    for r in results[state["next"] :]:
         _print_answer(r, jsonl, "request")
     t = runner.t_total or 1e-9
     n_prompt = runner.n_prompt_decoded
     n_gen = sum(r.n_gen for r in results)
-    _err(f"main: n_parallel = {n}, n_sequences = {len(reqs)}, cont_batching = 1, "
-                    f"system tokens = {len(shared)}")
+    _err(f"main: n_parallel = {n}, n_sequences = {len(reqs)}, cont_batching = 1, system tokens = {len(shared)}")
     _err(f"External prompt file: {path}")
     _err(f"Total prompt tokens: {n_prompt:6d}, speed: {n_prompt / t:5.2f} t/s")
     _err(f"Total gen tokens:    {n_gen:6d}, speed: {n_gen / t:5.2f} t/s")

@@ -2,6 +2,7 @@
 longest cached prefix of the rendered prompt and decode the rest block by block, saving new
 blocks; the Conversation then decodes only the final tokens. One line on stderr says what was
 reused (`prompt cache: reused 1920/2010 tokens`)."""
+
 from __future__ import annotations
 
 import sys
@@ -16,12 +17,14 @@ def _line(text: str) -> None:
 
 def default_dir() -> Path:
     from kvchat.cli.sources.models import cache_dir
+
     return cache_dir() / "prompt-cache"
 
 
 def warm(engine, conv, text: str, directory: Path | None, max_mib: int, renderer) -> None:
     """Fill conv's sequence from the cache (and the cache from this prompt) before conv.ask."""
     from kvchat.runtime.serving.prompt_cache import BLOCK, PromptCache, cache_salt, file_sha256, kv_caches, prefill
+
     ctx = engine.ctx
     if conv.n_cached or kv_caches(ctx.memory) is None:
         return
@@ -35,8 +38,7 @@ def warm(engine, conv, text: str, directory: Path | None, max_mib: int, renderer
         _line(f"prompt cache: cannot use {directory}: {e.strerror or e} (continuing without)")
         return
     sha = file_sha256(engine.model.path, directory)
-    cache = PromptCache(directory, max_mib << 20, cache_salt(sha, ctx.cparams, ctx.memory),
-                        warn=_line)
+    cache = PromptCache(directory, max_mib << 20, cache_salt(sha, ctx.cparams, ctx.memory), warn=_line)
     n_reused, n_mem = prefill(ctx, conv.seq_id, desired, cache)
     conv.tokens = list(desired[:n_mem])  # the mirror of what the sequence now holds
     print(f"prompt cache: reused {n_reused}/{len(desired)} tokens", file=sys.stderr, flush=True)

@@ -3,14 +3,15 @@
 Only the vocabulary is read (no weights are touched), so this is quick even for large models; the
 ids are those llama.cpp's llama-tokenize prints for the same flags.
 """
+
 import json
 import sys
 from typing import Optional
 
 import typer
 
-from kvchat.cli.sources.models import resolve_model
 from kvchat.cli.options import MODEL_HELP, hf_option
+from kvchat.cli.sources.models import resolve_model
 from kvchat.runtime.gguf.split import open_gguf
 from kvchat.runtime.text.vocab import Vocab
 
@@ -21,13 +22,15 @@ def register(app: typer.Typer) -> None:
         text: str = typer.Argument(..., help='text to tokenize; "-" reads it from stdin'),
         model: str = typer.Option(None, "-m", "--model", help=MODEL_HELP),
         hf: Optional[str] = hf_option(),
-        parse_special: bool = typer.Option(False, "--parse-special",
-                                           help="turn texts like <|im_start|> into their special tokens"),
+        parse_special: bool = typer.Option(
+            False, "--parse-special", help="turn texts like <|im_start|> into their special tokens"
+        ),
         no_bos: bool = typer.Option(False, "--no-bos", help="do not add the BOS/EOS tokens the model asks for"),
     ):
         """Print the token ids of TEXT as a JSON list."""
         if text == "-":
             from kvchat.runtime.text.utf8 import read_stream
+
             text = read_stream(sys.stdin)
         path = resolve_model(model, hf=hf)
         with open_gguf(path) as gf:

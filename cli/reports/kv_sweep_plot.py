@@ -1,5 +1,6 @@
 """kv-sweep's figure: Mean KLD against KV bytes per token (Pareto front joined), and the KLD by
 depth of each configuration. matplotlib is an optional extra: `pip install -e '.[plot]'`."""
+
 from __future__ import annotations
 
 import os
@@ -12,11 +13,11 @@ def require_matplotlib():
     """The pyplot module on a file-only backend, or a one-line error saying how to get it."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise KvchatError("--plot needs matplotlib: pip install -e '.[plot]' (or pip install "
-                          "matplotlib)") from None
+        raise KvchatError("--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
     return plt
 
 
@@ -31,15 +32,29 @@ def plot_sweep(path, rows: list[dict], title: str) -> None:
         floor = min([r["mean_kld"] for r in sub if r["mean_kld"] > 0] or [1e-6]) / 3
         xs = [r["kv_bytes_per_token"] for r in sub]
         ys = [max(r["mean_kld"], floor) for r in sub]
-        ax.scatter(xs, ys, marker=markers[ci % len(markers)], s=36, zorder=3,
-                   label=f"n_ctx {n_ctx}", c=["tab:red" if r.get("pareto") else "tab:blue" for r in sub])
+        ax.scatter(
+            xs,
+            ys,
+            marker=markers[ci % len(markers)],
+            s=36,
+            zorder=3,
+            label=f"n_ctx {n_ctx}",
+            c=["tab:red" if r.get("pareto") else "tab:blue" for r in sub],
+        )
         for r, x, y in zip(sub, xs, ys):
             lab = f"{r['type_k']}/{r['type_v']}" + ("" if r["rot"] == "auto" else " rot off")
             ax.annotate(lab, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         front = sorted((r["kv_bytes_per_token"], max(r["mean_kld"], floor)) for r in sub if r.get("pareto"))
         if front:
-            ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="tab:red",
-                    lw=1.2, zorder=2, label=f"Pareto front (n_ctx {n_ctx})")
+            ax.step(
+                [f[0] for f in front],
+                [f[1] for f in front],
+                where="post",
+                color="tab:red",
+                lw=1.2,
+                zorder=2,
+                label=f"Pareto front (n_ctx {n_ctx})",
+            )
     ax.set_yscale("log")
     ax.set_xlabel("KV cache bytes per token (all layers)")
     ax.set_ylabel("Mean KLD vs f16/f16 (nats, log scale)")

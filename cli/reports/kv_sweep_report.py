@@ -4,6 +4,7 @@ JSON: {"provenance": {...}, "rows": [...], "pairs": [...]}; CSV: one line per ro
 scalar columns (the depth profile as `kld_by_depth` = "from-to:mean;..."). Files are written to a
 temp name and renamed, so an interrupted run leaves no half file.
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,11 +21,35 @@ from pathlib import Path
 from kvchat.runtime.errors import KvchatError
 
 # the columns every row has, in table / CSV order
-COLUMNS = ["type_k", "type_v", "rot", "n_ctx", "n_tokens", "mean_kld", "mean_kld_unc", "median_kld",
-           "p99_kld", "max_kld", "same_top_p", "same_top_p_unc", "rms_dp", "rms_dp_unc", "ppl",
-           "ppl_base", "ppl_ratio", "ppl_ratio_unc", "ln_ppl_ratio", "kv_bytes_per_token",
-           "kv_bytes_per_token_at_ctx", "kv_mib_at_ctx", "state_bytes", "session_bytes", "pareto",
-           "seconds", "cpu_seconds"]
+COLUMNS = [
+    "type_k",
+    "type_v",
+    "rot",
+    "n_ctx",
+    "n_tokens",
+    "mean_kld",
+    "mean_kld_unc",
+    "median_kld",
+    "p99_kld",
+    "max_kld",
+    "same_top_p",
+    "same_top_p_unc",
+    "rms_dp",
+    "rms_dp_unc",
+    "ppl",
+    "ppl_base",
+    "ppl_ratio",
+    "ppl_ratio_unc",
+    "ln_ppl_ratio",
+    "kv_bytes_per_token",
+    "kv_bytes_per_token_at_ctx",
+    "kv_mib_at_ctx",
+    "state_bytes",
+    "session_bytes",
+    "pareto",
+    "seconds",
+    "cpu_seconds",
+]
 
 
 def sha256_file(path) -> str:
@@ -38,6 +63,7 @@ def sha256_file(path) -> str:
 def kvchat_version() -> str:
     try:
         from importlib.metadata import version
+
         return version("kvchat")
     except Exception:  # not installed (a bare checkout on PYTHONPATH)
         return "unknown"
@@ -54,11 +80,20 @@ def load_average() -> list[float] | None:
 
 def provenance(model_path, text_path, flags: dict, n_threads, run: dict | None = None) -> dict:
     """run: {"seconds", "cpu_seconds", "load_average": {"start", "end"}} of the whole sweep."""
-    return dict(model=str(model_path), model_sha256=sha256_file(model_path), text=str(text_path),
-                text_sha256=sha256_file(text_path), kvchat_version=kvchat_version(), flags=flags,
-                n_threads=n_threads, cpu_count=os.cpu_count(), python=platform.python_version(),
-                machine=platform.machine(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                **({"run": run} if run is not None else {}))
+    return dict(
+        model=str(model_path),
+        model_sha256=sha256_file(model_path),
+        text=str(text_path),
+        text_sha256=sha256_file(text_path),
+        kvchat_version=kvchat_version(),
+        flags=flags,
+        n_threads=n_threads,
+        cpu_count=os.cpu_count(),
+        python=platform.python_version(),
+        machine=platform.machine(),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **({"run": run} if run is not None else {}),
+    )
 
 
 def mark_pareto(rows: list[dict]) -> None:
@@ -66,10 +101,13 @@ def mark_pareto(rows: list[dict]) -> None:
     per token and a lower-or-equal Mean KLD with one of them strictly better."""
     for r in rows:
         r["pareto"] = not any(
-            o is not r and o["n_ctx"] == r["n_ctx"]
-            and o["kv_bytes_per_token"] <= r["kv_bytes_per_token"] and o["mean_kld"] <= r["mean_kld"]
+            o is not r
+            and o["n_ctx"] == r["n_ctx"]
+            and o["kv_bytes_per_token"] <= r["kv_bytes_per_token"]
+            and o["mean_kld"] <= r["mean_kld"]
             and (o["kv_bytes_per_token"] < r["kv_bytes_per_token"] or o["mean_kld"] < r["mean_kld"])
-            for o in rows)
+            for o in rows
+        )
 
 
 SPEED_KEY = re.compile(r"^(pp|tg)\d+( @ d\d+)?$")  # llama-bench's test names
@@ -130,21 +168,39 @@ def render_table(rows: list[dict], console) -> None:
 
     speeds = speed_columns(rows)
     t = Table(title="KV cache configurations vs f16/f16 (same tokens)", header_style="bold")
-    for name in ("K/V", "n_ctx", "Mean KLD", "99% KLD", "Same top p", "RMS Δp", "PPL ratio",
-                 "KV B/token", "KV MiB @ n_ctx", "session MiB"):
+    for name in (
+        "K/V",
+        "n_ctx",
+        "Mean KLD",
+        "99% KLD",
+        "Same top p",
+        "RMS Δp",
+        "PPL ratio",
+        "KV B/token",
+        "KV MiB @ n_ctx",
+        "session MiB",
+    ):
         t.add_column(name, justify="left" if name == "K/V" else "right", no_wrap=True)
     for s in speeds:
         t.add_column(s + " t/s", justify="right", no_wrap=True)
     for r in rows:
         star = "★ " if r.get("pareto") else "  "
         rot = "" if r["rot"] == "auto" else " rot off"
-        cells = [f"{star}{r['type_k']}/{r['type_v']}{rot}", str(r["n_ctx"]),
-                 f"{r['mean_kld']:.5f} ± {r['mean_kld_unc']:.5f}", f"{r.get('p99_kld', float('nan')):.4f}",
-                 f"{100 * r['same_top_p']:.2f} %", f"{100 * r['rms_dp']:.3f} %",
-                 f"{r['ppl_ratio']:.4f} ± {r['ppl_ratio_unc']:.4f}", f"{r['kv_bytes_per_token']:,}",
-                 f"{r['kv_mib_at_ctx']:.2f}", f"{r['session_bytes'] / 2**20:.2f}"]
+        cells = [
+            f"{star}{r['type_k']}/{r['type_v']}{rot}",
+            str(r["n_ctx"]),
+            f"{r['mean_kld']:.5f} ± {r['mean_kld_unc']:.5f}",
+            f"{r.get('p99_kld', float('nan')):.4f}",
+            f"{100 * r['same_top_p']:.2f} %",
+            f"{100 * r['rms_dp']:.3f} %",
+            f"{r['ppl_ratio']:.4f} ± {r['ppl_ratio_unc']:.4f}",
+            f"{r['kv_bytes_per_token']:,}",
+            f"{r['kv_mib_at_ctx']:.2f}",
+            f"{r['session_bytes'] / 2**20:.2f}",
+        ]
         cells += [f"{r[s]:.1f}" if s in r else "" for s in speeds]
         t.add_row(*cells)
     console.print(t)
-    console.print("★ Pareto front: no other configuration is both smaller and closer to f16/f16. "
-                  "± = standard error over tokens.")
+    console.print(
+        "★ Pareto front: no other configuration is both smaller and closer to f16/f16. ± = standard error over tokens."
+    )

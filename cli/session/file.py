@@ -11,6 +11,7 @@
 - `check_save_target`: /save must not replace a text file or a model with a session unless
   asked to (`/save! FILE`, `--force`), and never replaces something that is not a regular file.
 """
+
 from __future__ import annotations
 
 import errno
@@ -43,9 +44,17 @@ def open_regular(path, what: str = "session file"):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(st.st_mode)
+            else "not a regular file"
+        )
         raise SessionError(f"{what} {p} is {kind}, not a regular file")
     # reads of a regular file never block; clear O_NONBLOCK so they are ordinary reads
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -90,8 +99,9 @@ def check_save_target(path, force: bool = False) -> None:
         raise SessionError(f"cannot save to {p}: it is not a regular file")
     if force or st.st_size == 0 or is_session_file(p):
         return
-    raise SessionError(f"{p} exists and is not a kvchat session file: not overwriting it "
-                       "(/save! FILE or --force replaces it)")
+    raise SessionError(
+        f"{p} exists and is not a kvchat session file: not overwriting it (/save! FILE or --force replaces it)"
+    )
 
 
 def resolve_target(path) -> Path:
@@ -136,8 +146,9 @@ class SessionLock:
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     who = f"process {holder}" if holder else "another process"
-                    raise SessionError(f"session file {self.path} is in use by {who}; wait for it "
-                                       "to finish or use another file") from None
+                    raise SessionError(
+                        f"session file {self.path} is in use by {who}; wait for it to finish or use another file"
+                    ) from None
                 raise SessionError(f"cannot lock session file {self.path}: {_reason(e)}") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
@@ -150,6 +161,7 @@ class SessionLock:
             os.write(fd, f"{os.getpid()}\n".encode())
             self._fd = fd
             from kvchat.runtime.memory.state import remove_stale_temps
+
             remove_stale_temps(self.path)  # temp files of a save that was killed
             return self
         raise SessionError(f"cannot lock session file {self.path}: the lock file keeps changing")

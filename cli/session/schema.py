@@ -6,6 +6,7 @@ checked before it reaches the conversation or the sampler. `parse_header` refuse
 deeper than any header kvchat writes (json.loads would recurse until RecursionError) and
 `check_header` checks each field's type and range, so a bad file is one SessionError line.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ import numpy as np
 
 from kvchat.runtime.errors import SessionError
 
-MAX_HEADER_BYTES = 64 << 20   # tokens of a very long chat are ~7 bytes each in JSON
-MAX_JSON_DEPTH = 16           # kvchat writes 3 (header → messages → message)
+MAX_HEADER_BYTES = 64 << 20  # tokens of a very long chat are ~7 bytes each in JSON
+MAX_JSON_DEPTH = 16  # kvchat writes 3 (header → messages → message)
 MAX_TOKEN_ID = 2**31 - 1
 ROLES = ("system", "user", "assistant")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
@@ -36,8 +37,10 @@ def json_depth(text: bytes) -> int:
 
 def parse_header(raw: bytes, where: str) -> dict:
     if len(raw) > MAX_HEADER_BYTES:
-        raise SessionError(f"{where}: header of {len(raw)} bytes is larger than any session "
-                           f"kvchat writes ({MAX_HEADER_BYTES} bytes at most)")
+        raise SessionError(
+            f"{where}: header of {len(raw)} bytes is larger than any session "
+            f"kvchat writes ({MAX_HEADER_BYTES} bytes at most)"
+        )
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise SessionError(f"{where}: invalid header (JSON nested {depth} levels deep)")
@@ -77,8 +80,7 @@ CACHE_FIELDS = {
 MODEL_FIELDS = {
     "file": (lambda v: isinstance(v, str), "a file name"),
     "size": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "header_sha256": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
-                      "64 hex digits"),
+    "header_sha256": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None, "64 hex digits"),
 }
 
 
@@ -94,13 +96,13 @@ def _check_fields(obj: dict, spec: dict, section: str, bad, required: bool) -> N
 
 def check_header(h, where: str) -> None:
     """SessionError naming the first field of the wrong type or out of range."""
+
     def bad(what):
         raise SessionError(f"{where}: invalid header ({what})")
 
     if not isinstance(h, dict):
         bad("not an object")
-    for key, typ in (("model", dict), ("cache", dict), ("messages", list), ("sampling", dict),
-                     ("tokens", list)):
+    for key, typ in (("model", dict), ("cache", dict), ("messages", list), ("sampling", dict), ("tokens", list)):
         if not isinstance(h.get(key), typ):
             bad(f"'{key}' missing or of the wrong type")
     for key in ("n_dropped", "n_keep"):

@@ -20,6 +20,7 @@ header's fields are type- and range-checked (cli/session/schema.py). Writes go t
 beside the (symlink-resolved) target, are fsynced, and renamed over it: an interrupted save
 leaves the previous file as it was; a file that is not a session is only replaced when forced.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,14 +45,15 @@ HEADER_FALLBACK_BYTES = 16 << 20  # hashed when a GGUF reader gives no data offs
 @dataclass
 class SessionData:
     """Everything a session file holds, in memory."""
-    model: dict            # model_identity(): file, size, header_sha256
-    cache: dict            # cache_config(): n_ctx, type_k, type_v, flash_attn, swa_full
-    messages: list         # [{"role": ..., "content": ...}, ...]
-    sampling: dict         # SamplingParams.to_dict()
-    tokens: list           # the conversation's tokens as if nothing had been dropped
-    n_dropped: int = 0     # tokens removed by context shifts, right after the first n_keep
-    n_keep: int = 0        # the kept prefix the shifts preserved
-    state: bytes = b""     # the sequence's memory state
+
+    model: dict  # model_identity(): file, size, header_sha256
+    cache: dict  # cache_config(): n_ctx, type_k, type_v, flash_attn, swa_full
+    messages: list  # [{"role": ..., "content": ...}, ...]
+    sampling: dict  # SamplingParams.to_dict()
+    tokens: list  # the conversation's tokens as if nothing had been dropped
+    n_dropped: int = 0  # tokens removed by context shifts, right after the first n_keep
+    n_keep: int = 0  # the kept prefix the shifts preserved
+    state: bytes = b""  # the sequence's memory state
     extra: dict = field(default_factory=dict)  # free-form (e.g. the system prompt flag)
 
 
@@ -79,6 +81,7 @@ def model_identity(path, data_offset: int | None = None) -> dict:
 def cache_config(cparams) -> dict:
     """The parts of the resolved context parameters a memory state depends on."""
     from kvchat.kernels.ggml_types import type_info
+
     return {
         "n_ctx": int(cparams.n_ctx),
         "type_k": type_info(cparams.type_k).name,
@@ -90,14 +93,31 @@ def cache_config(cparams) -> dict:
 
 # ---- writing -----------------------------------------------------------------------------------
 
+
 def encode_session(data: SessionData) -> bytes:
-    header = json.dumps({
-        "model": data.model, "cache": data.cache, "messages": clean_tree(data.messages),
-        "sampling": data.sampling, "tokens": [int(t) for t in data.tokens],
-        "n_dropped": int(data.n_dropped), "n_keep": int(data.n_keep), "extra": data.extra,
-    }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    body = b"".join([MAGIC, struct.pack("<II", FORMAT_VERSION, len(header)), header,
-                     struct.pack("<Q", len(data.state)), bytes(data.state)])
+    header = json.dumps(
+        {
+            "model": data.model,
+            "cache": data.cache,
+            "messages": clean_tree(data.messages),
+            "sampling": data.sampling,
+            "tokens": [int(t) for t in data.tokens],
+            "n_dropped": int(data.n_dropped),
+            "n_keep": int(data.n_keep),
+            "extra": data.extra,
+        },
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode("utf-8")
+    body = b"".join(
+        [
+            MAGIC,
+            struct.pack("<II", FORMAT_VERSION, len(header)),
+            header,
+            struct.pack("<Q", len(data.state)),
+            bytes(data.state),
+        ]
+    )
     return body + hashlib.sha256(body).digest()
 
 
@@ -115,6 +135,7 @@ def save_session(path, data: SessionData, force: bool = False) -> int:
 
 # ---- reading -----------------------------------------------------------------------------------
 
+
 def _bytes(n: int) -> str:
     return "1 byte" if n == 1 else f"{n} bytes"
 
@@ -122,28 +143,28 @@ def _bytes(n: int) -> str:
 def _check_fixed(fixed: bytes, size: int, where: str) -> int:
     """Magic, version and header length of the first _FIXED bytes; returns the header length."""
     if size < _FIXED + 8 + _DIGEST:
-        if fixed[:len(MAGIC)] != MAGIC[:len(fixed)] or not fixed:
+        if fixed[: len(MAGIC)] != MAGIC[: len(fixed)] or not fixed:
             raise SessionError(f"{where}: not a kvchat session file ({_bytes(size)})")
         raise SessionError(f"{where}: truncated ({_bytes(size)}, shorter than any session file)")
-    if fixed[:len(MAGIC)] != MAGIC:
+    if fixed[: len(MAGIC)] != MAGIC:
         raise SessionError(f"{where}: not a kvchat session file (bad magic)")
     version, hlen = struct.unpack_from("<II", fixed, len(MAGIC))
     if version != FORMAT_VERSION:
         raise SessionError(f"{where}: format version {version}, this kvchat reads version {FORMAT_VERSION}")
     if hlen > size - _FIXED - 8 - _DIGEST:
-        raise SessionError(f"{where}: truncated or corrupted (a {_bytes(hlen)} header does not fit "
-                           f"in {_bytes(size)})")
+        raise SessionError(f"{where}: truncated or corrupted (a {_bytes(hlen)} header does not fit in {_bytes(size)})")
     return hlen
 
 
 def _check_state_len(slen: int, hlen: int, size: int, where: str) -> None:
     room = size - (_FIXED + hlen + 8 + _DIGEST)  # >= 0 after _check_fixed
     if slen > room:
-        raise SessionError(f"{where}: truncated or corrupted (the memory state claims "
-                           f"{_bytes(slen)}, the file has room for {_bytes(room)})")
+        raise SessionError(
+            f"{where}: truncated or corrupted (the memory state claims "
+            f"{_bytes(slen)}, the file has room for {_bytes(room)})"
+        )
     if slen < room:
-        raise SessionError(f"{where}: has {_bytes(room - slen)} of trailing data after the "
-                           "memory state")
+        raise SessionError(f"{where}: has {_bytes(room - slen)} of trailing data after the memory state")
 
 
 def decode_session(blob: bytes, where: str = "session file") -> SessionData:
@@ -155,13 +176,21 @@ def decode_session(blob: bytes, where: str = "session file") -> SessionData:
     body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
         raise SessionError(f"{where}: corrupted (checksum mismatch)")
-    return _from_header(parse_header(body[_FIXED:_FIXED + hlen], where), body[_FIXED + hlen + 8:])
+    return _from_header(parse_header(body[_FIXED : _FIXED + hlen], where), body[_FIXED + hlen + 8 :])
 
 
 def _from_header(h: dict, state) -> SessionData:
-    return SessionData(model=h["model"], cache=h["cache"], messages=h["messages"],
-                       sampling=h["sampling"], tokens=h["tokens"], n_dropped=h["n_dropped"],
-                       n_keep=h["n_keep"], state=bytes(state), extra=h.get("extra") or {})
+    return SessionData(
+        model=h["model"],
+        cache=h["cache"],
+        messages=h["messages"],
+        sampling=h["sampling"],
+        tokens=h["tokens"],
+        n_dropped=h["n_dropped"],
+        n_keep=h["n_keep"],
+        state=bytes(state),
+        extra=h.get("extra") or {},
+    )
 
 
 def read_session(path) -> SessionData:
@@ -202,15 +231,20 @@ def check_compatible(data: SessionData, model: dict, cache: dict, where: str, n_
     The model is identified by content (size and the sha256 of its GGUF header: metadata and
     tensor table), not by file name: a renamed or moved model still resumes its sessions."""
     if data.model.get("size") != model["size"] or data.model.get("header_sha256") != model["header_sha256"]:
-        raise SessionError(f"{where}: saved with model {data.model.get('file')} "
-                           f"({data.model.get('size')} bytes), not {model['file']} ({model['size']} "
-                           "bytes): different model contents")
+        raise SessionError(
+            f"{where}: saved with model {data.model.get('file')} "
+            f"({data.model.get('size')} bytes), not {model['file']} ({model['size']} "
+            "bytes): different model contents"
+        )
     for key in ("n_ctx", "type_k", "type_v", "flash_attn", "swa_full"):
         if data.cache.get(key) != cache[key]:
-            flag = {"n_ctx": "-c", "type_k": "-ctk", "type_v": "-ctv", "flash_attn": "-fa",
-                    "swa_full": "--swa-full"}[key]
-            raise SessionError(f"{where}: saved with {key}={data.cache.get(key)}, this chat has "
-                               f"{key}={cache[key]} (restart with matching {flag})")
+            flag = {"n_ctx": "-c", "type_k": "-ctk", "type_v": "-ctv", "flash_attn": "-fa", "swa_full": "--swa-full"}[
+                key
+            ]
+            raise SessionError(
+                f"{where}: saved with {key}={data.cache.get(key)}, this chat has "
+                f"{key}={cache[key]} (restart with matching {flag})"
+            )
     n_cached = len(data.tokens) - data.n_dropped
     if n_cached > cache["n_ctx"]:
         raise SessionError(f"{where}: holds {n_cached} cached tokens, more than n_ctx={cache['n_ctx']}")
@@ -227,13 +261,20 @@ def load_session(path, model: dict, cache: dict, n_vocab: int | None = None) -> 
 
 # ---- a live conversation ↔ a file ----------------------------------------------------------------
 
+
 def save_conversation(path, conv, model: dict, cache: dict, force: bool = False) -> int:
     """Snapshot a Conversation (messages, tokens, sampling, memory state) into a session file."""
     st = conv.session_state()
-    data = SessionData(model=model, cache=cache, messages=st["messages"],
-                       sampling=conv.sampler.params.to_dict() | {"seed": conv.sampler.seed},
-                       tokens=st["tokens"], n_dropped=st["n_dropped"], n_keep=st["n_keep"],
-                       state=st["state"])
+    data = SessionData(
+        model=model,
+        cache=cache,
+        messages=st["messages"],
+        sampling=conv.sampler.params.to_dict() | {"seed": conv.sampler.seed},
+        tokens=st["tokens"],
+        n_dropped=st["n_dropped"],
+        n_keep=st["n_keep"],
+        state=st["state"],
+    )
     return save_session(path, data, force)
 
 

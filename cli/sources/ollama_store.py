@@ -12,6 +12,7 @@ own Go-template and sampling defaults; kvchat ignores them in favour of the GGUF
 tokenizer.chat_template and its own defaults, and says so in `kvchat info`.
 `NAME` may carry a namespace (`user/model`) or a registry host (`host/user/model`).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,17 +32,19 @@ _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 
 @dataclass(frozen=True)
 class OllamaModel:
-    name: str               # as `ollama list` shows it: NAME:TAG (library), user/NAME:TAG, host/user/NAME:TAG
-    blob: Path              # the GGUF, inside Ollama's store
+    name: str  # as `ollama list` shows it: NAME:TAG (library), user/NAME:TAG, host/user/NAME:TAG
+    blob: Path  # the GGUF, inside Ollama's store
     manifest: Path
-    ignored: tuple          # media types of the layers we do not use (template, params, ...)
+    ignored: tuple  # media types of the layers we do not use (template, params, ...)
 
     @property
     def note(self) -> str:
         kinds = ", ".join(sorted({t.rsplit(".", 1)[-1] for t in self.ignored})) or "none"
-        return (f"Ollama model {self.name}: its GGUF blob is used in place; the manifest's other layers "
-                f"({kinds}) are ignored: the chat template is the GGUF's own and sampling uses kvchat's "
-                f"defaults")
+        return (
+            f"Ollama model {self.name}: its GGUF blob is used in place; the manifest's other layers "
+            f"({kinds}) are ignored: the chat template is the GGUF's own and sampling uses kvchat's "
+            f"defaults"
+        )
 
 
 def store_dir() -> Path:
@@ -50,7 +53,7 @@ def store_dir() -> Path:
 
 def parse_name(spec: str) -> tuple[str, str, str, str]:
     """`[host/][namespace/]model[:tag]` -> (host, namespace, model, tag)."""
-    text = spec[len(PREFIX):] if spec.lower().startswith(PREFIX) else spec
+    text = spec[len(PREFIX) :] if spec.lower().startswith(PREFIX) else spec
     path, _, tag = text.rpartition(":") if ":" in text.rsplit("/", 1)[-1] else (text, "", DEFAULT_TAG)
     parts = path.split("/")
     if not 1 <= len(parts) <= 3 or not all(_PART.match(p) for p in parts) or not _PART.match(tag or ""):
@@ -80,8 +83,10 @@ def resolve(spec: str) -> OllamaModel:
     if not manifest.is_file():
         known = [m.name for m in list_models()]
         hint = f"; Ollama models here: {', '.join(known)}" if known else ""
-        raise KvchatError(f"no Ollama model {name} in {root} (`ollama pull {name}` fetches it; set "
-                          f"OLLAMA_MODELS if the store is elsewhere){hint}")
+        raise KvchatError(
+            f"no Ollama model {name} in {root} (`ollama pull {name}` fetches it; set "
+            f"OLLAMA_MODELS if the store is elsewhere){hint}"
+        )
     return _read(manifest, name, root)
 
 
@@ -97,11 +102,14 @@ def _read(manifest: Path, name: str, root: Path) -> OllamaModel:
     m = _DIGEST.match(str(models[0]))
     if m is None:
         raise KvchatError(f"{manifest}: model layer digest {models[0]!r} is not sha256:<64 hex digits>")
-    blob = next((p for p in (root / "blobs" / f"sha256-{m[1]}", root / "blobs" / f"sha256:{m[1]}") if p.is_file()),
-                None)
+    blob = next(
+        (p for p in (root / "blobs" / f"sha256-{m[1]}", root / "blobs" / f"sha256:{m[1]}") if p.is_file()), None
+    )
     if blob is None:
-        raise KvchatError(f"{root / 'blobs' / ('sha256-' + m[1])}: the GGUF blob of Ollama model {name} is "
-                          f"missing; `ollama pull {name}` restores it")
+        raise KvchatError(
+            f"{root / 'blobs' / ('sha256-' + m[1])}: the GGUF blob of Ollama model {name} is "
+            f"missing; `ollama pull {name}` restores it"
+        )
     return OllamaModel(name, blob, manifest, tuple(t for t, d in media if t != MODEL_MEDIA_TYPE))
 
 

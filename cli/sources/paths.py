@@ -1,4 +1,5 @@
 """Where kvchat keeps its own files: $KVCHAT_CACHE, default ~/.cache/kvchat (models/, hub/, history)."""
+
 import os
 from pathlib import Path
 

@@ -5,6 +5,7 @@ Adding an architecture is one new module plus one line in ARCHS. The modules are
 first use, so kvchat.runtime.hparams and kvchat.runtime.model can look an architecture up without importing
 every forward pass (and without an import cycle: each arch module imports kvchat.runtime.hparams).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -16,6 +16,7 @@ An architecture is one module runtime/arch/<name>.py holding an `ARCH` object (a
   default is the attention one: a KV cache, or the base + SWA pair for sliding-window models.
 Shared compute pieces of the forwards live in runtime/arch/blocks.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ class Arch:
         """The common fields (kvchat.runtime.hparams.read_common); an architecture whose files lack
         some of those keys passes them in (read_common's `given`)."""
         from kvchat.runtime.hparams import read_common
+
         return read_common(gf, self)
 
     def read_hparams(self, gf, fields: dict) -> HParams:
@@ -95,9 +97,11 @@ class Arch:
 
     def model_tensors(self, hp) -> dict[str, Tensor]:
         e, v = hp.n_embd, hp.n_vocab
-        return {"tok_embd": Tensor("token_embd.weight", (e, v)),
-                "output_norm": Tensor("output_norm.weight", (e,)),
-                "output": Tensor("output.weight", (e, v), False)}  # absent: tied to tok_embd
+        return {
+            "tok_embd": Tensor("token_embd.weight", (e, v)),
+            "output_norm": Tensor("output_norm.weight", (e,)),
+            "output": Tensor("output.weight", (e, v), False),
+        }  # absent: tied to tok_embd
 
     def layer_tensors(self, hp, il: int) -> dict[str, Tensor]:
         """Attention (Q, K, V, output; optional Q/K/V biases) and the gated FFN of block il."""
@@ -142,10 +146,24 @@ def model_uses_iswa(hparams) -> bool:
 def create_attention_memory(hparams, cparams):
     """KVCacheISWA for sliding-window models, else KVCache of n_ctx_seq cells per stream."""
     if model_uses_iswa(hparams):
-        return KVCacheISWA(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
-                           swa_full=cparams.swa_full, unified=cparams.kv_unified,
-                           kv_size=cparams.n_ctx_seq, n_seq_max=cparams.n_seq_max,
-                           n_ubatch=cparams.n_ubatch)
-    return KVCache(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
-                   unified=cparams.kv_unified, kv_size=cparams.n_ctx_seq,
-                   n_seq_max=cparams.n_seq_max, n_swa=0)
+        return KVCacheISWA(
+            hparams,
+            cparams.type_k,
+            cparams.type_v,
+            v_trans=cparams.v_trans,
+            swa_full=cparams.swa_full,
+            unified=cparams.kv_unified,
+            kv_size=cparams.n_ctx_seq,
+            n_seq_max=cparams.n_seq_max,
+            n_ubatch=cparams.n_ubatch,
+        )
+    return KVCache(
+        hparams,
+        cparams.type_k,
+        cparams.type_v,
+        v_trans=cparams.v_trans,
+        unified=cparams.kv_unified,
+        kv_size=cparams.n_ctx_seq,
+        n_seq_max=cparams.n_seq_max,
+        n_swa=0,
+    )

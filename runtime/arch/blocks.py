@@ -3,6 +3,7 @@
 Every function takes and returns plain f32 arrays; K/V go to and come from the cache only
 through the memory context of the ubatch (cpy_k / cpy_v / get_k / get_v / kq_mask).
 """
+
 from __future__ import annotations
 
 import numba
@@ -104,8 +105,18 @@ def output_projection(L, attn):
 def feed_forward(L, h, n_ff, use_gelu):
     """Gated FFN of layer L: down(act(gate(h)) * up(h)); act = GELU (gemma) or SiLU
     (runtime/arch/layer_plan.py: gated_ffn)."""
-    return gated_ffn(h, n_ff, use_gelu, opt(L, "w_gate_up"), opt(L, "w_gate"), opt(L, "w_up"),
-                     opt(L, "b_gate"), opt(L, "b_up"), L.w_down, opt(L, "b_down"))
+    return gated_ffn(
+        h,
+        n_ff,
+        use_gelu,
+        opt(L, "w_gate_up"),
+        opt(L, "w_gate"),
+        opt(L, "w_up"),
+        opt(L, "b_gate"),
+        opt(L, "b_up"),
+        L.w_down,
+        opt(L, "b_down"),
+    )
 
 
 def output_ids(ubatch) -> np.ndarray | None:

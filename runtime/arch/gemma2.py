@@ -11,6 +11,7 @@ head is always token_embd. GGUF norm weights already include Gemma's +1. GeGLU's
 through ggml's f16 table as llama.cpp's CPU build does, as gemma3's (exact tanh moves the
 reference log-probs by up to 1.0e-2, the table by 2.7e-3; kernels/gelu_table.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,8 @@ class Gemma2(Arch):
         fields["n_swa"] = gf.get_int(k("attention.sliding_window"), N_SWA, min_value=0)
         if fields["n_swa"] > 0:
             fields["swa_layers"], fields["swa_pattern"] = swa_layers(
-                gf, k("attention.sliding_window_pattern"), n_layer, SWA_PATTERN)
+                gf, k("attention.sliding_window_pattern"), n_layer, SWA_PATTERN
+            )
         fields["rope_freq_base_swa"] = positive(gf, k("rope.freq_base_swa"), fields["rope_freq_base"])
         fields["embed_scale"] = math.sqrt(fields["n_embd"])
         fields["attn_logit_softcap"] = gf.get_float(k("attn_logit_softcapping"), 50.0)

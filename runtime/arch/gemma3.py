@@ -1,5 +1,6 @@
 """gemma3 (src/models/gemma3.cpp): embeddings scaled by sqrt(n_embd), QK-norm, RMSNorm before
-and after both attention and FFN, GeGLU (tanh GELU read from ggml's f16 table, kernels/gelu_table.py), local RoPE base on sliding-window layers.
+and after both attention and FFN, GeGLU (tanh GELU read from ggml's f16 table, kernels/gelu_table.py), local RoPE
+base on sliding-window layers.
 
 Sliding-window layers attend through the SWA cache: the iSWA memory context routes cpy_k /
 get_k / kq_mask by hparams.is_swa(il). SWA layout: `sliding_window_pattern` n (default 6: five
@@ -7,6 +8,7 @@ sliding layers then one global) or an explicit per-layer bool array. The attenti
 1/sqrt(head size), or 1/sqrt(n_embd/n_head) for the 27B (62 layers); GGUF norm weights already
 include Gemma's +1.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,9 +16,9 @@ import math
 import numba
 import numpy as np
 
+from kvchat.kernels.fused_norm import norm_add_rms_norm
 from kvchat.kernels.norm import rms_norm
 from kvchat.runtime.arch.base import Arch, Tensor
-from kvchat.kernels.fused_norm import norm_add_rms_norm
 from kvchat.runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
 from kvchat.runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
 from kvchat.runtime.hparams import HParams, positive, swa_layers
@@ -57,8 +59,10 @@ def post_norm_tensors(hp, il) -> dict:
     """The norms gemma applies to the attention and FFN outputs before their residual adds
     (gemma2 declares the same pair)."""
     p, e = f"blk.{il}.", hp.n_embd
-    return {"post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
-            "post_ffn_norm": Tensor(p + "post_ffw_norm.weight", (e,))}
+    return {
+        "post_attn_norm": Tensor(p + "post_attention_norm.weight", (e,)),
+        "post_ffn_norm": Tensor(p + "post_ffw_norm.weight", (e,)),
+    }
 
 
 class Gemma3(Arch):
@@ -72,7 +76,8 @@ class Gemma3(Arch):
         n_swa = gf.get_int(k("attention.sliding_window"), 0, min_value=0)
         if n_swa > 0:
             fields["swa_layers"], fields["swa_pattern"] = swa_layers(
-                gf, k("attention.sliding_window_pattern"), n_layer, SWA_PATTERN)
+                gf, k("attention.sliding_window_pattern"), n_layer, SWA_PATTERN
+            )
             fields["rope_freq_base_swa"] = positive(gf, k("rope.freq_base_swa"), 10000.0)
         fields["n_swa"] = n_swa
         fields["embed_scale"] = math.sqrt(fields["n_embd"])

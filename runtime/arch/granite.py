@@ -8,6 +8,7 @@ The llama block (NORM RoPE, SwiGLU, optional biases) with four multipliers from 
 - `logit_scale` (required): the logits are divided by it.
 `rope.scaling.finetuned` false switches RoPE off in every layer (llama.cpp reads it that way).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,7 @@ def forward(model, ubatch, mctx) -> np.ndarray:
     def attention_mixer(il, L, h, pos):  # [n, n_head * dv], before the output projection
         return self_attention(model, il, L, h, pos, mctx, hp.kq_scale)
 
-    logits = decoder_layers(model, ubatch, attention_mixer, project=output_projection,
-                            residual_scale=hp.residual_scale)
+    logits = decoder_layers(model, ubatch, attention_mixer, project=output_projection, residual_scale=hp.residual_scale)
     return logits * np.float32(1.0 / hp.logit_scale)
 
 
@@ -54,8 +54,9 @@ class Granite(Llama):
         if not gf.get_bool(k("rope.scaling.finetuned"), True):
             fields["rope_layers"] = [False] * fields["n_layer"]
         hp = super().read_hparams(gf, fields)  # llama's: rope_freqs
-        return GraniteHParams(**vars(hp), residual_scale=gf.get_float(k("residual_scale"), 0.0) or 1.0,
-                              logit_scale=logit_scale)
+        return GraniteHParams(
+            **vars(hp), residual_scale=gf.get_float(k("residual_scale"), 0.0) or 1.0, logit_scale=logit_scale
+        )
 
     forward = staticmethod(forward)
 

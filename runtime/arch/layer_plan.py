@@ -11,6 +11,7 @@ for QK-norm + RoPE + the K/V cache write (kernels/qkv_store.py), attention throu
 `attention_checked`, and the FFN. The kernels and their order are those of the unplanned steps
 (runtime/arch/blocks.py), so the logits are bit-identical.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,10 +29,38 @@ _Q_AS_IS = (int(GGMLType.F32), int(GGMLType.F16))  # K types whose K·Q takes Q 
 class LayerPlan:
     """One decoder layer's weights by role and its attention constants (see the module)."""
 
-    __slots__ = ("il", "L", "wqkv", "bqkv", "wq", "wk", "wv", "qa", "qb", "wo", "bo",
-                 "n_head", "n_head_kv", "head_dim", "rope", "rope_args", "q_norm", "k_norm", "neox",
-                 "eps", "kq_scale", "softcap", "w_gate_up", "w_gate", "w_up", "b_gate", "b_up",
-                 "w_down", "b_down", "n_ff")
+    __slots__ = (
+        "il",
+        "L",
+        "wqkv",
+        "bqkv",
+        "wq",
+        "wk",
+        "wv",
+        "qa",
+        "qb",
+        "wo",
+        "bo",
+        "n_head",
+        "n_head_kv",
+        "head_dim",
+        "rope",
+        "rope_args",
+        "q_norm",
+        "k_norm",
+        "neox",
+        "eps",
+        "kq_scale",
+        "softcap",
+        "w_gate_up",
+        "w_gate",
+        "w_up",
+        "b_gate",
+        "b_up",
+        "w_down",
+        "b_down",
+        "n_ff",
+    )
 
     def __init__(self, model, il: int, L, n_ctx_seq: int):
         hp = model.hparams
@@ -48,8 +77,14 @@ class LayerPlan:
         self.eps = float(hp.norm_eps)
         has_norm = self.q_norm is not None
         # prepare_qkv_store's constants, in its kernel's argument order
-        self.rope_args = (self.q_norm if has_norm else _ONE, self.k_norm if has_norm else _ONE, has_norm,
-                          np.float64(self.eps), *self.rope, bool(self.neox))
+        self.rope_args = (
+            self.q_norm if has_norm else _ONE,
+            self.k_norm if has_norm else _ONE,
+            has_norm,
+            np.float64(self.eps),
+            *self.rope,
+            bool(self.neox),
+        )
         self.kq_scale = np.float32(hp.kq_scale)
         self.softcap = np.float32(hp.attn_logit_softcap)
         self.w_gate_up, self.w_gate, self.w_up = g("w_gate_up"), g("w_gate"), g("w_up")
@@ -85,17 +120,18 @@ def qkv_of(p: LayerPlan, h: np.ndarray):
         qkv = p.wqkv.matmul(h)  # [n, q + k + v] f32
         if p.bqkv is not None:
             qkv += p.bqkv
-        return qkv[:, :p.qa], qkv[:, p.qa:p.qb], qkv[:, p.qb:]
+        return qkv[:, : p.qa], qkv[:, p.qa : p.qb], qkv[:, p.qb :]
     q, k, v = p.wq.matmul(h), p.wk.matmul(h), p.wv.matmul(h)
     if p.bqkv is not None:
-        q += p.bqkv[:p.qa]
-        k += p.bqkv[p.qa:p.qb]
-        v += p.bqkv[p.qb:]
+        q += p.bqkv[: p.qa]
+        k += p.bqkv[p.qa : p.qb]
+        v += p.bqkv[p.qb :]
     return q, k, v
 
 
-def attention_step(p: LayerPlan, h: np.ndarray, pos: np.ndarray, mctx, n_threads: int,
-                   kq_scale: np.float32 | None = None) -> np.ndarray:
+def attention_step(
+    p: LayerPlan, h: np.ndarray, pos: np.ndarray, mctx, n_threads: int, kq_scale: np.float32 | None = None
+) -> np.ndarray:
     """Self-attention of layer p.il for the ubatch (before the output projection): h [n, n_embd]
     f32, pos i32 [n] -> [n, n_head * head_dim_v] f32; kq_scale: the layer's (hparams) when None."""
     q_in, k_in, v_in = qkv_of(p, h)
@@ -104,8 +140,9 @@ def attention_step(p: LayerPlan, h: np.ndarray, pos: np.ndarray, mctx, n_threads
     if store is not None:  # plain K/V rows: QK-norm, RoPE and the cache write in one launch
         q = prepare_qkv_store(q_in, k_in, v_in, pos, p.rope_args, p.n_head, p.n_head_kv, p.head_dim, store)
         return attend_io(p, q, io, n_threads, kq_scale)
-    q, k, v = prepare_qkv_planned(q_in, k_in, v_in, p.n_head, p.n_head_kv, p.head_dim, pos, p.rope,
-                                  p.neox, p.q_norm, p.k_norm, p.eps)
+    q, k, v = prepare_qkv_planned(
+        q_in, k_in, v_in, p.n_head, p.n_head_kv, p.head_dim, pos, p.rope, p.neox, p.q_norm, p.k_norm, p.eps
+    )
     return store_and_attend(p, q, k, v, mctx, io, n_threads, kq_scale)
 
 
@@ -132,8 +169,21 @@ def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None) -> np.ndarray:
         q = round_q_to_vec_dot_type(q, type_k)
     if not q.flags.c_contiguous:
         q = np.ascontiguousarray(q)
-    out = attention_checked(q, k_cache, type_k, v_cache, type_v, mask, tok_stream, start, p.n_head_kv,
-                            p.kq_scale if kq_scale is None else kq_scale, p.softcap, flash, n_threads)
+    out = attention_checked(
+        q,
+        k_cache,
+        type_k,
+        v_cache,
+        type_v,
+        mask,
+        tok_stream,
+        start,
+        p.n_head_kv,
+        p.kq_scale if kq_scale is None else kq_scale,
+        p.softcap,
+        flash,
+        n_threads,
+    )
     return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
 
 
@@ -147,8 +197,7 @@ def output_step(p: LayerPlan, attn: np.ndarray) -> np.ndarray:
 
 def ffn_step(p: LayerPlan, h: np.ndarray, use_gelu: bool) -> np.ndarray:
     """The layer's gated FFN (gated_ffn) on h [n, n_embd] -> [n, n_embd] f32."""
-    return gated_ffn(h, p.n_ff, use_gelu, p.w_gate_up, p.w_gate, p.w_up, p.b_gate, p.b_up,
-                     p.w_down, p.b_down)
+    return gated_ffn(h, p.n_ff, use_gelu, p.w_gate_up, p.w_gate, p.w_up, p.b_gate, p.b_up, p.w_down, p.b_down)
 
 
 def gated_ffn(h, n_ff, use_gelu, w_gate_up, w_gate, w_up, b_gate, b_up, w_down, b_down):

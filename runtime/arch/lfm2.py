@@ -9,6 +9,7 @@ x += op(attn_norm(x)); x += SwiGLU(ffn_norm(x)). The final norm is stored as
 token_embd_norm.weight (llama.cpp's naming). Memory: hybrid (KV cache for the attention
 layers, conv states for the others).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,8 +18,13 @@ import numpy as np
 
 from kvchat.runtime.arch.base import Arch, Tensor
 from kvchat.runtime.arch.blocks import output_projection, self_attention
-from kvchat.runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
-                                           without_attention)
+from kvchat.runtime.arch.recurrent_blocks import (
+    causal_conv,
+    create_hybrid_memory,
+    dense,
+    hybrid_forward,
+    without_attention,
+)
 from kvchat.runtime.gguf.file import GGUFValueType
 from kvchat.runtime.hparams import HParams, scalar_int
 
@@ -44,9 +50,9 @@ class LFM2HParams(HParams):
 def shortconv_block(hp, L, h, rctx, il) -> np.ndarray:
     e = hp.n_embd
     bcx = L.conv_in_proj.matmul(h)  # [n, 3 * n_embd]: B | C | x
-    bx = np.ascontiguousarray(bcx[:, :e] * bcx[:, 2 * e:])
+    bx = np.ascontiguousarray(bcx[:, :e] * bcx[:, 2 * e :])
     conv = causal_conv(rctx, il, bx, dense(L, "conv"), hp.l_cache)
-    return L.conv_out_proj.matmul(np.ascontiguousarray(bcx[:, e:2 * e] * conv))
+    return L.conv_out_proj.matmul(np.ascontiguousarray(bcx[:, e : 2 * e] * conv))
 
 
 def attention_block(model, il, L, h, pos, actx) -> np.ndarray:
@@ -65,6 +71,7 @@ class LFM2(Arch):
 
     def read_common(self, gf) -> dict:
         from kvchat.runtime.hparams import read_common
+
         key = "lfm2.attention.head_count_kv"
         heads = gf.metadata.get(key)
         if gf.value_types.get(key, (None,))[0] != GGUFValueType.ARRAY:
@@ -78,8 +85,7 @@ class LFM2(Arch):
         heads = [int(h) for h in gf.metadata["lfm2.attention.head_count_kv"]]
         if len(heads) != fields["n_layer"]:
             gf.fail("lfm2.attention.head_count_kv", f"has {len(heads)} entries for {fields['n_layer']} layers")
-        return LFM2HParams(**fields, l_cache=scalar_int(gf, "lfm2.shortconv.l_cache", 2, 64),
-                           kv_heads=heads)
+        return LFM2HParams(**fields, l_cache=scalar_int(gf, "lfm2.shortconv.l_cache", 2, 64), kv_heads=heads)
 
     def model_tensors(self, hp):
         t = super().model_tensors(hp)
@@ -94,9 +100,13 @@ class LFM2(Arch):
             return t
         e, p = hp.n_embd, f"blk.{il}."
         t = without_attention(t)
-        t.update({"conv_in_proj": Tensor(p + "shortconv.in_proj.weight", (e, 3 * e)),
-                  "conv": Tensor(p + "shortconv.conv.weight", (hp.l_cache, e)),
-                  "conv_out_proj": Tensor(p + "shortconv.out_proj.weight", (e, e))})
+        t.update(
+            {
+                "conv_in_proj": Tensor(p + "shortconv.in_proj.weight", (e, 3 * e)),
+                "conv": Tensor(p + "shortconv.conv.weight", (hp.l_cache, e)),
+                "conv_out_proj": Tensor(p + "shortconv.out_proj.weight", (e, e)),
+            }
+        )
         return t
 
     forward = staticmethod(forward)

@@ -4,18 +4,20 @@ Per layer: x += Wo·attn(rope(Q), rope(K), V) of RMSNorm(x); x += down(silu(gate
 RMSNorm(x), with the optional output and FFN biases llama.cpp allows. RoPE spans the whole
 head. Llama 3.1/3.2 RoPE scaling is entirely the `rope_freqs.weight` tensor (f32 [head/2], one
 for all layers): per-frequency divisors of the rotation speed, which the converter computed
-from the HF rope_scaling (factor, low/high_freq_factor, original context). After the last layer's attention only the rows of output tokens are carried on
+from the HF rope_scaling (factor, low/high_freq_factor, original context). After the last layer's attention only the
+rows of output tokens are carried on
 (llama.cpp's inp_out_ids). qwen2 and qwen3 reuse this forward (biases / QK-norm apply when the
 layer has them).
 """
+
 from __future__ import annotations
 
 import numba
 import numpy as np
 
+from kvchat.kernels.fused_norm import add_rms_norm
 from kvchat.kernels.norm import rms_norm
 from kvchat.runtime.arch.base import Arch, Tensor
-from kvchat.kernels.fused_norm import add_rms_norm
 from kvchat.runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
 from kvchat.runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
 from kvchat.runtime.hparams import rope_factor_tensor
@@ -67,10 +69,14 @@ class Llama(Arch):
         e, ff = hp.n_embd, hp.n_ff
         p = f"blk.{il}."
         t = super().layer_tensors(hp, il)
-        t.update({"bo": Tensor(p + "attn_output.bias", (e,), False),
-                  "b_gate": Tensor(p + "ffn_gate.bias", (ff,), False),
-                  "b_up": Tensor(p + "ffn_up.bias", (ff,), False),
-                  "b_down": Tensor(p + "ffn_down.bias", (e,), False)})
+        t.update(
+            {
+                "bo": Tensor(p + "attn_output.bias", (e,), False),
+                "b_gate": Tensor(p + "ffn_gate.bias", (ff,), False),
+                "b_up": Tensor(p + "ffn_up.bias", (ff,), False),
+                "b_down": Tensor(p + "ffn_down.bias", (e,), False),
+            }
+        )
         return t
 
     forward = staticmethod(forward)

@@ -9,6 +9,7 @@ Per layer: x += out_proj(y) of h = RMSNorm(x), where
 Memory: a recurrent memory (conv state [d_inner, d_conv - 1], SSM state [d_inner, d_state]).
 llama.cpp accepts only d_inner = 2 * n_embd; the B/C/dt RMS norms (FalconMamba) are refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,11 +53,17 @@ def mamba_layer(hp, L, h, rctx, il) -> np.ndarray:
     u = silu(u + L.ssm_conv1d_b)  # [n, d_inner]
     x_db = L.ssm_x.matmul(u)  # [n, dt_rank + 2 * d_state]
     dt = L.ssm_dt.matmul(np.ascontiguousarray(x_db[:, :dt_rank])) + L.ssm_dt_b  # [n, d_inner]
-    B, C = x_db[:, dt_rank:dt_rank + d_state], x_db[:, dt_rank + d_state:]
+    B, C = x_db[:, dt_rank : dt_rank + d_state], x_db[:, dt_rank + d_state :]
     s0 = rctx.get_s(il).reshape(n_rs, d_inner, d_state)
     shp = (n_rs, n // n_rs)
-    y, s1 = scan(s0, u.reshape(*shp, d_inner), dt.reshape(*shp, d_inner), dense(L, "ssm_a"),
-                 B.reshape(*shp, d_state), C.reshape(*shp, d_state))
+    y, s1 = scan(
+        s0,
+        u.reshape(*shp, d_inner),
+        dt.reshape(*shp, d_inner),
+        dense(L, "ssm_a"),
+        B.reshape(*shp, d_state),
+        C.reshape(*shp, d_state),
+    )
     rctx.cpy_s(il, s1.reshape(n_rs, -1))
     y = y.reshape(n, d_inner) + u * L.ssm_d
     return L.ssm_out.matmul(np.ascontiguousarray(y * silu(np.ascontiguousarray(xz[:, d_inner:]))))
@@ -84,14 +91,18 @@ class Mamba(Arch):
 
     def read_common(self, gf) -> dict:
         from kvchat.runtime.hparams import read_common
+
         return read_common(gf, self, given={"n_ff": 0, "n_head": 1, "n_head_kv": 1})
 
     def read_hparams(self, gf, fields) -> MambaHParams:
         k = lambda name: f"mamba.{name}"  # noqa: E731
-        hp = MambaHParams(**fields, d_conv=scalar_int(gf, k("ssm.conv_kernel"), 2, 64),
-                          d_inner=scalar_int(gf, k("ssm.inner_size"), 1, MAX_DIM),
-                          d_state=scalar_int(gf, k("ssm.state_size"), 1, MAX_DIM),
-                          dt_rank=scalar_int(gf, k("ssm.time_step_rank"), 1, MAX_DIM))
+        hp = MambaHParams(
+            **fields,
+            d_conv=scalar_int(gf, k("ssm.conv_kernel"), 2, 64),
+            d_inner=scalar_int(gf, k("ssm.inner_size"), 1, MAX_DIM),
+            d_state=scalar_int(gf, k("ssm.state_size"), 1, MAX_DIM),
+            dt_rank=scalar_int(gf, k("ssm.time_step_rank"), 1, MAX_DIM),
+        )
         if hp.d_inner != 2 * hp.n_embd:
             gf.fail(k("ssm.inner_size"), f"{hp.d_inner}: only d_inner = 2 * n_embd is supported")
         if gf.metadata.get(k("ssm.dt_b_c_rms")):

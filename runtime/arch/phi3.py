@@ -13,6 +13,7 @@ The llama-style pre-norm block with three differences in the weights and one in 
 Q is scaled by 1/sqrt(head size) (llama.cpp scales Q, then attends with scale 1). Phi's
 sliding window is off, as in llama.cpp.
 """
+
 from __future__ import annotations
 
 from kvchat.runtime.arch import llama
@@ -33,8 +34,7 @@ class Phi3(Arch):
             gf.fail("phi3.attention.head_count", "head_count x head size must equal embedding_length for phi3")
         for il in range(fields["n_layer"]):
             p = f"blk.{il}."
-            if p + "attn_qkv.weight" not in gf.tensors and not all(
-                    p + f"attn_{x}.weight" in gf.tensors for x in "qkv"):
+            if p + "attn_qkv.weight" not in gf.tensors and not all(p + f"attn_{x}.weight" in gf.tensors for x in "qkv"):
                 gf.fail(f"tensor {p}attn_qkv.weight", "missing (required for phi3: fused QKV, or attn_q/k/v)")
         return super().read_hparams(gf, fields)
 
@@ -53,9 +53,13 @@ class Phi3(Arch):
         for name in ("wq", "wk", "wv"):
             t[name] = Tensor(t[name].name, t[name].shape, False)
         del t["w_gate"], t["w_up"]
-        t.update({"wqkv": Tensor(p + "attn_qkv.weight", (e, qkv), False),
-                  "bqkv": Tensor(p + "attn_qkv.bias", (qkv,), False),
-                  "w_gate_up": Tensor(p + "ffn_up.weight", (e, 2 * ff))})
+        t.update(
+            {
+                "wqkv": Tensor(p + "attn_qkv.weight", (e, qkv), False),
+                "bqkv": Tensor(p + "attn_qkv.bias", (qkv,), False),
+                "w_gate_up": Tensor(p + "ffn_up.weight", (e, 2 * ff)),
+            }
+        )
         return t
 
     forward = staticmethod(llama.forward)

@@ -1,5 +1,6 @@
 """qwen2 (src/models/qwen2.cpp): the llama block with biases on Q, K and V (added after the
 fused QKV matmul) and neox RoPE; llama's forward."""
+
 from kvchat.runtime.arch import llama
 from kvchat.runtime.arch.base import Arch
 

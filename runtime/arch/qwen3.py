@@ -1,5 +1,6 @@
 """qwen3 (src/models/qwen3.cpp): the llama block with per-head RMSNorm of Q and K before RoPE
 (QK-norm, attn_q_norm / attn_k_norm required in every layer) and neox RoPE; llama's forward."""
+
 from kvchat.runtime.arch import llama
 from kvchat.runtime.arch.base import Arch
 

@@ -15,6 +15,7 @@ with the text positions [p, p, p, 0], i.e. NEOX rope on the first n_rot dims of 
 the attention output is multiplied by sigmoid(gate) before attn_output.
 Memory: hybrid (KV cache for the attention layers, conv + delta states for the others).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,9 +26,18 @@ from kvchat.kernels.delta_net import gated_delta_rule
 from kvchat.kernels.rope import prepare_qkv
 from kvchat.runtime.arch.base import Arch, Tensor
 from kvchat.runtime.arch.blocks import attend, ctx_size, opt, qkv_projection
-from kvchat.runtime.arch.recurrent_blocks import (causal_conv, create_hybrid_memory, dense, hybrid_forward,
-                                           l2_norm, rms_norm_last, sigmoid, silu, softplus,
-                                           without_attention)
+from kvchat.runtime.arch.recurrent_blocks import (
+    causal_conv,
+    create_hybrid_memory,
+    dense,
+    hybrid_forward,
+    l2_norm,
+    rms_norm_last,
+    sigmoid,
+    silu,
+    softplus,
+    without_attention,
+)
 from kvchat.runtime.hparams import MAX_DIM, HParams, scalar_int
 
 
@@ -64,8 +74,8 @@ def linear_attention(hp, L, h, rctx, il) -> np.ndarray:
     kdim = h_k * S
     qkv = silu(causal_conv(rctx, il, L.ssm_qkv.matmul(h), dense(L, "ssm_conv1d"), hp.d_conv))
     q = l2_norm(qkv[:, :kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
-    k = l2_norm(qkv[:, kdim:2 * kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
-    v = qkv[:, 2 * kdim:].reshape(n_rs, n_st, h_v, S)
+    k = l2_norm(qkv[:, kdim : 2 * kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
+    v = qkv[:, 2 * kdim :].reshape(n_rs, n_st, h_v, S)
     g = softplus(L.ssm_alpha.matmul(h) + L.ssm_dt_b) * L.ssm_a  # [n, H_v] log decay
     b = sigmoid(L.ssm_beta.matmul(h))
     state = np.ascontiguousarray(rctx.get_s(il).reshape(n_rs, h_v, S, S))  # [.., S_v, S_k]
@@ -82,9 +92,20 @@ def gated_attention(model, il, L, h, pos, actx) -> np.ndarray:
     q_full, k, v = qkv_projection(L, h, (2 * hd * nh, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)))
     qg = q_full.reshape(n, nh, 2, hd)
     gate = np.ascontiguousarray(qg[:, :, 1, :]).reshape(n, nh * hd)
-    q, k, v = prepare_qkv(np.ascontiguousarray(qg[:, :, 0, :]).reshape(n, nh * hd), k, v, nh,
-                          hp.n_head_kv, hd, pos, neox=True, q_norm=opt(L, "q_norm"),
-                          k_norm=opt(L, "k_norm"), eps=hp.norm_eps, **hp.rope_args(il, ctx_size(actx)))
+    q, k, v = prepare_qkv(
+        np.ascontiguousarray(qg[:, :, 0, :]).reshape(n, nh * hd),
+        k,
+        v,
+        nh,
+        hp.n_head_kv,
+        hd,
+        pos,
+        neox=True,
+        q_norm=opt(L, "q_norm"),
+        k_norm=opt(L, "k_norm"),
+        eps=hp.norm_eps,
+        **hp.rope_args(il, ctx_size(actx)),
+    )
     out = attend(model, il, q, k, v, actx, hp.kq_scale) * sigmoid(gate)
     return L.wo.matmul(np.ascontiguousarray(out, dtype=np.float32))
 
@@ -105,15 +126,20 @@ class Qwen35(Arch):
         if gf.get_int(k("nextn_predict_layers"), 0) != 0:
             gf.fail(k("nextn_predict_layers"), "multi-token-prediction layers are not supported")
         interval = gf.get_int(k("full_attention_interval"), 4, min_value=1)
-        hp = Qwen35HParams(**fields, d_conv=scalar_int(gf, k("ssm.conv_kernel"), 2, 64),
-                           d_inner=scalar_int(gf, k("ssm.inner_size"), 1, MAX_DIM),
-                           d_state=scalar_int(gf, k("ssm.state_size"), 1, MAX_DIM),
-                           dt_rank=scalar_int(gf, k("ssm.time_step_rank"), 1, MAX_DIM),
-                           n_group=scalar_int(gf, k("ssm.group_count"), 1, MAX_DIM),
-                           recurrent_layers=[(il + 1) % interval != 0 for il in range(n_layer)])
+        hp = Qwen35HParams(
+            **fields,
+            d_conv=scalar_int(gf, k("ssm.conv_kernel"), 2, 64),
+            d_inner=scalar_int(gf, k("ssm.inner_size"), 1, MAX_DIM),
+            d_state=scalar_int(gf, k("ssm.state_size"), 1, MAX_DIM),
+            dt_rank=scalar_int(gf, k("ssm.time_step_rank"), 1, MAX_DIM),
+            n_group=scalar_int(gf, k("ssm.group_count"), 1, MAX_DIM),
+            recurrent_layers=[(il + 1) % interval != 0 for il in range(n_layer)],
+        )
         if hp.d_inner != hp.dt_rank * hp.d_state or hp.dt_rank % hp.n_group:
-            gf.fail(k("ssm.inner_size"), f"{hp.d_inner} must be time_step_rank * state_size "
-                                         f"with time_step_rank a multiple of group_count")
+            gf.fail(
+                k("ssm.inner_size"),
+                f"{hp.d_inner} must be time_step_rank * state_size with time_step_rank a multiple of group_count",
+            )
         return hp
 
     def layer_tensors(self, hp, il):
@@ -129,15 +155,19 @@ class Qwen35(Arch):
             return t
         hv, conv = hp.dt_rank, hp.conv_dim()
         t = without_attention(t)
-        t.update({"ssm_qkv": Tensor(p + "attn_qkv.weight", (e, conv)),
-                  "ssm_gate": Tensor(p + "attn_gate.weight", (e, hp.d_inner)),
-                  "ssm_conv1d": Tensor(p + "ssm_conv1d.weight", (hp.d_conv, conv)),
-                  "ssm_dt_b": Tensor(p + "ssm_dt.bias", (hv,)),
-                  "ssm_a": Tensor(p + "ssm_a", (hv,)),
-                  "ssm_beta": Tensor(p + "ssm_beta.weight", (e, hv)),
-                  "ssm_alpha": Tensor(p + "ssm_alpha.weight", (e, hv)),
-                  "ssm_norm": Tensor(p + "ssm_norm.weight", (hp.d_state,)),
-                  "ssm_out": Tensor(p + "ssm_out.weight", (hp.d_inner, e))})
+        t.update(
+            {
+                "ssm_qkv": Tensor(p + "attn_qkv.weight", (e, conv)),
+                "ssm_gate": Tensor(p + "attn_gate.weight", (e, hp.d_inner)),
+                "ssm_conv1d": Tensor(p + "ssm_conv1d.weight", (hp.d_conv, conv)),
+                "ssm_dt_b": Tensor(p + "ssm_dt.bias", (hv,)),
+                "ssm_a": Tensor(p + "ssm_a", (hv,)),
+                "ssm_beta": Tensor(p + "ssm_beta.weight", (e, hv)),
+                "ssm_alpha": Tensor(p + "ssm_alpha.weight", (e, hv)),
+                "ssm_norm": Tensor(p + "ssm_norm.weight", (hp.d_state,)),
+                "ssm_out": Tensor(p + "ssm_out.weight", (hp.d_inner, e)),
+            }
+        )
         return t
 
     forward = staticmethod(forward)

@@ -6,6 +6,7 @@ A recurrent layer works on ubatches of equal sequences: the ubatch's tokens are 
 of n_seq_tokens each, sequence-major, and the memory context hands out one state per sequence
 (RecurrentMemoryContext in runtime/memory/interface.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,9 +24,16 @@ def create_recurrent_memory(hparams, cparams) -> MemoryRecurrent:
 
 def create_hybrid_memory(hparams, cparams) -> MemoryHybrid:
     """KV cache (n_ctx_seq cells per stream) for the attention layers + recurrent states."""
-    return MemoryHybrid(hparams, cparams.type_k, cparams.type_v, v_trans=cparams.v_trans,
-                        unified=cparams.kv_unified, kv_size=cparams.n_ctx_seq,
-                        rs_size=max(1, cparams.n_seq_max), n_seq_max=cparams.n_seq_max)
+    return MemoryHybrid(
+        hparams,
+        cparams.type_k,
+        cparams.type_v,
+        v_trans=cparams.v_trans,
+        unified=cparams.kv_unified,
+        kv_size=cparams.n_ctx_seq,
+        rs_size=max(1, cparams.n_seq_max),
+        n_seq_max=cparams.n_seq_max,
+    )
 
 
 ATTENTION_TENSORS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")

@@ -5,6 +5,7 @@
 A NoPE layer's cached keys carry no position, so the K-shift leaves them alone
 (HParams.has_rope); llama.cpp's K-shift rotates them too.
 """
+
 from kvchat.runtime.arch import llama
 from kvchat.runtime.arch.base import Arch
 

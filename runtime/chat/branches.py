@@ -15,6 +15,7 @@ past; and alternatives of the last answer, decoded together.
   shared with another branch holds one position for both - so `BranchConversation` refuses to
   shift when any of those cells is shared, and the answer stops with one line instead.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,6 +33,7 @@ INT_MAX = 2**31 - 1
 def _kv_caches(memory) -> list:
     """The memory's KV caches (plain or iSWA pair); [] for recurrent / hybrid memories."""
     from kvchat.runtime.serving.prompt_cache import kv_caches
+
     return kv_caches(memory) or []
 
 
@@ -68,8 +70,9 @@ class BranchConversation(Conversation):
 
     def _make_room(self, pos: int, n: int):
         full = self.n_cached + n > self.n_ctx
-        if (full and self.config.context_shift and self.shares_shift_range()) or \
-                (not full and self._free_cells() < n):  # the other branches hold the rest
+        if (full and self.config.context_shift and self.shares_shift_range()) or (
+            not full and self._free_cells() < n
+        ):  # the other branches hold the rest
             self.notify(ContextFull(self.n_cached, self.n_ctx, FullCause.SHARED))
             return None
         return super()._make_room(pos, n)
@@ -111,8 +114,10 @@ class Branches:
         used = {c.seq_id for c in self.items.values()}
         free = [s for s in range(self.n_seq_max) if s not in used][:n]
         if len(free) < n:
-            raise KvchatError(f"all {self.n_seq_max} sequences are in use (--parallel "
-                              f"{self.n_seq_max}): /drop a branch, or restart with a larger --parallel")
+            raise KvchatError(
+                f"all {self.n_seq_max} sequences are in use (--parallel "
+                f"{self.n_seq_max}): /drop a branch, or restart with a larger --parallel"
+            )
         return free
 
     def _no_pending(self) -> None:
@@ -170,15 +175,25 @@ class Branches:
         """(name, seq, cached tokens, messages, cells shared with the current branch, common
         token prefix with it, is current) per branch."""
         cur = self.conv.cached_tokens()
-        return [(name, c.seq_id, c.n_cached, len(c.messages), self.shared_with_current(c),
-                 common_prefix(c.cached_tokens(), cur), name == self.current)
-                for name, c in self.items.items()]
+        return [
+            (
+                name,
+                c.seq_id,
+                c.n_cached,
+                len(c.messages),
+                self.shared_with_current(c),
+                common_prefix(c.cached_tokens(), cur),
+                name == self.current,
+            )
+            for name, c in self.items.items()
+        ]
 
     # ---- alternatives --------------------------------------------------------------------------
 
     def alternatives(self, n: int, seed: int) -> list:
         """Replace the last answer by n answers sampled together (seeds seed..seed+n-1)."""
         from kvchat.runtime.serving.parallel import ParallelRunner, continue_alternatives
+
         self._no_pending()
         conv = self.conv
         if n < 2:
@@ -192,10 +207,18 @@ class Branches:
         mem = self.ctx.memory
         for s in extra:
             mem.seq_cp(conv.seq_id, s, -1, -1)
-        runner = ParallelRunner(self.ctx, conv.vocab, conv.sampler.params, n, conv.config.n_predict,
-                                conv.config.ignore_eos, stop_event=conv.stop_event)
-        results = continue_alternatives(runner, [conv.seq_id] + extra, conv.cached_tokens(), logits,
-                                        [seed + i for i in range(n)], free=False)
+        runner = ParallelRunner(
+            self.ctx,
+            conv.vocab,
+            conv.sampler.params,
+            n,
+            conv.config.n_predict,
+            conv.config.ignore_eos,
+            stop_event=conv.stop_event,
+        )
+        results = continue_alternatives(
+            runner, [conv.seq_id] + extra, conv.cached_tokens(), logits, [seed + i for i in range(n)], free=False
+        )
         self.pending = (start, results)
         self._adopt(results[0])
         conv._regen = None

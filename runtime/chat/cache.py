@@ -11,6 +11,7 @@ The subclass provides `n_keep()` (how many leading tokens a shift keeps), `confi
 `notify(event)`, and sets ctx, seq_id, tokens, n_dropped, n_keep_shift, logits, _regen,
 checkpoints and _batch in its __init__.
 """
+
 from __future__ import annotations
 
 from kvchat.runtime.chat.events import ContextShifted
@@ -33,7 +34,7 @@ class CachedSequence:
     def cached_tokens(self) -> list[int]:
         if not self.n_dropped:
             return list(self.tokens)
-        return self.tokens[:self.n_keep_shift] + self.tokens[self.n_keep_shift + self.n_dropped:]
+        return self.tokens[: self.n_keep_shift] + self.tokens[self.n_keep_shift + self.n_dropped :]
 
     def _recent(self, n: int) -> list[int]:
         if n < 0:
@@ -51,7 +52,6 @@ class CachedSequence:
         could not keep the prefix (a partial `seq_rm` refused, or sliding-window layers that no
         longer hold the cells the next token attends to) and the sequence was emptied instead.
         """
-        mem = self.ctx.memory
         if self.n_dropped and p < self.n_keep_shift + self.n_dropped:
             # the prefix runs into the dropped part: keep what is still cached (the first
             # n_keep_shift) and count the common tokens after it as dropped, which they are
@@ -128,16 +128,16 @@ class CachedSequence:
     def _can_shift(self) -> bool:
         mem = self.ctx.memory
         can = getattr(mem, "get_can_shift", None)
-        return (self.config.context_shift and (can() if callable(can) else True)
-                and not self.checkpoints.needed)  # a shift removes a middle run
+        return (
+            self.config.context_shift and (can() if callable(can) else True) and not self.checkpoints.needed
+        )  # a shift removes a middle run
 
     def _decode(self, ids: list[int]) -> None:
         """Decode ids at the end of the cache; the mirror follows what reached memory."""
         try:
-            self.logits = decode_tokens(self.ctx, ids, self.n_cached, self.seq_id,
-                                        batch_factory=self._batch)
+            self.logits = decode_tokens(self.ctx, ids, self.n_cached, self.seq_id, batch_factory=self._batch)
         except (Interrupted, DecodeError) as e:
-            self.tokens.extend(int(t) for t in ids[:e.n_done])
+            self.tokens.extend(int(t) for t in ids[: e.n_done])
             self.logits = None
             raise
         self.tokens.extend(int(t) for t in ids)

@@ -8,6 +8,7 @@ answer starts - and rewinds by restoring the latest one at or before the target
 (Memory.seq_restore: the state, and the KV tail of a hybrid trimmed), then re-decoding only
 the tokens from there. Keyed by the number of cached tokens at the time; the oldest go first.
 """
+
 from __future__ import annotations
 
 

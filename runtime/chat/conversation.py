@@ -18,6 +18,7 @@ fit at all is refused with both numbers.
 The answer loop is `kvchat.runtime.generate.generate`. What happens is reported as data — a StopReason
 in the turn's stats, ContextShifted / ContextFull events to `notify` — and cli/ words it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,27 +27,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvchat.runtime.chat.checkpoints import SeqCheckpoints
 from kvchat.runtime.chat.cache import CachedSequence
-from kvchat.runtime.chat.events import (ContextFull, ContextShifted, FullCause, PromptTooLong,
-                                         TurnStats)
+from kvchat.runtime.chat.checkpoints import SeqCheckpoints
+from kvchat.runtime.chat.events import ContextFull, ContextShifted, FullCause, PromptTooLong, TurnStats
+from kvchat.runtime.chat.refit import common_prefix, refit, refit_plan
 from kvchat.runtime.errors import KvchatError, SessionError
 from kvchat.runtime.generate import DecodeError, Interrupted, StopReason, generate
 from kvchat.runtime.text.utf8 import clean_text
-from kvchat.runtime.chat.refit import common_prefix, refit, refit_plan
 
-__all__ = ["Conversation", "ConversationConfig", "TurnStats", "StopReason", "Interrupted",
-           "DecodeError", "PromptTooLong", "ContextShifted", "ContextFull", "FullCause",
-           "common_prefix"]
+__all__ = [
+    "Conversation",
+    "ConversationConfig",
+    "TurnStats",
+    "StopReason",
+    "Interrupted",
+    "DecodeError",
+    "PromptTooLong",
+    "ContextShifted",
+    "ContextFull",
+    "FullCause",
+    "common_prefix",
+]
 
 
 @dataclass
 class ConversationConfig:
-    n_predict: int = -1            # most answer tokens (-1: until end of turn)
+    n_predict: int = -1  # most answer tokens (-1: until end of turn)
     context_shift: bool = True
-    keep: int | None = None        # None: the system prompt; -1: the whole first prompt
+    keep: int | None = None  # None: the system prompt; -1: the whole first prompt
     ignore_eos: bool = False
-    raw: bool = False              # plain completion: no template, the prompt is the text
+    raw: bool = False  # plain completion: no template, the prompt is the text
     system_prompt: str | None = None
 
 
@@ -59,9 +69,19 @@ class Conversation(CachedSequence):
     batch_factory(tokens, pos0, seq, all_logits=False) and stream_decoder(vocab) are for tests.
     """
 
-    def __init__(self, ctx, vocab, template, sampler, config: ConversationConfig | None = None,
-                 seq_id: int = 0, notify=None, batch_factory=None, stream_decoder=None,
-                 stop_event: threading.Event | None = None):
+    def __init__(
+        self,
+        ctx,
+        vocab,
+        template,
+        sampler,
+        config: ConversationConfig | None = None,
+        seq_id: int = 0,
+        notify=None,
+        batch_factory=None,
+        stream_decoder=None,
+        stop_event: threading.Event | None = None,
+    ):
         self.ctx = ctx
         self.vocab = vocab
         self.template = template
@@ -208,9 +228,14 @@ class Conversation(CachedSequence):
         self.messages.pop()
         stats = self.last_stats = TurnStats()
         regen, self._regen = self._regen, None
-        if regen is not None and regen[2] == self.n_dropped and (
+        if (
+            regen is not None
+            and regen[2] == self.n_dropped
+            and (
                 self._remove_from(regen[0] - self.n_dropped)
-                or self.checkpoints.restore(regen[0] - self.n_dropped) == regen[0] - self.n_dropped):
+                or self.checkpoints.restore(regen[0] - self.n_dropped) == regen[0] - self.n_dropped
+            )
+        ):
             start, logits, _ = regen
             self.tokens = self.tokens[:start]
             self.logits = logits.copy()
@@ -229,11 +254,19 @@ class Conversation(CachedSequence):
         decoder = self._stream_decoder(self.vocab)
         pieces: list[str] = []
         cfg = self.config
-        gen = generate(self.ctx, self._sample, logits=self.logits, pos0=self.n_cached,
-                       seq=self.seq_id, max_tokens=cfg.n_predict,
-                       is_eog=None if cfg.ignore_eos else self.vocab.is_eog,
-                       stop_event=self.stop_event, make_room=self._make_room,
-                       on_decoded=self._decoded, batch_factory=self._batch)
+        gen = generate(
+            self.ctx,
+            self._sample,
+            logits=self.logits,
+            pos0=self.n_cached,
+            seq=self.seq_id,
+            max_tokens=cfg.n_predict,
+            is_eog=None if cfg.ignore_eos else self.vocab.is_eog,
+            stop_event=self.stop_event,
+            make_room=self._make_room,
+            on_decoded=self._decoded,
+            batch_factory=self._batch,
+        )
         try:
             for step in gen:
                 stats.n_gen += 1
@@ -268,8 +301,13 @@ class Conversation(CachedSequence):
         if self.n_cached + n <= self.n_ctx:
             return self.n_cached
         if not self._can_shift():
-            cause = (FullCause.SHIFT_OFF if not self.config.context_shift
-                     else FullCause.RECURRENT if self.checkpoints.needed else FullCause.CANNOT_SHIFT)
+            cause = (
+                FullCause.SHIFT_OFF
+                if not self.config.context_shift
+                else FullCause.RECURRENT
+                if self.checkpoints.needed
+                else FullCause.CANNOT_SHIFT
+            )
             self.notify(ContextFull(self.n_cached, self.n_ctx, cause))
             return None
         self.last_stats.n_shifted += self.context_shift(n)
@@ -328,14 +366,13 @@ class Conversation(CachedSequence):
         before = self.ctx.state_seq_get_data(self.seq_id)
         consumed = self.ctx.state_seq_set_data(state, self.seq_id)
         n_cached = len(tokens) - n_dropped
-        ok = consumed == len(state) and (
-            n_cached == 0 or self.ctx.memory.seq_pos_max(self.seq_id) == n_cached - 1)
+        ok = consumed == len(state) and (n_cached == 0 or self.ctx.memory.seq_pos_max(self.seq_id) == n_cached - 1)
         if not ok:
             if self.ctx.state_seq_set_data(before, self.seq_id) != len(before) and before:
-                raise KvchatError("the memory state was refused and the previous one could not be "
-                                  "put back; use /clear")
-            raise SessionError("the saved memory state does not fit this context "
-                               "(refused; the conversation is unchanged)")
+                raise KvchatError("the memory state was refused and the previous one could not be put back; use /clear")
+            raise SessionError(
+                "the saved memory state does not fit this context (refused; the conversation is unchanged)"
+            )
         self.messages = [dict(m) for m in messages]
         self.tokens = [int(t) for t in tokens]
         self.n_dropped = int(n_dropped)

@@ -2,11 +2,11 @@
 during it (a context shift, a full context that stops the answer), and the prompt that cannot
 fit. runtime/chat/conversation.py produces them; cli/wording.py words them for people.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
 
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.generate import StopReason
@@ -16,23 +16,24 @@ class PromptTooLong(KvchatError):
     """The new tokens of a turn cannot fit in the context, even after dropping old ones."""
 
     def __init__(self, n_new: int, room: int, n_ctx: int):
-        super().__init__(f"the prompt needs {n_new} new tokens but only {room} fit in the "
-                         f"context of {n_ctx} tokens")
+        super().__init__(f"the prompt needs {n_new} new tokens but only {room} fit in the context of {n_ctx} tokens")
         self.n_new, self.room, self.n_ctx = n_new, room, n_ctx
 
 
 class FullCause(str, Enum):
     """Why a full context stopped the answer instead of shifting."""
-    SHIFT_OFF = "shift_off"        # --no-context-shift
+
+    SHIFT_OFF = "shift_off"  # --no-context-shift
     CANNOT_SHIFT = "cannot_shift"  # the memory cannot move positions (iSWA without swa_full)
-    RECURRENT = "recurrent"        # a recurrent state cannot drop old tokens (recurrent, hybrid)
-    KEEP_ALL = "keep_all"          # --keep covers everything cached: nothing may be dropped
-    SHARED = "shared"              # other branches share or hold the cells (runtime/chat/branches.py)
+    RECURRENT = "recurrent"  # a recurrent state cannot drop old tokens (recurrent, hybrid)
+    KEEP_ALL = "keep_all"  # --keep covers everything cached: nothing may be dropped
+    SHARED = "shared"  # other branches share or hold the cells (runtime/chat/branches.py)
 
 
 @dataclass(frozen=True)
 class ContextShifted:
     """A context shift dropped `n_dropped` tokens after the first `n_keep`."""
+
     n_dropped: int
     n_keep: int
 
@@ -40,6 +41,7 @@ class ContextShifted:
 @dataclass(frozen=True)
 class ContextFull:
     """The answer stopped at a full context (`n_cached` of `n_ctx`) for `cause`."""
+
     n_cached: int
     n_ctx: int
     cause: FullCause
@@ -47,12 +49,12 @@ class ContextFull:
 
 @dataclass
 class TurnStats:
-    n_prompt: int = 0         # tokens decoded before the answer (new ones only)
-    t_prompt: float = 0.0     # seconds
-    n_gen: int = 0            # answer tokens sampled
-    n_gen_decoded: int = 0    # answer tokens decoded (the last one usually is not)
+    n_prompt: int = 0  # tokens decoded before the answer (new ones only)
+    t_prompt: float = 0.0  # seconds
+    n_gen: int = 0  # answer tokens sampled
+    n_gen_decoded: int = 0  # answer tokens decoded (the last one usually is not)
     t_gen: float = 0.0
-    n_shifted: int = 0        # tokens dropped by context shifts during this turn
+    n_shifted: int = 0  # tokens dropped by context shifts during this turn
     stop: StopReason | str = ""  # why the answer ended ("" while running or after an exception)
 
     @property

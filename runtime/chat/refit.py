@@ -6,6 +6,7 @@ would have left it — the first n_keep tokens, an older run dropped, the most r
 whole last user message at least) — and `refit` rebuilds the cache and the token mirror so
 (conv.tokens, n_keep_shift, n_dropped) describe it exactly as after a shift.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,11 @@ def refit_plan(conv, desired: list[int]) -> tuple[int, int] | None:
     message does not fit (the caller refuses with PromptTooLong)."""
     keep = min(conv.n_keep(), len(desired) - 1)
     users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
-    start = (common_prefix(conv.render(conv.messages[:users[-1]], add_generation_prompt=False), desired)
-             if users and users[-1] > 0 else 0)
+    start = (
+        common_prefix(conv.render(conv.messages[: users[-1]], add_generation_prompt=False), desired)
+        if users and users[-1] > 0
+        else 0
+    )
     must = len(desired) - max(start, keep)  # the last message and the generation prompt
     if keep + must > conv.n_ctx:
         return None
@@ -47,8 +51,7 @@ def refit_plan(conv, desired: list[int]) -> tuple[int, int] | None:
 
 def refit(conv, desired: list[int], keep: int, n_drop: int) -> int:
     """Rebuild the cache as desired[:keep] + desired[keep + n_drop:]; returns tokens decoded."""
-    cached = min(common_prefix(conv.tokens, desired), keep,
-                 conv.n_keep_shift if conv.n_dropped else len(conv.tokens))
+    cached = min(common_prefix(conv.tokens, desired), keep, conv.n_keep_shift if conv.n_dropped else len(conv.tokens))
     conv.tokens = conv.tokens[:cached]
     conv.n_dropped = conv.n_keep_shift = 0
     conv.logits = None
@@ -60,12 +63,11 @@ def refit(conv, desired: list[int], keep: int, n_drop: int) -> int:
     if cached < keep:
         conv._decode(desired[cached:keep])
         n += keep - cached
-    conv.tokens = list(desired[:keep + n_drop])
+    conv.tokens = list(desired[: keep + n_drop])
     conv.n_keep_shift, conv.n_dropped = keep, n_drop
     if conv.on_prompt is not None:
-        conv.on_prompt(desired[keep + n_drop:])
-    conv._decode(desired[keep + n_drop:])
+        conv.on_prompt(desired[keep + n_drop :])
+    conv._decode(desired[keep + n_drop :])
     conv.last_stats.n_shifted += n_drop
     conv.notify(ContextShifted(n_drop, keep))
     return n + len(desired) - keep - n_drop
-

@@ -13,6 +13,7 @@ File (tools/perplexity/perplexity.cpp, `--kl-divergence-base`), little-endian:
 formats it with its labels and number formats; it also keeps each scored token's KLD, Δp and
 depth for the sweep's paired comparisons and depth profile.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ class LogitsFileWriter:
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.n_ctx, self.n_vocab, self.n_chunk = n_ctx, n_vocab, n_chunk
         self.rows_left = n_chunk * n_scored(n_ctx)
-        toks = np.asarray(tokens[:n_chunk * n_ctx], dtype="<i4")
+        toks = np.asarray(tokens[: n_chunk * n_ctx], dtype="<i4")
         try:
             self.f = open(self.tmp, "wb")
         except OSError as e:
@@ -79,32 +80,39 @@ class LogitsFile:
         except OSError as e:
             raise KvchatError(f"cannot read the base file '{path}': {e.strerror}") from None
         if len(head) < 8 + HEADER.size or head[:8] != MAGIC:
-            raise KvchatError(f"'{path}' is not a logits base file (no '_logits_' header); write one "
-                              f"with `kvchat perplexity --kl-divergence-base FILE`")
+            raise KvchatError(
+                f"'{path}' is not a logits base file (no '_logits_' header); write one "
+                f"with `kvchat perplexity --kl-divergence-base FILE`"
+            )
         self.n_ctx, self.n_vocab, self.n_chunk = HEADER.unpack(head[8:])
         if self.n_ctx < 4 or self.n_vocab < 1 or self.n_chunk < 1:
-            raise KvchatError(f"'{path}': bad header (n_ctx {self.n_ctx}, n_vocab {self.n_vocab}, "
-                              f"n_chunk {self.n_chunk})")
+            raise KvchatError(
+                f"'{path}': bad header (n_ctx {self.n_ctx}, n_vocab {self.n_vocab}, n_chunk {self.n_chunk})"
+            )
         self.nv = row_words(self.n_vocab)
         tok_off = 8 + HEADER.size
         self.rows_off = tok_off + 4 * self.n_ctx * self.n_chunk
         want = self.rows_off + 2 * self.nv * n_scored(self.n_ctx) * self.n_chunk
         if size < want:
             have = max(0, (size - self.rows_off) // (2 * self.nv * n_scored(self.n_ctx)))
-            raise KvchatError(f"'{path}' is truncated: {size} bytes, {want} expected for {self.n_chunk} "
-                              f"chunks (only {have} complete); rewrite it")
-        self.tokens = np.fromfile(self.path, dtype="<i4", count=self.n_ctx * self.n_chunk,
-                                  offset=tok_off).astype(np.int64)
-        self._rows = np.memmap(self.path, dtype="<u2", mode="r", offset=self.rows_off,
-                               shape=(self.n_chunk * n_scored(self.n_ctx), self.nv))
+            raise KvchatError(
+                f"'{path}' is truncated: {size} bytes, {want} expected for {self.n_chunk} "
+                f"chunks (only {have} complete); rewrite it"
+            )
+        self.tokens = np.fromfile(self.path, dtype="<i4", count=self.n_ctx * self.n_chunk, offset=tok_off).astype(
+            np.int64
+        )
+        self._rows = np.memmap(
+            self.path, dtype="<u2", mode="r", offset=self.rows_off, shape=(self.n_chunk * n_scored(self.n_ctx), self.nv)
+        )
 
     def chunk_rows(self, i: int) -> np.ndarray:
         """u16 [n_scored, nv] of chunk i (a read-only view)."""
         k = n_scored(self.n_ctx)
-        return self._rows[i * k:(i + 1) * k]
+        return self._rows[i * k : (i + 1) * k]
 
     def chunk_tokens(self, i: int) -> np.ndarray:
-        return self.tokens[i * self.n_ctx:(i + 1) * self.n_ctx]
+        return self.tokens[i * self.n_ctx : (i + 1) * self.n_ctx]
 
 
 def _mean_unc(s: float, s2: float, n: int) -> tuple[float, float]:
@@ -147,16 +155,25 @@ class KLDStats:
         self.nll: list[np.ndarray] = []
         self.nll_base: list[np.ndarray] = []
 
-    def add_rows(self, logits: np.ndarray, base: np.ndarray, targets: np.ndarray,
-                 positions: np.ndarray) -> None:
+    def add_rows(self, logits: np.ndarray, base: np.ndarray, targets: np.ndarray, positions: np.ndarray) -> None:
         """logits f32 [n, n_vocab] of n scored positions, base u16 [n, nv] their base rows,
         targets i64 [n] the tokens they predict, positions i64 [n] their chunk positions."""
         out = np.empty((logits.shape[0], 5))
         kld_rows(logits, np.ascontiguousarray(base), np.ascontiguousarray(targets, dtype=np.int64), out)
         nll, nllb, kld, dp = out[:, 0], out[:, 1], out[:, 2], out[:, 3]
         dp2 = dp * dp
-        self.sum += [nll.sum(), (nll * nll).sum(), nllb.sum(), (nllb * nllb).sum(), (nll * nllb).sum(),
-                     kld.sum(), (kld * kld).sum(), dp.sum(), dp2.sum(), (dp2 * dp2).sum()]
+        self.sum += [
+            nll.sum(),
+            (nll * nll).sum(),
+            nllb.sum(),
+            (nllb * nllb).sum(),
+            (nll * nllb).sum(),
+            kld.sum(),
+            (kld * kld).sum(),
+            dp.sum(),
+            dp2.sum(),
+            (dp2 * dp2).sum(),
+        ]
         if dp.size:
             self.max_dp = max(self.max_dp, float(np.abs(dp).max()))
         self.n_same += int(out[:, 4].sum())
@@ -217,19 +234,38 @@ class KLDStats:
         lr, dlr = self.log_ppl_ratio()
         ppl, dppl = self.ppl()
         pb, dpb = self.ppl_base()
-        out = dict(n_tokens=self.count, mean_kld=mk, mean_kld_unc=dmk, same_top_p=st,
-                   same_top_p_unc=dst, rms_dp=rms, rms_dp_unc=drms, ppl=ppl, ppl_unc=dppl,
-                   ppl_base=pb, ppl_base_unc=dpb, ln_ppl_ratio=lr, ln_ppl_ratio_unc=dlr,
-                   ppl_ratio=math.exp(lr), ppl_ratio_unc=math.exp(lr) * dlr)
+        out = dict(
+            n_tokens=self.count,
+            mean_kld=mk,
+            mean_kld_unc=dmk,
+            same_top_p=st,
+            same_top_p_unc=dst,
+            rms_dp=rms,
+            rms_dp_unc=drms,
+            ppl=ppl,
+            ppl_unc=dppl,
+            ppl_base=pb,
+            ppl_base_unc=dpb,
+            ln_ppl_ratio=lr,
+            ln_ppl_ratio_unc=dlr,
+            ppl_ratio=math.exp(lr),
+            ppl_ratio_unc=math.exp(lr) * dlr,
+        )
         if kld.size:
-            out.update(max_kld=float(kld[-1]), p99_kld=_percentile(kld, 0.99),
-                       p999_kld=_percentile(kld, 0.999), median_kld=_median(kld))
+            out.update(
+                max_kld=float(kld[-1]),
+                p99_kld=_percentile(kld, 0.99),
+                p999_kld=_percentile(kld, 0.999),
+                median_kld=_median(kld),
+            )
         return out
 
     # ---- llama-perplexity's text ----------------------------------------------------------------
 
-    HEADER_LINE = ("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
-                   "              Δp RMS            Same top p")
+    HEADER_LINE = (
+        "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+        "              Δp RMS            Same top p"
+    )
 
     def chunk_line(self, i: int) -> str:
         """The per-chunk line llama-perplexity prints after chunk i (0-based), running values."""
@@ -238,9 +274,11 @@ class KLDStats:
         k, dk = self.mean_kld()
         rms, drms = self.rms_dp()
         st, dst = self.same_top()
-        return (f"{i + 1:4d}    {ppl:9.4f} ± {dppl:9.4f}    {lr:10.5f} ± {dlr:10.5f}"
-                f"    {k:10.5f} ± {dk:10.5f}    {100 * rms:6.3f} ± {100 * drms:6.3f} %"
-                f"    {100 * st:6.3f} ± {100 * dst:6.3f} %")
+        return (
+            f"{i + 1:4d}    {ppl:9.4f} ± {dppl:9.4f}    {lr:10.5f} ± {dlr:10.5f}"
+            f"    {k:10.5f} ± {dk:10.5f}    {100 * rms:6.3f} ± {100 * drms:6.3f} %"
+            f"    {100 * st:6.3f} ± {100 * dst:6.3f} %"
+        )
 
     def report_lines(self) -> list[str]:
         """The closing blocks; empty below 100 scored tokens, as llama-perplexity does."""
@@ -261,34 +299,39 @@ class KLDStats:
         rms, drms = self.rms_dp()
         st, dst = self.same_top()
         P = _percentile
-        L = ["====== Perplexity statistics ======",
-             f"Mean PPL(Q)                   : {ppl:10.6f} ± {dppl:10.6f}",
-             f"Mean PPL(base)                : {pb:10.6f} ± {dpb:10.6f}",
-             f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * cor:6.2f}%",
-             f"Mean ln(PPL(Q)/PPL(base))     : {lr:10.6f} ± {dlr:10.6f}",
-             f"Mean PPL(Q)/PPL(base)         : {r:10.6f} ± {dr:10.6f}",
-             f"Mean PPL(Q)-PPL(base)         : {ppl - pb:10.6f} ± {dd:10.6f}",
-             "",
-             "====== KL divergence statistics ======",
-             f"Mean    KLD: {mk:10.6f} ± {dmk:10.6f}",
-             f"Maximum KLD: {float(kld[-1]):10.6f}"]
+        L = [
+            "====== Perplexity statistics ======",
+            f"Mean PPL(Q)                   : {ppl:10.6f} ± {dppl:10.6f}",
+            f"Mean PPL(base)                : {pb:10.6f} ± {dpb:10.6f}",
+            f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * cor:6.2f}%",
+            f"Mean ln(PPL(Q)/PPL(base))     : {lr:10.6f} ± {dlr:10.6f}",
+            f"Mean PPL(Q)/PPL(base)         : {r:10.6f} ± {dr:10.6f}",
+            f"Mean PPL(Q)-PPL(base)         : {ppl - pb:10.6f} ± {dd:10.6f}",
+            "",
+            "====== KL divergence statistics ======",
+            f"Mean    KLD: {mk:10.6f} ± {dmk:10.6f}",
+            f"Maximum KLD: {float(kld[-1]):10.6f}",
+        ]
         for label, fr in (("99.9%", 0.999), ("99.0%", 0.99), ("95.0%", 0.95), ("90.0%", 0.9)):
             L.append(f"{label}   KLD: {P(kld, fr):10.6f}")
         L.append(f"Median  KLD: {_median(kld):10.6f}")
         for label, fr in (("10.0%", 0.1), (" 5.0%", 0.05), (" 1.0%", 0.01), (" 0.1%", 0.001)):
             L.append(f"{label}   KLD: {P(kld, fr):10.6f}")
-        L += [f"Minimum KLD: {float(kld[0]):10.6f}", "",
-              "====== Token probability statistics ======",
-              f"Mean    Δp: {100 * md:6.3f} ± {100 * dmd:5.3f} %",
-              f"Maximum Δp: {100 * float(dp[-1]):6.3f}%"]
-        for label, fr in (("99.9%", 0.999), ("99.0%", 0.99), ("95.0%", 0.95), ("90.0%", 0.9),
-                          ("75.0%", 0.75)):
+        L += [
+            f"Minimum KLD: {float(kld[0]):10.6f}",
+            "",
+            "====== Token probability statistics ======",
+            f"Mean    Δp: {100 * md:6.3f} ± {100 * dmd:5.3f} %",
+            f"Maximum Δp: {100 * float(dp[-1]):6.3f}%",
+        ]
+        for label, fr in (("99.9%", 0.999), ("99.0%", 0.99), ("95.0%", 0.95), ("90.0%", 0.9), ("75.0%", 0.75)):
             L.append(f"{label}   Δp: {100 * P(dp, fr):6.3f}%")
         L.append(f"Median  Δp: {100 * _median(dp):6.3f}%")
-        for label, fr in (("25.0%", 0.25), ("10.0%", 0.1), (" 5.0%", 0.05), (" 1.0%", 0.01),
-                          (" 0.1%", 0.001)):
+        for label, fr in (("25.0%", 0.25), ("10.0%", 0.1), (" 5.0%", 0.05), (" 1.0%", 0.01), (" 0.1%", 0.001)):
             L.append(f"{label}   Δp: {100 * P(dp, fr):6.3f}%")
-        L += [f"Minimum Δp: {100 * float(dp[0]):6.3f}%",
-              f"RMS Δp    : {100 * rms:6.3f} ± {100 * drms:5.3f} %",
-              f"Same top p: {100 * st:6.3f} ± {100 * dst:5.3f} %"]
+        L += [
+            f"Minimum Δp: {100 * float(dp[0]):6.3f}%",
+            f"RMS Δp    : {100 * rms:6.3f} ± {100 * drms:5.3f} %",
+            f"Same top p: {100 * st:6.3f} ± {100 * dst:5.3f} %",
+        ]
         return L

@@ -7,6 +7,7 @@ the answer and report its log-probability (sum over its tokens) and whether gree
 would produce it (every answer token is the argmax). The f16/f16 row says what the model can
 do at that length at all; the other rows say what the cache type takes away.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,11 +60,14 @@ def needle_cases(model, filler_tokens, lengths, depths=DEPTHS, code: str = "7391
     for n in lengths:
         n_fill = n - len(bos) - len(needle) - len(question)
         if n_fill < 16:
-            raise KvchatError(f"--needle-len {n}: too short for the needle and question "
-                              f"({len(needle) + len(question)} tokens)")
+            raise KvchatError(
+                f"--needle-len {n}: too short for the needle and question ({len(needle) + len(question)} tokens)"
+            )
         if n_fill > len(filler):
-            raise KvchatError(f"--needle-len {n}: the text has only {len(filler)} filler tokens; "
-                              f"give a longer -f text or a smaller length")
+            raise KvchatError(
+                f"--needle-len {n}: the text has only {len(filler)} filler tokens; "
+                f"give a longer -f text or a smaller length"
+            )
         for d in depths:
             a = int(round(d * n_fill))
             prompt = bos + filler[:a] + needle + filler[a:n_fill] + question
@@ -87,14 +91,19 @@ def score_case(ctx, case: NeedleCase) -> dict:
     return dict(length=int(case.prompt.shape[0]), depth=case.depth, logprob=logprob, correct=bool(correct))
 
 
-def run_needle(model, configs, cases: list[NeedleCase], n_threads: Optional[int] = None,
-               flash_attn: str = "on", on_step: Optional[Callable[[str], None]] = None) -> list[NeedleResult]:
+def run_needle(
+    model,
+    configs,
+    cases: list[NeedleCase],
+    n_threads: Optional[int] = None,
+    flash_attn: str = "on",
+    on_step: Optional[Callable[[str], None]] = None,
+) -> list[NeedleResult]:
     """configs: SweepConfig-like (type_k, type_v, rotation, label); the reference goes first."""
     out = []
     n_ctx = max(c.prompt.shape[0] + c.answer.shape[0] for c in cases)
     for cfg in configs:
-        ctx = make_context(model, n_ctx, 512, 512, cfg.type_k, cfg.type_v, flash_attn, n_threads,
-                           cfg.rotation)
+        ctx = make_context(model, n_ctx, 512, 512, cfg.type_k, cfg.type_v, flash_attn, n_threads, cfg.rotation)
         res = NeedleResult(cfg.label)
         for case in cases:
             res.cases.append(score_case(ctx, case))
@@ -116,8 +125,7 @@ def default_lengths(model, n_text_tokens: int) -> list[int]:
         out.append(n)
         n *= 2
     if not out:
-        raise KvchatError(f"the text has {n_text_tokens} tokens; --needle needs at least 576 "
-                          f"(or give --needle-len)")
+        raise KvchatError(f"the text has {n_text_tokens} tokens; --needle needs at least 576 (or give --needle-len)")
     return out
 
 
@@ -126,8 +134,7 @@ def render_needle(rows: list[dict], console) -> None:
     from rich.table import Table
 
     lengths = sorted({r["length"] for r in rows})
-    t = Table(title="needle: the secret number asked for at the end (teacher-forced answer)",
-              header_style="bold")
+    t = Table(title="needle: the secret number asked for at the end (teacher-forced answer)", header_style="bold")
     t.add_column("K/V")
     for n in lengths:
         t.add_column(f"{n} tokens: found", justify="right")
@@ -141,9 +148,10 @@ def render_needle(rows: list[dict], console) -> None:
         cells = [f"{key[0]}/{key[1]}" + ("" if key[2] == "auto" else " rot off")]
         for n in lengths:
             sel = [r for r in rows if (r["type_k"], r["type_v"], r["rot"]) == key and r["length"] == n]
-            cells += [f"{sum(r['correct'] for r in sel)}/{len(sel)}",
-                      f"{np.mean([r['logprob'] for r in sel]):.3f}"]
+            cells += [f"{sum(r['correct'] for r in sel)}/{len(sel)}", f"{np.mean([r['logprob'] for r in sel]):.3f}"]
         t.add_row(*cells)
     console.print(t)
-    console.print("found = every answer token is the greedy choice; depths "
-                  + ", ".join(f"{d:.0%}" for d in sorted({r['depth'] for r in rows})))
+    console.print(
+        "found = every answer token is the greedy choice; depths "
+        + ", ".join(f"{d:.0%}" for d in sorted({r['depth'] for r in rows}))
+    )

@@ -10,6 +10,7 @@ no logits file is written: long contexts cost memory for one chunk's reference r
 Contexts are created per chunk and configuration (cheap: the cache is zero pages until used),
 so only one logits buffer is alive at a time whatever the number of configurations.
 """
+
 from __future__ import annotations
 
 import math
@@ -94,18 +95,34 @@ class SweepRow:
         out = []
         for a, b in zip(edges[:-1], edges[1:]):
             sel = (depth >= a) & (depth < b)
-            out.append(dict(pos_from=int(a), pos_to=int(b), n=int(sel.sum()),
-                            mean_kld=float(kld[sel].mean()) if sel.any() else float("nan")))
+            out.append(
+                dict(
+                    pos_from=int(a),
+                    pos_to=int(b),
+                    n=int(sel.sum()),
+                    mean_kld=float(kld[sel].mean()) if sel.any() else float("nan"),
+                )
+            )
         return out
 
     def as_dict(self, hparams) -> dict:
         per_tok, at_ctx = kv_footprint(hparams, self.config.type_k, self.config.type_v, self.n_ctx)
-        d = dict(type_k=self.config.type_k, type_v=self.config.type_v,
-                 rot="auto" if self.config.rotation else "off", n_ctx=self.n_ctx)
+        d = dict(
+            type_k=self.config.type_k,
+            type_v=self.config.type_v,
+            rot="auto" if self.config.rotation else "off",
+            n_ctx=self.n_ctx,
+        )
         d.update(self.stats.summary())
-        d.update(kv_bytes_per_token=per_tok, kv_bytes_per_token_at_ctx=at_ctx / self.n_ctx,
-                 kv_mib_at_ctx=at_ctx / 2**20, state_bytes=self.state_bytes,
-                 session_bytes=self.session_bytes, seconds=self.seconds, cpu_seconds=self.cpu_seconds)
+        d.update(
+            kv_bytes_per_token=per_tok,
+            kv_bytes_per_token_at_ctx=at_ctx / self.n_ctx,
+            kv_mib_at_ctx=at_ctx / 2**20,
+            state_bytes=self.state_bytes,
+            session_bytes=self.session_bytes,
+            seconds=self.seconds,
+            cpu_seconds=self.cpu_seconds,
+        )
         d.update({k: v for k, v in self.speed.items()})
         d["kld_by_depth"] = self.depth_profile()
         return d
@@ -119,15 +136,22 @@ def paired_difference(a: KLDStats, b: KLDStats) -> dict:
         raise ValueError("paired comparison needs the same scored tokens")
     d = x - y
     m, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
-    return dict(mean_diff=m, ci95_lo=m - 1.96 * se, ci95_hi=m + 1.96 * se,
-                differ=bool(abs(m) > 1.96 * se))
+    return dict(mean_diff=m, ci95_lo=m - 1.96 * se, ci95_hi=m + 1.96 * se, differ=bool(abs(m) > 1.96 * se))
 
 
-def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: int = -1,
-              n_batch: int = 512, n_ubatch: int = 512, n_threads: Optional[int] = None,
-              flash_attn: str = "on", on_step: Optional[Callable[[str], None]] = None,
-              state_size: Optional[Callable[[object, np.ndarray], tuple[int, int]]] = None
-              ) -> tuple[SweepRow, list[SweepRow]]:
+def run_sweep(
+    model,
+    tokens,
+    configs: list[SweepConfig],
+    n_ctx: int,
+    n_chunks: int = -1,
+    n_batch: int = 512,
+    n_ubatch: int = 512,
+    n_threads: Optional[int] = None,
+    flash_attn: str = "on",
+    on_step: Optional[Callable[[str], None]] = None,
+    state_size: Optional[Callable[[object, np.ndarray], tuple[int, int]]] = None,
+) -> tuple[SweepRow, list[SweepRow]]:
     """Score `configs` against the f16/f16 reference (flash attention on) in lockstep, chunk by
     chunk. Returns the reference's row (its KLD against itself is the 16-bit rounding of the
     stored rows) and one row per configuration (flash attention `flash_attn`).
@@ -135,8 +159,10 @@ def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: i
     chunk) -> (state bytes, session bytes) is asked once per configuration after its last chunk."""
     n_have = len(tokens) // n_ctx
     if n_have < 1:
-        raise KvchatError(f"the text tokenizes to {len(tokens)} tokens, fewer than one chunk of "
-                          f"-c {n_ctx}; give a longer -f text or a smaller -c")
+        raise KvchatError(
+            f"the text tokenizes to {len(tokens)} tokens, fewer than one chunk of "
+            f"-c {n_ctx}; give a longer -f text or a smaller -c"
+        )
     n_chunk = n_have if n_chunks < 0 else min(n_chunks, n_have)
     tokens = np.asarray(tokens, dtype=np.int64)
     first, k = n_ctx // 2, n_scored(n_ctx)
@@ -181,8 +207,9 @@ def run_sweep(model, tokens, configs: list[SweepConfig], n_ctx: int, n_chunks: i
     return ref_row, rows
 
 
-def measure_speed(model, config: SweepConfig, n_pp: int, n_tg: int, depth: int,
-                  n_threads: Optional[int] = None, seed: int = 1234) -> dict:
+def measure_speed(
+    model, config: SweepConfig, n_pp: int, n_tg: int, depth: int, n_threads: Optional[int] = None, seed: int = 1234
+) -> dict:
     """llama-bench's pp / tg tests on this configuration, one timed run each after an untimed
     warm-up: {"pp512": t/s, "tg128 @ d383": t/s} (tg: n_tg timed tokens after `depth` cached
     ones and one untimed token). Random tokens, as llama-bench uses."""
@@ -192,8 +219,7 @@ def measure_speed(model, config: SweepConfig, n_pp: int, n_tg: int, depth: int,
     n_vocab = int(model.hparams.n_vocab)
     out = {}
     n_ctx = max(n_pp, depth + n_tg) + 1
-    ctx = make_context(model, n_ctx, 512, 512, config.type_k, config.type_v, "on", n_threads,
-                       config.rotation)
+    ctx = make_context(model, n_ctx, 512, 512, config.type_k, config.type_v, "on", n_threads, config.rotation)
 
     def fill(toks, pos0):
         try:
@@ -217,6 +243,6 @@ def measure_speed(model, config: SweepConfig, n_pp: int, n_tg: int, depth: int,
         fill(toks[:1], depth)  # an untimed first token (one-token kernels)
         t0 = time.perf_counter()
         for j in range(1, n_tg + 1):
-            fill(toks[j:j + 1], depth + j)
+            fill(toks[j : j + 1], depth + j)
         out[f"tg{n_tg}" + (f" @ d{depth}" if depth else "")] = n_tg / (time.perf_counter() - t0)
     return out

@@ -12,6 +12,7 @@ base file (`base_out`, the 16-bit log-prob rows llama-perplexity writes) and sco
 one (`kl_base`, KLD statistics per token). kv-sweep (runtime/eval/kv_sweep.py) drives several
 contexts through `chunk_outputs` in lockstep.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,9 +37,17 @@ class PerplexityResult:
     kld: Optional[KLDStats] = None  # set when scored against a base file
 
 
-def make_context(model, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512, type_k: str = "f16",
-                 type_v: str = "f16", flash_attn: str = "on", n_threads: Optional[int] = None,
-                 rotation: bool = True):
+def make_context(
+    model,
+    n_ctx: int,
+    n_batch: int = 512,
+    n_ubatch: int = 512,
+    type_k: str = "f16",
+    type_v: str = "f16",
+    flash_attn: str = "on",
+    n_threads: Optional[int] = None,
+    rotation: bool = True,
+):
     """A one-sequence context for chunked scoring. rotation=False stores quantized K/V without
     the Hadamard rotation (llama.cpp's LLAMA_ATTN_ROT_DISABLE), to measure what it buys."""
     from kvchat.runtime.context import Context
@@ -48,9 +57,18 @@ def make_context(model, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512, typ
 
     n_batch = min(n_batch, n_ctx)
     try:
-        ctx = Context(model, ContextParams(n_ctx=n_ctx, n_batch=n_batch,
-                                           n_ubatch=min(n_ubatch, n_batch), type_k=type_k,
-                                           type_v=type_v, flash_attn=flash_attn, n_threads=n_threads))
+        ctx = Context(
+            model,
+            ContextParams(
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_ubatch=min(n_ubatch, n_batch),
+                type_k=type_k,
+                type_v=type_v,
+                flash_attn=flash_attn,
+                n_threads=n_threads,
+            ),
+        )
     except CParamsError as e:
         raise KvchatError(str(e)) from None
     if not rotation:
@@ -61,14 +79,16 @@ def make_context(model, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512, typ
 
 def check_length(n_tokens: int, n_ctx: int) -> None:
     if n_tokens < 2 * n_ctx:
-        raise KvchatError(f"the text tokenizes to only {n_tokens} tokens; perplexity with a "
-                          f"context of {n_ctx} needs at least {2 * n_ctx} (use a smaller -c or a "
-                          f"longer -f text)")
+        raise KvchatError(
+            f"the text tokenizes to only {n_tokens} tokens; perplexity with a "
+            f"context of {n_ctx} needs at least {2 * n_ctx} (use a smaller -c or a "
+            f"longer -f text)"
+        )
 
 
 def chunk_input(model, tokens, i: int, n_ctx: int) -> np.ndarray:
     """i64 [n_ctx]: chunk i's tokens as decoded (first token replaced by BOS if the model adds one)."""
-    chunk = np.array(tokens[i * n_ctx:(i + 1) * n_ctx], dtype=np.int64)
+    chunk = np.array(tokens[i * n_ctx : (i + 1) * n_ctx], dtype=np.int64)
     if model.vocab.add_bos:
         chunk[0] = model.vocab.bos
     return chunk
@@ -90,19 +110,31 @@ def chunk_outputs(ctx, chunk: np.ndarray, first: int, i_chunk: int = 0) -> Itera
         raise KvchatError(f"decode failed on chunk {i_chunk + 1} (code {e.code}: {ctx.last_error})") from None
 
 
-def compute_perplexity(model, tokens, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
-                       type_k: str = "f16", type_v: str = "f16", flash_attn: str = "on",
-                       n_chunks: int = -1, n_threads: Optional[int] = None, rotation: bool = True,
-                       base_out=None, kl_base: Optional[LogitsFile] = None,
-                       on_chunk: Optional[Callable[[int, int, "PerplexityResult"], None]] = None
-                       ) -> PerplexityResult:
+def compute_perplexity(
+    model,
+    tokens,
+    n_ctx: int = 512,
+    n_batch: int = 512,
+    n_ubatch: int = 512,
+    type_k: str = "f16",
+    type_v: str = "f16",
+    flash_attn: str = "on",
+    n_chunks: int = -1,
+    n_threads: Optional[int] = None,
+    rotation: bool = True,
+    base_out=None,
+    kl_base: Optional[LogitsFile] = None,
+    on_chunk: Optional[Callable[[int, int, "PerplexityResult"], None]] = None,
+) -> PerplexityResult:
     """Run the protocol on `tokens` (tokenized with the model's BOS rule). base_out: a path to
     write llama-perplexity's base file to; kl_base: an open base file to score against (its
     tokens and n_ctx are used, as llama-perplexity does)."""
     if kl_base is not None:
         if kl_base.n_vocab != model.hparams.n_vocab:
-            raise KvchatError(f"the base file's vocabulary has {kl_base.n_vocab} tokens, the model's "
-                              f"{model.hparams.n_vocab}: it was made with another model")
+            raise KvchatError(
+                f"the base file's vocabulary has {kl_base.n_vocab} tokens, the model's "
+                f"{model.hparams.n_vocab}: it was made with another model"
+            )
         tokens, n_ctx = kl_base.tokens, kl_base.n_ctx
         n_chunk_max = kl_base.n_chunk
     else:

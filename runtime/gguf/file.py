@@ -18,6 +18,7 @@ array shapes). Whether the metadata describes a model we can run (required keys,
 tensor shapes) is checked by kvchat.runtime.hparams.HParams.from_gguf, so `kvchat info` can still
 describe a well-formed file of an architecture we do not support.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -28,22 +29,41 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.kernels.gguf_strings import scan_strings
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.gguf_strings import scan_strings
 from kvchat.runtime.errors import ModelFileError
-from kvchat.runtime.gguf.format import (DEFAULT_ALIGNMENT, FLOAT_TYPES, GGUF_MAGIC, INT64_MAX, INT_TYPES,
-                                 MAX_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS, MIN_SIZE, SCALAR_DTYPES,
-                                 SUPPORTED_VERSIONS, VOCAB_MERGES, VOCAB_PARALLEL, VOCAB_TOKENS, Cursor,
-                                 GGUFValueType, TensorInfo, known_type, show_name)
+from kvchat.runtime.gguf.format import (
+    DEFAULT_ALIGNMENT,
+    FLOAT_TYPES,
+    GGUF_MAGIC,
+    INT64_MAX,
+    INT_TYPES,
+    MAX_ALIGNMENT,
+    MAX_ARRAY_DEPTH,
+    MAX_DIMS,
+    MIN_SIZE,
+    SCALAR_DTYPES,
+    SUPPORTED_VERSIONS,
+    VOCAB_MERGES,
+    VOCAB_PARALLEL,
+    VOCAB_TOKENS,
+    Cursor,
+    GGUFValueType,
+    TensorInfo,
+    known_type,
+    show_name,
+)
 from kvchat.runtime.gguf.string_array import StringArray
 
 __all__ = ["GGUFFile", "TensorInfo", "ModelFileError", "GGUFValueType"]
+
 
 class GGUFFile:
     """A parsed, validated GGUF file.
 
     `metadata` values: int / float / bool / str; arrays of strings as a read-only sequence of str
-    (kvchat.runtime.gguf.string_array.StringArray; invalid UTF-8 bytes kept via surrogateescape), numeric arrays as numpy arrays (copied, native order),
+    (kvchat.runtime.gguf.string_array.StringArray; invalid UTF-8 bytes kept via surrogateescape), numeric arrays as
+    numpy arrays (copied, native order),
     arrays of arrays as lists. `value_types[key]` is (type, element type or None).
     `raw` is the whole file as a read-only u8 array; every tensor's `data` is a slice of it.
     Tensors share one read-only mmap; `close()` drops our reference — the mapping itself stays
@@ -181,9 +201,9 @@ class GGUFFile:
         if bad >= 0:
             self._fail(f"{key}[{bad}]", f"string runs past the end of the file (at offset {end})")
         cur.pos = end
-        if packed.size >= 2 ** 31:
+        if packed.size >= 2**31:
             blob = packed.tobytes()
-            return [blob[bounds[i, 0]:bounds[i, 1]].decode("utf-8", "surrogateescape") for i in range(n)]
+            return [blob[bounds[i, 0] : bounds[i, 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return StringArray(packed.tobytes(), bounds[:, 0], bounds[:, 1])
 
     def _alignment(self) -> int:
@@ -214,7 +234,10 @@ class GGUFFile:
         if info is None:
             self._fail(f"tensor {name}", f"unknown ggml type id {t}")
         if shape[0] % info.block_size:
-            self._fail(f"tensor {name}", f"row length {shape[0]} is not a multiple of the {info.name} block size {info.block_size}")
+            self._fail(
+                f"tensor {name}",
+                f"row length {shape[0]} is not a multiple of the {info.name} block size {info.block_size}",
+            )
         offset = cur.u64(f"tensor {name} (offset)")
         nbytes = n // info.block_size * info.type_size
         return name, shape, t, info, offset, nbytes
@@ -227,19 +250,26 @@ class GGUFFile:
             if name in self.tensors:
                 self._fail(f"tensor {name}", "duplicate tensor name")
             if offset % self.alignment:
-                self._fail(f"tensor {name}", f"data offset {offset} is not a multiple of the alignment {self.alignment}")
+                self._fail(
+                    f"tensor {name}", f"data offset {offset} is not a multiple of the alignment {self.alignment}"
+                )
             if offset > data_size or nbytes > data_size - offset:
-                self._fail(f"tensor {name}", f"data [{offset}, {offset + nbytes}) lies outside the data section "
-                                 f"({max(data_size, 0)} bytes)")
+                self._fail(
+                    f"tensor {name}",
+                    f"data [{offset}, {offset + nbytes}) lies outside the data section ({max(data_size, 0)} bytes)",
+                )
             row = shape[0] // info.block_size * info.type_size
             start = self.data_offset + offset
-            view = arr[start:start + nbytes].reshape(nbytes // row, row)
+            view = arr[start : start + nbytes].reshape(nbytes // row, row)
             self.tensors[name] = TensorInfo(name, shape, _as_ggml_type(t), offset, nbytes, view)
         prev = None
         for ti in sorted(self.tensors.values(), key=lambda x: x.offset):
             if prev is not None and ti.offset < prev.offset + prev.nbytes:
-                self._fail(f"tensor {ti.name}", f"data at offset {ti.offset} overlaps tensor {show_name(prev.name)} "
-                                    f"[{prev.offset}, {prev.offset + prev.nbytes})")
+                self._fail(
+                    f"tensor {ti.name}",
+                    f"data at offset {ti.offset} overlaps tensor {show_name(prev.name)} "
+                    f"[{prev.offset}, {prev.offset + prev.nbytes})",
+                )
             prev = ti
 
     def _check_metadata(self) -> None:
@@ -259,8 +289,7 @@ class GGUFFile:
                 if key in self.metadata:
                     self._expect_array(key, etypes)
                     if len(self.metadata[key]) != n_vocab:
-                        self._fail(key, f"has {len(self.metadata[key])} entries, "
-                                        f"{VOCAB_TOKENS} has {n_vocab}")
+                        self._fail(key, f"has {len(self.metadata[key])} entries, {VOCAB_TOKENS} has {n_vocab}")
         if VOCAB_MERGES in self.metadata:
             self._expect_array(VOCAB_MERGES, (GGUFValueType.STRING,))
 

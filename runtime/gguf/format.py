@@ -2,6 +2,7 @@
 tensor record, and the bounds-checked little-endian cursor runtime/gguf/file.py parses with
 (every count and length checked against the bytes that remain before anything is allocated).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -31,19 +32,31 @@ class GGUFValueType:
 
 # fixed-size value types: id -> numpy little-endian dtype
 SCALAR_DTYPES = {
-    GGUFValueType.UINT8: np.dtype("<u1"), GGUFValueType.INT8: np.dtype("<i1"),
-    GGUFValueType.UINT16: np.dtype("<u2"), GGUFValueType.INT16: np.dtype("<i2"),
-    GGUFValueType.UINT32: np.dtype("<u4"), GGUFValueType.INT32: np.dtype("<i4"),
-    GGUFValueType.FLOAT32: np.dtype("<f4"), GGUFValueType.BOOL: np.dtype("<u1"),
-    GGUFValueType.UINT64: np.dtype("<u8"), GGUFValueType.INT64: np.dtype("<i8"),
+    GGUFValueType.UINT8: np.dtype("<u1"),
+    GGUFValueType.INT8: np.dtype("<i1"),
+    GGUFValueType.UINT16: np.dtype("<u2"),
+    GGUFValueType.INT16: np.dtype("<i2"),
+    GGUFValueType.UINT32: np.dtype("<u4"),
+    GGUFValueType.INT32: np.dtype("<i4"),
+    GGUFValueType.FLOAT32: np.dtype("<f4"),
+    GGUFValueType.BOOL: np.dtype("<u1"),
+    GGUFValueType.UINT64: np.dtype("<u8"),
+    GGUFValueType.INT64: np.dtype("<i8"),
     GGUFValueType.FLOAT64: np.dtype("<f8"),
 }
-INT_TYPES = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-              GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+INT_TYPES = {
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+}
 FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 # smallest encoding of one element of each type (strings: u64 length; arrays: u32 type + u64 n)
-MIN_SIZE = {**{t: d.itemsize for t, d in SCALAR_DTYPES.items()},
-             GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+MIN_SIZE = {**{t: d.itemsize for t, d in SCALAR_DTYPES.items()}, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 
 # Tokenizer arrays whose element type and length the container check enforces.
 VOCAB_TOKENS = "tokenizer.ggml.tokens"
@@ -105,8 +118,7 @@ class Cursor:
 
     def need(self, n: int, field: str) -> None:
         if n > self.size - self.pos:
-            self.gf._fail(field, f"truncated: needs {n} bytes at offset {self.pos}, "
-                                 f"only {self.size - self.pos} left")
+            self.gf._fail(field, f"truncated: needs {n} bytes at offset {self.pos}, only {self.size - self.pos} left")
 
     def unpack(self, fmt: str, n: int, field: str):
         self.need(n, field)
@@ -126,13 +138,14 @@ class Cursor:
         if n > MAX_COUNT:
             self.gf._fail(field, f"count {n} exceeds the limit {MAX_COUNT}")
         if n * min_item > self.remaining():
-            self.gf._fail(field, f"count {n} needs at least {n * min_item} bytes, "
-                                 f"only {self.remaining()} left in the file")
+            self.gf._fail(
+                field, f"count {n} needs at least {n * min_item} bytes, only {self.remaining()} left in the file"
+            )
         return n
 
     def raw_string(self, field: str) -> bytes:
         n = self.count(field, 1)
-        b = self.buf[self.pos:self.pos + n]
+        b = self.buf[self.pos : self.pos + n]
         self.pos += n
         return b
 

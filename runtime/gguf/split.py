@@ -16,6 +16,7 @@ concatenated. Checked as llama-model-loader checks: the model is opened from its
 every part exists and carries its own index, no tensor appears twice, and the total tensor count
 matches split.tensors.count. Any failure is one ModelFileError line naming the file.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,7 @@ class SplitGGUF(GGUFFile):
     holds the model's keys); `tensors` has every part's tensors; `file_size` is the sum over the
     parts; `parts` lists the open GGUFFiles. `close()` closes them all."""
 
-    def __init__(self, parts: list[GGUFFile]):  # noqa: super().__init__ would parse a file
+    def __init__(self, parts: list[GGUFFile]):  # super().__init__ would parse a file: not called
         first = parts[0]
         self.__dict__.update(first.__dict__)
         self.parts = parts
@@ -87,9 +88,12 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         idx = first.get_int(KEY_NO, 0) if n_split > 1 else 0
         if idx != 0:
             parsed = parse_split_name(first.path.name)
-            hint = (f"; open {split_path(parsed[0], 0, n_split)}" if parsed else "")
-            first.fail(KEY_NO, f"this is part {idx + 1} of {n_split} of a split model; "
-                               f"a split model is opened from its first part{hint}")
+            hint = f"; open {split_path(parsed[0], 0, n_split)}" if parsed else ""
+            first.fail(
+                KEY_NO,
+                f"this is part {idx + 1} of {n_split} of a split model; "
+                f"a split model is opened from its first part{hint}",
+            )
         if "general.architecture" not in first.metadata:
             first.fail("general.architecture", "missing (required)")
         if n_split <= 1:
@@ -101,8 +105,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             expected = first.get_int(KEY_TENSORS, min_value=0)
             model = SplitGGUF(parts)
             if len(model.tensors) != expected:
-                first.fail(KEY_TENSORS, f"says {expected} tensors, the {n_split} parts hold "
-                                        f"{len(model.tensors)}")
+                first.fail(KEY_TENSORS, f"says {expected} tensors, the {n_split} parts hold {len(model.tensors)}")
             return model
         except BaseException:
             for p in parts[1:]:
@@ -116,8 +119,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
 def _sibling_paths(first: Path, n_split: int) -> list[Path]:
     parsed = parse_split_name(first.name)
     if parsed is None:
-        raise ModelFileError(f"{first}: {KEY_COUNT} is {n_split} but the file name does not end in "
-                             f"-00001-of-{n_split:05d}.gguf, so its other parts cannot be found")
+        raise ModelFileError(
+            f"{first}: {KEY_COUNT} is {n_split} but the file name does not end in "
+            f"-00001-of-{n_split:05d}.gguf, so its other parts cannot be found"
+        )
     prefix, _, count = parsed
     if count != n_split:
         raise ModelFileError(f"{first}: {KEY_COUNT} is {n_split} but the file name says {count} parts")
@@ -126,8 +131,10 @@ def _sibling_paths(first: Path, n_split: int) -> list[Path]:
 
 def _open_part(path: Path, idx: int, n_split: int, first: Path) -> GGUFFile:
     if not path.is_file():
-        raise ModelFileError(f"{path}: part {idx + 1} of {n_split} of the split model {first.name} "
-                             f"is missing; put all parts in one directory")
+        raise ModelFileError(
+            f"{path}: part {idx + 1} of {n_split} of the split model {first.name} "
+            f"is missing; put all parts in one directory"
+        )
     part = GGUFFile(path, split_part=True)
     try:
         got = part.get_int(KEY_NO)

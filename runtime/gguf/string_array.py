@@ -11,15 +11,15 @@ exactly as the reader decoded them), so ``StringArray(...)[i]`` equals the str t
 ``StringIndex.get(text)`` returns the *last* position holding that text, as
 ``dict(zip(strings, range(n)))`` does for duplicated texts.
 """
+
 from __future__ import annotations
 
 from array import array
-from zlib import crc32
 from collections.abc import Sequence
+from zlib import crc32
 
 import numpy as np
 from numba import njit
-
 
 _CHUNK = 16384  # strings decoded at a time when iterating (bounds the temporary str objects)
 
@@ -41,7 +41,7 @@ class StringArray(Sequence):
         parts = [s.encode("utf-8", "surrogateescape") for s in strings]
         lens = np.fromiter(map(len, parts), np.int64, len(parts))
         ends = np.cumsum(lens + 1) - 1  # one NUL between texts, as the GGUF reader packs them
-        if ends.size and ends[-1] >= 2 ** 31:
+        if ends.size and ends[-1] >= 2**31:
             raise ValueError("StringArray: more than 2 GiB of text")
         return cls(b"\0".join(parts), ends - lens, ends)
 
@@ -55,7 +55,7 @@ class StringArray(Sequence):
             i += self._n
         if not 0 <= i < self._n:
             raise IndexError("StringArray index out of range")
-        return self._blob[self._starts[i]:self._ends[i]].decode("utf-8", "surrogateescape")
+        return self._blob[self._starts[i] : self._ends[i]].decode("utf-8", "surrogateescape")
 
     def __iter__(self):
         for start in range(0, self._n, _CHUNK):
@@ -113,8 +113,12 @@ class StringIndex:
         self.strings = strings
         n = len(strings)
         size = 1 << max(4, (2 * n - 1).bit_length())  # load factor <= 1/2
-        h, table = _build_table(np.frombuffer(strings._blob, np.uint8), np.frombuffer(strings._starts, np.int32),
-                                np.frombuffer(strings._ends, np.int32), size)
+        h, table = _build_table(
+            np.frombuffer(strings._blob, np.uint8),
+            np.frombuffer(strings._starts, np.int32),
+            np.frombuffer(strings._ends, np.int32),
+            size,
+        )
         self._hash = array("I", h.tobytes())
         self._table = array("i", table.tobytes())
         self._mask = size - 1
@@ -132,7 +136,7 @@ class StringIndex:
             i = table[slot]
             if i < 0:
                 return default
-            if hashes[i] == h and blob[starts[i]:ends[i]] == key:
+            if hashes[i] == h and blob[starts[i] : ends[i]] == key:
                 return i
             slot = (slot + 1) & mask
 

@@ -9,6 +9,7 @@ because Q and K are rotated alike and H is orthonormal.
 The cache owns the sizes (it knows its types; they are part of its saved state); the forward
 pass asks the memory context for them; the K-shift un-rotates, applies RoPE, re-rotates.
 """
+
 from __future__ import annotations
 
 import numpy as np

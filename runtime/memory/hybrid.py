@@ -13,6 +13,7 @@ the middle; llama.cpp trims the KV cache anyway, we keep both untouched so a ref
 leaves nothing half-applied. Rolling a sequence back to an earlier point goes through
 seq_checkpoint / seq_restore instead.
 """
+
 from __future__ import annotations
 
 from kvchat.runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
@@ -22,12 +23,31 @@ from kvchat.runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
 
 
 class MemoryHybrid(Memory):
-    def __init__(self, hparams, type_k: int, type_v: int, v_trans: bool, unified: bool,
-                 kv_size: int, rs_size: int, n_seq_max: int):
+    def __init__(
+        self,
+        hparams,
+        type_k: int,
+        type_v: int,
+        v_trans: bool,
+        unified: bool,
+        kv_size: int,
+        rs_size: int,
+        n_seq_max: int,
+    ):
         self.hparams = hparams
         is_recr = hparams.is_recurrent
-        self.mem_attn = KVCache(hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max,
-                                n_swa=0, filter=lambda il: not is_recr(il), name="attn")
+        self.mem_attn = KVCache(
+            hparams,
+            type_k,
+            type_v,
+            v_trans,
+            unified,
+            kv_size,
+            n_seq_max,
+            n_swa=0,
+            filter=lambda il: not is_recr(il),
+            name="attn",
+        )
         self.mem_recr = MemoryRecurrent(hparams, rs_size, n_seq_max, filter=is_recr)
 
     def get_mem_attn(self) -> KVCache:
@@ -93,8 +113,7 @@ class MemoryHybrid(Memory):
 
     def memory_breakdown(self) -> dict:
         a, r = self.mem_attn.memory_breakdown(), self.mem_recr.memory_breakdown()
-        return {"kind": "hybrid", "attn": a, "recr": r,
-                "total_bytes": a["total_bytes"] + r["total_bytes"]}
+        return {"kind": "hybrid", "attn": a, "recr": r, "total_bytes": a["total_bytes"] + r["total_bytes"]}
 
     def log_line(self) -> str:
         return self.mem_attn.log_line() + "\n" + self.mem_recr.log_line()
@@ -106,8 +125,7 @@ class MemoryHybrid(Memory):
         unified = self.mem_attn.get_n_stream() == 1
         ubatches = []
         while True:
-            ub = (balloc.split_seq(n_ubatch) if embd_all
-                  else balloc.split_equal(n_ubatch, not unified))
+            ub = balloc.split_seq(n_ubatch) if embd_all else balloc.split_equal(n_ubatch, not unified)
             if ub is None:
                 break
             ubatches.append(ub)

@@ -9,6 +9,7 @@ Which memory a model gets is the model's business (llama_model::create_memory): 
 architecture declares it (runtime/arch/base.py: create_memory; kvchat.runtime.arch.create_memory asks
 the arch of the hparams).
 """
+
 from __future__ import annotations
 
 from enum import IntEnum

@@ -13,19 +13,20 @@ undoes everything (a dry run); `KVCacheContext.apply` does it for real, one ubat
 keeping an undo journal so a failed decode can restore memory exactly (cells, heads, and the
 K/V rows of overwritten SWA cells).
 """
+
 from __future__ import annotations
 
 import logging
 
 import numpy as np
 
-from kvchat.kernels.ggml_types import GGMLType, row_bytes, type_info
+from kvchat.kernels.ggml_types import row_bytes, type_info
 from kvchat.runtime.memory.attn_rotation import rotation_sizes
-from kvchat.runtime.memory.kv_cells import KVCells
 from kvchat.runtime.memory.interface import Memory, MemoryOpError, MemoryStatus
 from kvchat.runtime.memory.kv_cache_context import KVCacheContext
 from kvchat.runtime.memory.kv_cache_seq import KVCacheSeqOps
 from kvchat.runtime.memory.kv_cache_state import KVCacheStateIO
+from kvchat.runtime.memory.kv_cells import KVCells
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,20 @@ def _elem_bytes(t: int) -> int:
 class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
     """A KV cache over the layers `filter` accepts (default: every layer with a KV)."""
 
-    def __init__(self, hparams, type_k: int, type_v: int, v_trans: bool, unified: bool,
-                 kv_size: int, n_seq_max: int, n_swa: int = 0, filter=None, reuse=None,
-                 name: str = ""):
+    def __init__(
+        self,
+        hparams,
+        type_k: int,
+        type_v: int,
+        v_trans: bool,
+        unified: bool,
+        kv_size: int,
+        n_seq_max: int,
+        n_swa: int = 0,
+        filter=None,
+        reuse=None,
+        name: str = "",
+    ):
         if kv_size <= 0:
             raise ValueError(f"kv_size must be positive, got {kv_size}")
         self.hparams = hparams
@@ -107,8 +119,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
 
         self.cells = [KVCells(self.kv_size, self.n_seq_max) for _ in range(self.n_stream)]
         self.heads = [0] * self.n_stream
-        self.seq_to_stream = ([0] * self.n_seq_max if self.n_stream == 1
-                              else list(range(self.n_seq_max)))
+        self.seq_to_stream = [0] * self.n_seq_max if self.n_stream == 1 else list(range(self.n_seq_max))
         self.pending_copies: list[tuple[int, int]] = []  # (src stream, dst stream)
 
         self.layers: list[KVLayer] = []
@@ -134,8 +145,9 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
                     raise ValueError(f"layer {il} reuses layer {src}, which has no cache here")
                 self.map_layer_ids[il] = self.map_layer_ids[src]
         # il -> KVLayer (None for layers this cache does not hold): the forward pass's lookup
-        self.layer_of = [self.layers[self.map_layer_ids[il]] if il in self.map_layer_ids else None
-                         for il in range(hparams.n_layer)]
+        self.layer_of = [
+            self.layers[self.map_layer_ids[il]] if il in self.map_layer_ids else None for il in range(hparams.n_layer)
+        ]
         log.info("%s", self.log_line())
 
     # ---- geometry / reporting ---------------------------------------------------------------
@@ -154,10 +166,17 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
 
     def memory_breakdown(self) -> dict:
         k, v = self.size_k_bytes(), self.size_v_bytes()
-        return {"kv_size": self.kv_size, "n_layer": len(self.layers), "n_seq_max": self.n_seq_max,
-                "n_stream": self.n_stream, "type_k": type_info(self.type_k).name,
-                "type_v": type_info(self.type_v).name, "k_bytes": k, "v_bytes": v,
-                "total_bytes": k + v}
+        return {
+            "kv_size": self.kv_size,
+            "n_layer": len(self.layers),
+            "n_seq_max": self.n_seq_max,
+            "n_stream": self.n_stream,
+            "type_k": type_info(self.type_k).name,
+            "type_v": type_info(self.type_v).name,
+            "k_bytes": k,
+            "v_bytes": v,
+            "total_bytes": k + v,
+        }
 
     def memory_type(self) -> str:
         return "llama_kv_cache"
@@ -166,11 +185,13 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
         """The llama.cpp form of the cache-size log line."""
         k, v = self.size_k_bytes(), self.size_v_bytes()
         mib = 1024.0 * 1024.0
-        return (f"llama_kv_cache{'_' + self.name if self.name else ''}: size = {(k + v) / mib:7.2f} MiB "
-                f"({self.kv_size:6d} cells, {len(self.layers):3d} layers, "
-                f"{self.n_seq_max:2d}/{self.n_stream} seqs), "
-                f"K ({type_info(self.type_k).name}): {k / mib:7.2f} MiB, "
-                f"V ({type_info(self.type_v).name}): {v / mib:7.2f} MiB")
+        return (
+            f"llama_kv_cache{'_' + self.name if self.name else ''}: size = {(k + v) / mib:7.2f} MiB "
+            f"({self.kv_size:6d} cells, {len(self.layers):3d} layers, "
+            f"{self.n_seq_max:2d}/{self.n_stream} seqs), "
+            f"K ({type_info(self.type_k).name}): {k / mib:7.2f} MiB, "
+            f"V ({type_info(self.type_v).name}): {v / mib:7.2f} MiB"
+        )
 
     def layer(self, il: int) -> KVLayer:
         return self.layers[self.map_layer_ids[il]]
@@ -192,8 +213,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
             cand = np.flatnonzero(cells.nseq == 1)
             if cand.size:
                 seq_of = np.argmax(cells.seq[cand], axis=1)
-                pmax = np.array([cells.seq_pos_max(int(s)) for s in range(self.n_seq_max)],
-                                dtype=np.int64)
+                pmax = np.array([cells.seq_pos_max(int(s)) for s in range(self.n_seq_max)], dtype=np.int64)
                 masked = (pmax[seq_of] + 1) - cells.pos[cand] >= self.n_swa
                 usable[cand[masked]] = True
         return usable
@@ -220,7 +240,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
             # enough free cells before the head: restart from 0, hoping to fill the start
             if head > cells.n_used + 2 * n_tokens:
                 head = 0
-            if head + n_tokens <= size and bool(np.all(cells.pos[head:head + n_tokens] < 0)):
+            if head + n_tokens <= size and bool(np.all(cells.pos[head : head + n_tokens] < 0)):
                 idxs = np.arange(head, head + n_tokens, dtype=np.int64)  # the common case
             else:
                 usable = self._usable(cells)
@@ -233,8 +253,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
             idxs_all.append(idxs)
         return SlotInfo(strms, idxs_all)
 
-    def apply_ubatch(self, sinfo: SlotInfo, ubatch, journal: list | None = None,
-                     save_data: bool = False) -> None:
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch, journal: list | None = None, save_data: bool = False) -> None:
         """Write the ubatch's positions and sequences into the slot cells and move the heads.
 
         With `journal`, append what is needed to undo this exactly (see `undo`); `save_data`
@@ -261,9 +280,9 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
                         seq_pos_max_rm[sid] = p
                     cells.rm(i)
             lo = s * n_per
-            pos = ubatch.pos[lo:lo + n_per].tolist()
-            tok = ubatch.token[lo:lo + n_per].tolist()
-            seqs = ubatch.seq_id[lo:lo + n_per]
+            pos = ubatch.pos[lo : lo + n_per].tolist()
+            tok = ubatch.token[lo : lo + n_per].tolist()
+            seqs = ubatch.seq_id[lo : lo + n_per]
             for ii, i in enumerate(idxs.tolist()):
                 cells.pos_set(i, pos[ii])
                 cells.ext_set(i, tok[ii])
@@ -354,8 +373,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
         balloc.split_reset()
         ubatches = []
         while True:
-            ub = (balloc.split_simple(n_ubatch) if self.n_stream == 1
-                  else balloc.split_equal(n_ubatch, True))
+            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
             if ub is None:
                 break
             ubatches.append(ub)
@@ -390,6 +408,7 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
     def update(self, do_shift: bool, do_defrag: bool = False) -> bool:
         """Apply pending stream copies, the K-shift and (optionally) compaction."""
         from kvchat.runtime.memory.kv_update import apply_k_shift, compact, copy_streams
+
         updated = False
         if self.pending_copies:
             copy_streams(self, self.pending_copies)
@@ -397,8 +416,10 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
             updated = True
         if do_shift:
             if not self.get_can_shift():
-                raise MemoryOpError("the current KV cache / model configuration does not support "
-                                    "K-shift (context shift); use --swa-full or stop at the limit")
+                raise MemoryOpError(
+                    "the current KV cache / model configuration does not support "
+                    "K-shift (context shift); use --swa-full or stop at the limit"
+                )
             apply_k_shift(self)
             for c in self.cells:
                 c.reset_shift()

@@ -6,12 +6,18 @@ the rows of overwritten SWA cells exactly); `cpy_k/cpy_v` quantize the ubatch's 
 its cells, `get_k/get_v` are views over the first n_kv cells, `kq_mask` is built once per
 ubatch. It implements `AttentionMemoryContext` (runtime/memory/interface.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from kvchat.kernels.kv_kernels import (build_kq_mask, build_kq_mask_par, scatter_rows, scatter_rows_par,
-                                scatter_rows_trans)
+from kvchat.kernels.kv_kernels import (
+    build_kq_mask,
+    build_kq_mask_par,
+    scatter_rows,
+    scatter_rows_par,
+    scatter_rows_trans,
+)
 from kvchat.runtime.memory.interface import MemoryContext, MemoryOpError, MemoryStatus
 
 PAR_MASK_MIN = 1 << 18  # mask entries above which building it in parallel pays off
@@ -103,15 +109,14 @@ class KVCacheContext(MemoryContext):
         if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], layer.n_embd_v)
         if self.v_trans:
-            scatter_rows_trans(layer.v, x, self._dst_strm, self._dst_cell, self.kv.type_v,
-                               self.kv.v_elem_bytes)
+            scatter_rows_trans(layer.v, x, self._dst_strm, self._dst_cell, self.kv.type_v, self.kv.v_elem_bytes)
         else:
             fn = scatter_rows_par if x.shape[0] >= PAR_ROWS_MIN else scatter_rows
             fn(layer.v, x, self._dst_strm, self._dst_cell, self.kv.type_v)
 
     def get_k(self, il: int):
         """(u8 [n_stream, n_kv, row_bytes_k], type_k) - a view, no copy."""
-        return self.kv.layer_of[il].k[:, :self.n_kv], self.type_k
+        return self.kv.layer_of[il].k[:, : self.n_kv], self.type_k
 
     def get_rot(self, il: int) -> tuple[int, int]:
         """(n_rot_k, n_rot_v): Hadamard chunk sizes the forward pass applies to Q/K and V
@@ -125,7 +130,7 @@ class KVCacheContext(MemoryContext):
         layer = self.kv.layer_of[il]
         if self.v_trans:
             return layer.v, self.type_v
-        return layer.v[:, :self.n_kv], self.type_v
+        return layer.v[:, : self.n_kv], self.type_v
 
     def attn_io(self, il: int):
         """Everything attention layer il reads and writes for this ubatch, in one call (a
@@ -143,13 +148,35 @@ class KVCacheContext(MemoryContext):
         start = self.kq_start(il)
         n_kv = self.n_kv
         if self.v_trans:
-            return (None, layer.k[:, :n_kv], self.type_k, layer.v, self.type_v, False, mask, tok_strm,
-                    start, self.n_rot_k, self.n_rot_v)
+            return (
+                None,
+                layer.k[:, :n_kv],
+                self.type_k,
+                layer.v,
+                self.type_v,
+                False,
+                mask,
+                tok_strm,
+                start,
+                self.n_rot_k,
+                self.n_rot_v,
+            )
         store = None
         if not (self.n_rot_k or self.n_rot_v):
             store = (layer.k, layer.v, self._dst_strm, self._dst_cell, self.type_k, self.type_v)
-        return (store, layer.k[:, :n_kv], self.type_k, layer.v[:, :n_kv], self.type_v, True, mask,
-                tok_strm, start, self.n_rot_k, self.n_rot_v)
+        return (
+            store,
+            layer.k[:, :n_kv],
+            self.type_k,
+            layer.v[:, :n_kv],
+            self.type_v,
+            True,
+            mask,
+            tok_strm,
+            start,
+            self.n_rot_k,
+            self.n_rot_v,
+        )
 
     def kq_mask(self, il: int | None = None):
         """(mask f32 [n_tokens, n_kv] of 0 / -inf, tok_stream i32 [n_tokens]) for this ubatch;
@@ -170,7 +197,7 @@ class KVCacheContext(MemoryContext):
             start = np.zeros(mask.shape[0], dtype=np.int64)
             for strm in sorted(set(tok_strm.tolist())):  # np.unique would import numpy.ma
                 rows = np.flatnonzero(tok_strm == strm)
-                pos = self.kv.cells[strm].pos[:self.n_kv].astype(np.int64)
+                pos = self.kv.cells[strm].pos[: self.n_kv].astype(np.int64)
                 seen = np.where(mask[rows] == 0, pos[None, :], np.iinfo(np.int64).max)  # [rows, n_kv]
                 start[rows] = np.argmin(seen, axis=1) if self.n_kv else 0
             self._start = start

@@ -7,26 +7,37 @@ reused by find_slot. With swa_full it is as large as the base (and can then be c
 Every sequence operation goes to both; a batch is accepted only if both caches can place it,
 and the combined context routes each layer to its cache by hparams.is_swa(il).
 """
+
 from __future__ import annotations
 
 import logging
 
 from kvchat.runtime.cparams import N_CTX_PAD, pad_to
+from kvchat.runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_context import KVCacheContext
-from kvchat.runtime.memory.interface import Memory, MemoryContext, MemoryOpError, MemoryStatus, status_combine
 
 log = logging.getLogger(__name__)
 
 
 class KVCacheISWA(Memory):
-    def __init__(self, hparams, type_k: int, type_v: int, v_trans: bool, swa_full: bool,
-                 unified: bool, kv_size: int, n_seq_max: int, n_ubatch: int, filter=None):
+    def __init__(
+        self,
+        hparams,
+        type_k: int,
+        type_v: int,
+        v_trans: bool,
+        swa_full: bool,
+        unified: bool,
+        kv_size: int,
+        n_seq_max: int,
+        n_ubatch: int,
+        filter=None,
+    ):
         self.hparams = hparams
         self.unified = unified
         size_base = kv_size
-        size_swa = pad_to(min(size_base, hparams.n_swa * (n_seq_max if unified else 1) + n_ubatch),
-                          N_CTX_PAD)
+        size_swa = pad_to(min(size_base, hparams.n_swa * (n_seq_max if unified else 1) + n_ubatch), N_CTX_PAD)
         if swa_full:
             log.warning("using full-size SWA cache")
             size_swa = size_base
@@ -37,10 +48,21 @@ class KVCacheISWA(Memory):
         def filter_swa(il):
             return (filter is None or filter(il)) and hparams.is_swa(il)
 
-        self.kv_base = KVCache(hparams, type_k, type_v, v_trans, unified, size_base, n_seq_max,
-                               n_swa=0, filter=filter_base, name="base")
-        self.kv_swa = KVCache(hparams, type_k, type_v, v_trans, unified, size_swa, n_seq_max,
-                              n_swa=hparams.n_swa, filter=filter_swa, name="swa")
+        self.kv_base = KVCache(
+            hparams, type_k, type_v, v_trans, unified, size_base, n_seq_max, n_swa=0, filter=filter_base, name="base"
+        )
+        self.kv_swa = KVCache(
+            hparams,
+            type_k,
+            type_v,
+            v_trans,
+            unified,
+            size_swa,
+            n_seq_max,
+            n_swa=hparams.n_swa,
+            filter=filter_swa,
+            name="swa",
+        )
 
     def get_base(self) -> KVCache:
         return self.kv_base
@@ -83,14 +105,21 @@ class KVCacheISWA(Memory):
         return self.kv_swa.seq_pos_max(seq_id)
 
     def get_can_shift(self) -> bool:
-        return (self.kv_base.get_can_shift() and self.kv_swa.get_can_shift()
-                and self.kv_base.get_size() == self.kv_swa.get_size())
+        return (
+            self.kv_base.get_can_shift()
+            and self.kv_swa.get_can_shift()
+            and self.kv_base.get_size() == self.kv_swa.get_size()
+        )
 
     def memory_breakdown(self) -> dict:
         b, s = self.kv_base.memory_breakdown(), self.kv_swa.memory_breakdown()
-        return {"base": b, "swa": s, "k_bytes": b["k_bytes"] + s["k_bytes"],
-                "v_bytes": b["v_bytes"] + s["v_bytes"],
-                "total_bytes": b["total_bytes"] + s["total_bytes"]}
+        return {
+            "base": b,
+            "swa": s,
+            "k_bytes": b["k_bytes"] + s["k_bytes"],
+            "v_bytes": b["v_bytes"] + s["v_bytes"],
+            "total_bytes": b["total_bytes"] + s["total_bytes"],
+        }
 
     def memory_type(self) -> str:
         return "llama_kv_cache_iswa"
@@ -168,8 +197,15 @@ class KVCacheISWA(Memory):
 class KVCacheISWAContext(MemoryContext):
     """Base + SWA contexts over the same ubatches; layers are routed by hparams.is_swa(il)."""
 
-    def __init__(self, kv: KVCacheISWA, status: MemoryStatus, sinfos_base=None, sinfos_swa=None,
-                 ubatches=None, full: bool = False):
+    def __init__(
+        self,
+        kv: KVCacheISWA,
+        status: MemoryStatus,
+        sinfos_base=None,
+        sinfos_swa=None,
+        ubatches=None,
+        full: bool = False,
+    ):
         self.kv = kv
         self.status = status
         self.ubatches = ubatches or []

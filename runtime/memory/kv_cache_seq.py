@@ -3,6 +3,7 @@ seq_rm / seq_cp / seq_keep / seq_add / seq_div, seq_pos_min / seq_pos_max. They 
 metadata only (positions, sequence sets, pending shifts, heads); K/V rows follow at the next
 update (stream copies, K-shift) or are simply left for the next writer.
 """
+
 from __future__ import annotations
 
 from kvchat.runtime.memory.interface import MemoryOpError

@@ -17,6 +17,7 @@ through find_slot/apply_ubatch like a normal ubatch, and is undone if it does no
 `state_write_data` copies the rows. A pair of caches (iSWA, hybrid) places both before copying
 either. The byte stream itself is runtime/memory/state.py's StateWriter / StateReader.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -124,8 +125,7 @@ class KVCacheStateIO:
             ss = [io.read_i32() for _ in range(n_seq)]
             for x in ss:
                 if not 0 <= x < self.n_seq_max:
-                    raise StateError(f"{name}: invalid seq_id, {x} is out of range "
-                                     f"[0, {self.n_seq_max})")
+                    raise StateError(f"{name}: invalid seq_id, {x} is out of range [0, {self.n_seq_max})")
             if len(set(ss)) != len(ss):
                 raise StateError(f"{name}: cell {i} lists a sequence twice")
             pos[i] = p
@@ -141,14 +141,18 @@ class KVCacheStateIO:
         if bool(v_trans) != self.v_trans or v_trans > 1:
             raise StateError(f"{name}: incompatible V transposition (flash attention setting differs)")
         if (n_rot_k, n_rot_v) != (self.n_rot_k, self.n_rot_v):
-            raise StateError(f"{name}: incompatible key/value rotation ({n_rot_k}/{n_rot_v} instead of "
-                             f"{self.n_rot_k}/{self.n_rot_v})")
+            raise StateError(
+                f"{name}: incompatible key/value rotation ({n_rot_k}/{n_rot_v} instead of "
+                f"{self.n_rot_k}/{self.n_rot_v})"
+            )
         ks, vs = [], []
         for l in self.layers:
             t = io.read_i32()
             if t != self.type_k:
-                raise StateError(f"{name}: mismatched key type (layer {l.il}: "
-                                 f"{type_name(t)} saved, {type_info(self.type_k).name} here)")
+                raise StateError(
+                    f"{name}: mismatched key type (layer {l.il}: "
+                    f"{type_name(t)} saved, {type_info(self.type_k).name} here)"
+                )
             rb = io.read_u64()
             if rb != row_bytes(self.type_k, l.n_embd_k):
                 raise StateError(f"{name}: mismatched key row size (layer {l.il})")
@@ -156,8 +160,10 @@ class KVCacheStateIO:
         for l in self.layers:
             t = io.read_i32()
             if t != self.type_v:
-                raise StateError(f"{name}: mismatched value type (layer {l.il}: "
-                                 f"{type_name(t)} saved, {type_info(self.type_v).name} here)")
+                raise StateError(
+                    f"{name}: mismatched value type (layer {l.il}: "
+                    f"{type_name(t)} saved, {type_info(self.type_v).name} here)"
+                )
             if self.v_trans:
                 el = io.read_u32()
                 if el != self.v_elem_bytes:
@@ -204,8 +210,15 @@ class KVCacheStateIO:
             return []
         st = parsed[0]
         n = st.pos.shape[0]
-        ub = UBatch(np.full(n, -1, np.int32), st.pos.copy(), [[seq_id] for _ in range(n)],
-                    np.zeros(n, bool), np.arange(n, dtype=np.int32), 1, True)
+        ub = UBatch(
+            np.full(n, -1, np.int32),
+            st.pos.copy(),
+            [[seq_id] for _ in range(n)],
+            np.zeros(n, bool),
+            np.arange(n, dtype=np.int32),
+            1,
+            True,
+        )
         sinfo = self.find_slot(ub)
         if sinfo is None:
             self.undo(journal)

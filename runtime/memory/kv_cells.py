@@ -11,6 +11,7 @@ multiset with O(log n) min/max, so seq_pos_min/max never scan the cells.
 Every mutator checks its precondition and raises KVCellsError: a violated one is a bug in the
 caller, and silently continuing would corrupt the cache.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -183,8 +184,9 @@ class KVCells:
         idxs = np.asarray(idxs, dtype=np.int32)
         if idxs.size and (idxs.min() < 0 or idxs.max() >= self.size):
             raise KVCellsError("cp: cell index out of range")
-        return CellsSnapshot(idxs.copy(), self.pos[idxs].copy(), self.shift[idxs].copy(),
-                             self.ext[idxs].copy(), self.seq[idxs].copy())
+        return CellsSnapshot(
+            idxs.copy(), self.pos[idxs].copy(), self.shift[idxs].copy(), self.ext[idxs].copy(), self.seq[idxs].copy()
+        )
 
     def set(self, snap: CellsSnapshot) -> None:
         """Put back the cells of a snapshot (any order; later entries win on duplicates)."""

@@ -9,6 +9,7 @@ memory) leaves the cache as it was.
 
 Used by the chat's `/set cache-type-k TYPE` / `/set cache-type-v TYPE`.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -53,8 +54,10 @@ def _convert_rows(raw: np.ndarray, n: int, t_old: int, rot_old: int, t_new: int,
 def _plan_cache(kv, tk: int, tv: int) -> tuple:
     """New (k, v) arrays per layer and the new rotation sizes; kv itself is not touched."""
     if kv.v_trans and _elem_bytes(tv) == 0:
-        raise MemoryOpError(f"a {type_info(tv).name} V cache needs flash attention (V is stored "
-                            f"transposed without it); restart with -fa on to use it")
+        raise MemoryOpError(
+            f"a {type_info(tv).name} V cache needs flash attention (V is stored "
+            f"transposed without it); restart with -fa on to use it"
+        )
     rk, rv = rotation_sizes(kv.hparams, tk, tv)
     new = []
     for layer in kv.layers:

@@ -10,6 +10,7 @@ These run between decodes (Context's memory update), never inside a ubatch:
 - compaction (optimize): move the cells above the holes down into them, so used_max_p1 and
   with it n_kv (the attention width) shrink to the number of used cells.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -77,8 +78,13 @@ def compact(kv) -> bool:
         dst = np.flatnonzero(cells.pos[:n_used] < 0).astype(np.int32)  # the holes
         assert dst.size == src.size
         snap = cells.cp(src)
-        empty = CellsSnapshot(src, np.full(src.size, -1, np.int32), np.zeros(src.size, np.int32),
-                              np.full(src.size, -1, np.int32), np.zeros_like(snap.seq))
+        empty = CellsSnapshot(
+            src,
+            np.full(src.size, -1, np.int32),
+            np.zeros(src.size, np.int32),
+            np.full(src.size, -1, np.int32),
+            np.zeros_like(snap.seq),
+        )
         cells.set(empty)
         cells.set(CellsSnapshot(dst, snap.pos, snap.shift, snap.ext, snap.seq))
         kv.write_rows(strm, dst, kv.read_rows(strm, src))

@@ -20,6 +20,7 @@ A state cannot be cut at an arbitrary position: seq_rm of part of a sequence's t
 False (callers restore a checkpoint instead); removing from a position past the state's is a
 no-op that succeeds. seq_add / seq_div only move the cell's position.
 """
+
 from __future__ import annotations
 
 import logging
@@ -98,16 +99,26 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
 
     def memory_breakdown(self) -> dict:
         r, s = self.size_r_bytes(), self.size_s_bytes()
-        return {"kind": "recurrent", "mem_size": self.size, "n_layer": len(self.layers),
-                "n_seq_max": self.n_seq_max, "type_r": "f32", "type_s": "f32",
-                "r_bytes": r, "s_bytes": s, "total_bytes": r + s}
+        return {
+            "kind": "recurrent",
+            "mem_size": self.size,
+            "n_layer": len(self.layers),
+            "n_seq_max": self.n_seq_max,
+            "type_r": "f32",
+            "type_s": "f32",
+            "r_bytes": r,
+            "s_bytes": s,
+            "total_bytes": r + s,
+        }
 
     def log_line(self) -> str:
         r, s = self.size_r_bytes(), self.size_s_bytes()
         mib = 1024.0 * 1024.0
-        return (f"llama_memory_recurrent: size = {(r + s) / mib:7.2f} MiB ({self.size:6d} cells, "
-                f"{len(self.layers):3d} layers, {self.n_seq_max:2d} seqs), "
-                f"R (f32): {r / mib:7.2f} MiB, S (f32): {s / mib:7.2f} MiB")
+        return (
+            f"llama_memory_recurrent: size = {(r + s) / mib:7.2f} MiB ({self.size:6d} cells, "
+            f"{len(self.layers):3d} layers, {self.n_seq_max:2d} seqs), "
+            f"R (f32): {r / mib:7.2f} MiB, S (f32): {s / mib:7.2f} MiB"
+        )
 
     def get_used(self) -> int:
         return self.cells.n_used()
@@ -254,12 +265,14 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
     def seq_checkpoint(self, seq_id: int) -> SeqCheckpoint:
         """The sequence's state now (a sequence state blob of its cell)."""
         from kvchat.runtime.memory.state import StateWriter
+
         io = StateWriter()
         self.state_write(io, seq_id)
         return SeqCheckpoint(seq_id, self.seq_pos_max(seq_id), io.getvalue())
 
     def seq_restore(self, seq_id: int, ckpt: SeqCheckpoint) -> bool:
         from kvchat.runtime.memory.state import StateError, StateReader
+
         try:
             io = StateReader(ckpt.blob)
             parsed = self.state_parse(io, seq_id)
@@ -332,8 +345,12 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
             cell = lo + s
             last_pos = int(ubatch.pos[s * n_st + n_st - 1])
             if c.pos[cell] >= 0 and last_pos != c.pos[cell] + n_st:
-                log.warning("find_slot: non-consecutive position %d after %d for sequence %d",
-                            last_pos, int(c.pos[cell]), sids[0])
+                log.warning(
+                    "find_slot: non-consecutive position %d after %d for sequence %d",
+                    last_pos,
+                    int(c.pos[cell]),
+                    sids[0],
+                )
             c.pos[cell] = last_pos
             c.seq[cell] = False
             for sid in sids:

@@ -8,6 +8,7 @@ of [head, head + n) the forward pass may write, so `rollback()` restores them bi
 sequence's state from its src0 row, materialise the other cells of the range; `cpy_r/cpy_s`
 store the new states into the sequences' cells.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,8 +51,8 @@ class RecurrentContext(MemoryContext):
         mem = self.mem
         for snap, lo, rows in reversed(self.journal):
             for il, r, s in rows:
-                mem.r_l[il][lo:lo + r.shape[0]] = r
-                mem.s_l[il][lo:lo + s.shape[0]] = s
+                mem.r_l[il][lo : lo + r.shape[0]] = r
+                mem.s_l[il][lo : lo + s.shape[0]] = s
             mem._restore(snap)
         self.journal.clear()
 
@@ -74,12 +75,12 @@ class RecurrentContext(MemoryContext):
         main rows from their src0, then materialise the other cells of [head, head + n)."""
         mem = self.mem
         lo, n, n_rs = mem.head, mem.n, self.get_n_rs()
-        src0 = mem.cells.src0[lo:lo + n]
+        src0 = mem.cells.src0[lo : lo + n]
         if mem.rs_z >= 0:
             buf[mem.rs_z] = 0.0
         main = buf[src0[:n_rs]]  # a copy: fancy indexing
         if n > n_rs:
-            buf[lo + n_rs:lo + n] = buf[src0[n_rs:]]
+            buf[lo + n_rs : lo + n] = buf[src0[n_rs:]]
         return main
 
     def get_r(self, il: int) -> np.ndarray:
@@ -90,8 +91,8 @@ class RecurrentContext(MemoryContext):
 
     def cpy_r(self, il: int, r: np.ndarray) -> None:
         lo = self.mem.head
-        self.mem.r_l[il][lo:lo + r.shape[0]] = r.reshape(r.shape[0], -1)
+        self.mem.r_l[il][lo : lo + r.shape[0]] = r.reshape(r.shape[0], -1)
 
     def cpy_s(self, il: int, s: np.ndarray) -> None:
         lo = self.mem.head
-        self.mem.s_l[il][lo:lo + s.shape[0]] = s.reshape(s.shape[0], -1)
+        self.mem.s_l[il][lo : lo + s.shape[0]] = s.reshape(s.shape[0], -1)

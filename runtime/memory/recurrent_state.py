@@ -11,6 +11,7 @@ Reading is two-phase: `state_parse` checks everything into arrays without changi
 `state_apply` places the cells (whole: clear, cells 0..n-1; one sequence: remove it, then
 find_slot like a ubatch of its positions - undone if it does not fit) and copies the rows.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -130,19 +131,26 @@ class RecurrentStateIO:
         self.seq_rm(seq_id, -1, -1)
         if n == 0:
             return 0
-        ub = UBatch(np.full(n, -1, np.int32), parsed.pos.copy(), [[seq_id] for _ in range(n)],
-                    np.zeros(n, bool), np.arange(n, dtype=np.int32), 1, True)
+        ub = UBatch(
+            np.full(n, -1, np.int32),
+            parsed.pos.copy(),
+            [[seq_id] for _ in range(n)],
+            np.zeros(n, bool),
+            np.arange(n, dtype=np.int32),
+            1,
+            True,
+        )
         if not self.find_slot(ub):
             self._restore(snap)
             raise StateError(f"failed to find a free cell in the recurrent memory for sequence {seq_id}")
-        self.cells.src[self.head:self.head + n] = np.arange(self.head, self.head + n)
+        self.cells.src[self.head : self.head + n] = np.arange(self.head, self.head + n)
         return self.head
 
     def state_write_data(self, parsed: RecurrentState, head: int) -> None:
         n = parsed.pos.shape[0]
         for il, r, s in zip(self.layers, parsed.r, parsed.s):
-            self.r_l[il][head:head + n] = r
-            self.s_l[il][head:head + n] = s
+            self.r_l[il][head : head + n] = r
+            self.s_l[il][head : head + n] = s
 
     def state_read(self, io: StateReader, seq_id: int = -1) -> None:
         self.state_apply(self.state_parse(io, seq_id), seq_id)

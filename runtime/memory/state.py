@@ -6,6 +6,7 @@ MemoryRecurrent: runtime/memory/recurrent_state.py) through these; the layouts a
 Reading is two-phase everywhere (parse and check everything, then change memory), so a bad
 blob never changes anything; files are written atomically (`atomic_write`).
 """
+
 from __future__ import annotations
 
 import os
@@ -71,9 +72,10 @@ class StateReader:
 
     def read_bytes(self, n: int) -> memoryview:
         if n < 0 or n > self.remaining():
-            raise StateError(f"state data is truncated: needed {n} bytes at offset {self.n_read}, "
-                             f"{self.remaining()} left")
-        b = self._buf[self.n_read:self.n_read + n]
+            raise StateError(
+                f"state data is truncated: needed {n} bytes at offset {self.n_read}, {self.remaining()} left"
+            )
+        b = self._buf[self.n_read : self.n_read + n]
         self.n_read += n
         return b
 
@@ -190,7 +192,7 @@ def remove_stale_temps(path) -> list[str]:
     for entry in entries:
         full = os.path.join(d, entry)
         if entry.startswith(prefix):
-            pid = entry[len(prefix):].split("-", 1)[0]
+            pid = entry[len(prefix) :].split("-", 1)[0]
             if not pid.isdigit() or pid_alive(int(pid)):
                 continue
         elif entry.startswith(".tmp-") and len(entry) == 13:

@@ -20,6 +20,7 @@ bits as a solo run's when the sequence occupies the same cells (one stream per s
 unified cache its cells are interleaved with the others', and the attention's fixed 32-cell tiles
 then group its sums differently (float rounding: ~1e-5 on the logits, see docs/parallel.md).
 """
+
 from __future__ import annotations
 
 import time
@@ -34,10 +35,11 @@ from kvchat.runtime.sampling import Sampler, SamplingParams
 @dataclass
 class Request:
     """One prompt to answer. ids: its tokens (None when it could not be read: then `error`)."""
+
     index: int
     ids: list[int] | None
     seed: int = 0
-    label: str = ""          # the input, for per-request report lines
+    label: str = ""  # the input, for per-request report lines
     error: str | None = None
 
 
@@ -46,23 +48,29 @@ class Result:
     index: int
     seed: int
     text: str = ""
-    n_prompt: int = 0        # prompt tokens (the shared prefix included)
-    n_gen: int = 0           # tokens sampled into the answer
-    stop: str = ""           # "eog" | "limit" | "ctx_full" | "interrupted" | "error"
+    n_prompt: int = 0  # prompt tokens (the shared prefix included)
+    n_gen: int = 0  # tokens sampled into the answer
+    stop: str = ""  # "eog" | "limit" | "ctx_full" | "interrupted" | "error"
     error: str | None = None
     ids: list[int] = field(default_factory=list)  # answer token ids
-    n_reused: int = 0        # prompt tokens not decoded for this request (shared prefix)
+    n_reused: int = 0  # prompt tokens not decoded for this request (shared prefix)
     t_prompt: float = 0.0
     t_gen: float = 0.0
     seq_id: int = -1
     step_admitted: int = -1  # decode step at which the request got a sequence
-    step_first: int = -1     # decode step whose logits gave its first answer token
+    step_first: int = -1  # decode step whose logits gave its first answer token
     label: str = ""
-    logits: object = None    # f32 [n_vocab] after its last decoded token (continue_alternatives)
+    logits: object = None  # f32 [n_vocab] after its last decoded token (continue_alternatives)
 
     def json(self) -> dict:
-        d = {"index": self.index, "seed": self.seed, "text": self.text, "n_prompt": self.n_prompt,
-             "n_gen": self.n_gen, "stop": self.stop}
+        d = {
+            "index": self.index,
+            "seed": self.seed,
+            "text": self.text,
+            "n_prompt": self.n_prompt,
+            "n_gen": self.n_gen,
+            "stop": self.stop,
+        }
         if self.error:
             d["error"] = self.error
         return d
@@ -73,18 +81,20 @@ class _Slot:
 
     def __init__(self, seq_id: int, req: Request, sampling: SamplingParams, vocab, step: int):
         from kvchat.runtime.text.vocab import StreamDecoder
+
         self.seq_id = seq_id
         self.req = req
         params = SamplingParams.from_dict(sampling.to_dict())
         params.seed = req.seed
         self.sampler = Sampler(params)
         self.decoder = StreamDecoder(vocab)
-        self.history: list[int] = []   # tokens of this sequence in the cache, in order
-        self.pending: list[int] = []   # prompt tokens still to decode
+        self.history: list[int] = []  # tokens of this sequence in the cache, in order
+        self.pending: list[int] = []  # prompt tokens still to decode
         self.logits: np.ndarray | None = None
         self.next_tok: int | None = None
-        self.res = Result(index=req.index, seed=req.seed, n_prompt=len(req.ids), seq_id=seq_id,
-                          step_admitted=step, label=req.label)
+        self.res = Result(
+            index=req.index, seed=req.seed, n_prompt=len(req.ids), seq_id=seq_id, step_admitted=step, label=req.label
+        )
         self.pieces: list[str] = []
         self.t0 = time.perf_counter()
         self.t_gen0 = 0.0
@@ -94,8 +104,17 @@ class _Slot:
 class ParallelRunner:
     """Runs requests on sequences 0..n_parallel-1 of `ctx` (holder of a shared prefix: n_parallel)."""
 
-    def __init__(self, ctx, vocab, sampling: SamplingParams, n_parallel: int, n_predict: int = -1,
-                 ignore_eos: bool = False, prefill_budget: int | None = None, stop_event=None):
+    def __init__(
+        self,
+        ctx,
+        vocab,
+        sampling: SamplingParams,
+        n_parallel: int,
+        n_predict: int = -1,
+        ignore_eos: bool = False,
+        prefill_budget: int | None = None,
+        stop_event=None,
+    ):
         self.ctx = ctx
         self.vocab = vocab
         self.sampling = sampling
@@ -128,30 +147,33 @@ class ParallelRunner:
         if not req.ids:
             return "the prompt is empty"
         if len(req.ids) + 1 > self.n_ctx_seq:
-            return (f"the prompt has {len(req.ids)} tokens but a sequence holds at most "
-                    f"{self.n_ctx_seq} (raise -c{'' if self.unified else ' or lower -np'})")
+            return (
+                f"the prompt has {len(req.ids)} tokens but a sequence holds at most "
+                f"{self.n_ctx_seq} (raise -c{'' if self.unified else ' or lower -np'})"
+            )
         return None
 
     # ---- decoding ------------------------------------------------------------------------------
 
     def _decode(self, toks, pos, seqs, outs) -> int:
-        return self.ctx.decode(Batch(np.asarray(toks, dtype=np.int64), pos=pos, seq_ids=seqs,
-                                     logits=outs))
+        return self.ctx.decode(Batch(np.asarray(toks, dtype=np.int64), pos=pos, seq_ids=seqs, logits=outs))
 
     def _prefill_shared(self, ids: list[int], seq_ids: list[int]) -> None:
         """Decode ids at positions 0.. with all of seq_ids on every token (n_batch at a time)."""
         from kvchat.runtime.errors import KvchatError
+
         n_batch = self.ctx.n_batch
         for i in range(0, len(ids), n_batch):
-            part = ids[i:i + n_batch]
+            part = ids[i : i + n_batch]
             outs = [False] * len(part)
             outs[-1] = True
             rc = self._decode(part, list(range(i, i + len(part))), [list(seq_ids)] * len(part), outs)
             if rc == 2:
                 raise KeyboardInterrupt
             if rc != 0:
-                raise KvchatError(f"decoding the shared prompt failed (code {rc}: "
-                                  f"{self.ctx.last_error}); raise -c or lower -np")
+                raise KvchatError(
+                    f"decoding the shared prompt failed (code {rc}: {self.ctx.last_error}); raise -c or lower -np"
+                )
             self.n_prompt_decoded += len(part)
 
     # ---- one request per sequence --------------------------------------------------------------
@@ -167,7 +189,7 @@ class ParallelRunner:
             logits = logits.copy()
             logits[self._eog[self._eog < logits.shape[0]]] = -np.inf
         p = s.sampler.params
-        hist = s.history if p.repeat_last_n < 0 else (s.history[-p.repeat_last_n:] if p.repeat_last_n else [])
+        hist = s.history if p.repeat_last_n < 0 else (s.history[-p.repeat_last_n :] if p.repeat_last_n else [])
         tok = s.sampler.sample(logits, hist)
         if s.res.step_first < 0:
             s.res.step_first = self.n_steps
@@ -211,7 +233,7 @@ class ParallelRunner:
         budget = max(0, min(self.prefill_budget, self.ctx.n_batch - len(gen)))
         chunks = []
         for k, s in enumerate(fill):
-            part = s.pending[:max(1, budget // (len(fill) - k))] if budget > 0 else []
+            part = s.pending[: max(1, budget // (len(fill) - k))] if budget > 0 else []
             if part:
                 budget -= len(part)
                 chunks.append((s, part))
@@ -242,12 +264,13 @@ class ParallelRunner:
                 return
             if rc != 1:
                 from kvchat.runtime.errors import KvchatError
+
                 raise KvchatError(f"decode failed (code {rc}: {self.ctx.last_error})")
             # no room: llama-parallel's "cache miss". Retry with half the prompt chunks; when
             # they cannot shrink, end the sequence holding the most cells and retry
             self.n_cache_miss += 1
             if any(len(part) > 1 for _, part in chunks):
-                chunks = [(s, part[:max(1, len(part) // 2)]) for s, part in chunks]
+                chunks = [(s, part[: max(1, len(part) // 2)]) for s, part in chunks]
                 continue
             victim = max(gen + [s for s, _ in chunks], key=lambda s: len(s.history))
             self._finish(victim, "ctx_full")
@@ -264,7 +287,7 @@ class ParallelRunner:
                 self.n_gen_decoded += 1
                 s.next_tok = None
             else:
-                del s.pending[:len(part)]
+                del s.pending[: len(part)]
                 self.n_prompt_decoded += len(part)
             if has_out:
                 s.logits = np.array(logits[row], dtype=np.float32, copy=True)
@@ -286,8 +309,14 @@ class ParallelRunner:
             if why is None and len(self.shared_prefix) >= len(req.ids):
                 why = "the prompt is no longer than the shared prefix"
             if why is not None:
-                res = Result(index=req.index, seed=req.seed, stop="error", error=why,
-                             n_prompt=len(req.ids or []), label=req.label)
+                res = Result(
+                    index=req.index,
+                    seed=req.seed,
+                    stop="error",
+                    error=why,
+                    n_prompt=len(req.ids or []),
+                    label=req.label,
+                )
                 results[req.index] = res
                 if on_result:
                     on_result(res)
@@ -314,8 +343,9 @@ class ParallelRunner:
                     on_result(s.res)
             if self.stop_event is not None and self.stop_event.is_set():
                 for req in queue:
-                    results[req.index] = Result(index=req.index, seed=req.seed, stop="interrupted",
-                                                n_prompt=len(req.ids), label=req.label)
+                    results[req.index] = Result(
+                        index=req.index, seed=req.seed, stop="interrupted", n_prompt=len(req.ids), label=req.label
+                    )
                 queue = []
             if live and any(not s.done for s in live):
                 self._step([s for s in live if not s.done])
@@ -328,17 +358,17 @@ class ParallelRunner:
 def alternatives(runner: ParallelRunner, ids: list[int], seeds: list[int]) -> list[Result]:
     """llama-batched: one prompt, len(seeds) answers; the prompt decoded once for all of them."""
     n = len(seeds)
-    reqs = [Request(index=i, ids=list(ids), seed=seeds[i]) for i in range(n)]
     from kvchat.runtime.errors import KvchatError
+
     if not ids:
         raise KvchatError("the prompt is empty")
     need = len(ids) + (n if runner.unified else 1)
     have = runner.ctx.n_ctx if runner.unified else runner.n_ctx_seq
     if need > have:
-        where = (f"the context has {have} cells" if runner.unified else
-                 f"each of the {n} streams has {have} cells")
-        raise KvchatError(f"{len(ids)} prompt tokens and {n} sequences need at least {need} cells, "
-                          f"{where}; raise -c or lower -np")
+        where = f"the context has {have} cells" if runner.unified else f"each of the {n} streams has {have} cells"
+        raise KvchatError(
+            f"{len(ids)} prompt tokens and {n} sequences need at least {need} cells, {where}; raise -c or lower -np"
+        )
     t_start = t0 = time.perf_counter()
     mem = runner.ctx.memory
     if runner.unified:
@@ -353,9 +383,15 @@ def alternatives(runner: ParallelRunner, ids: list[int], seeds: list[int]) -> li
     return out
 
 
-def continue_alternatives(runner: ParallelRunner, seq_ids: list[int], history: list[int],
-                          logits: np.ndarray, seeds: list[int], free: bool = True,
-                          t_prompt: float = 0.0) -> list[Result]:
+def continue_alternatives(
+    runner: ParallelRunner,
+    seq_ids: list[int],
+    history: list[int],
+    logits: np.ndarray,
+    seeds: list[int],
+    free: bool = True,
+    t_prompt: float = 0.0,
+) -> list[Result]:
     """Answers on seq_ids, which all hold `history` already; `logits` f32 [n_vocab] follow its
     last token. Answer i is sampled with seeds[i]; with free=False the sequences keep their cells
     (the chat's /alts keeps them until /pick). Each result's `logits` are its last decoded ones."""
@@ -363,8 +399,7 @@ def continue_alternatives(runner: ParallelRunner, seq_ids: list[int], history: l
     now = time.perf_counter()
     live = []
     for i, seq in enumerate(seq_ids):
-        s = _Slot(seq, Request(index=i, ids=list(history), seed=seeds[i]), runner.sampling,
-                  runner.vocab, 0)
+        s = _Slot(seq, Request(index=i, ids=list(history), seed=seeds[i]), runner.sampling, runner.vocab, 0)
         s.history = list(history)
         s.logits = logits
         s.res.t_prompt = t_prompt

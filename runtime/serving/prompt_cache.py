@@ -25,6 +25,7 @@ Size. The directory never holds more than max_bytes of entries: before a block i
 least recently used entries (mtime, refreshed on every hit) are deleted to make room; a block
 larger than the whole budget is not written.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,6 +51,7 @@ def kv_caches(memory) -> list | None:
     """The KVCaches of a memory the prefix cache can handle (plain or iSWA pair), else None."""
     from kvchat.runtime.memory.kv_cache import KVCache
     from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
+
     if isinstance(memory, KVCacheISWA):
         return [memory.kv_base, memory.kv_swa]
     if isinstance(memory, KVCache):
@@ -79,6 +81,7 @@ def file_sha256(path, memo_dir: Path | None = None) -> str:
     if memo is not None:
         try:
             from kvchat.runtime.memory.state import atomic_write
+
             table = table if isinstance(table, dict) else {}
             table[tag] = digest
             atomic_write(memo, json.dumps(table).encode())
@@ -89,13 +92,25 @@ def file_sha256(path, memo_dir: Path | None = None) -> str:
 
 def cache_salt(model_sha256: str, cparams, memory) -> str:
     from kvchat.kernels.ggml_types import type_info
+
     caches = kv_caches(memory)
     desc = {
-        "format": FORMAT_VERSION, "block": BLOCK, "model": model_sha256,
-        "type_k": type_info(cparams.type_k).name, "type_v": type_info(cparams.type_v).name,
-        "flash_attn": bool(cparams.flash_attn), "swa_full": bool(cparams.swa_full),
-        "caches": [{"v_trans": c.v_trans, "n_rot": [c.n_rot_k, c.n_rot_v], "n_swa": c.n_swa,
-                    "layers": [l.il for l in c.layers]} for c in caches or []],
+        "format": FORMAT_VERSION,
+        "block": BLOCK,
+        "model": model_sha256,
+        "type_k": type_info(cparams.type_k).name,
+        "type_v": type_info(cparams.type_v).name,
+        "flash_attn": bool(cparams.flash_attn),
+        "swa_full": bool(cparams.swa_full),
+        "caches": [
+            {
+                "v_trans": c.v_trans,
+                "n_rot": [c.n_rot_k, c.n_rot_v],
+                "n_swa": c.n_swa,
+                "layers": [l.il for l in c.layers],
+            }
+            for c in caches or []
+        ],
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
@@ -103,7 +118,7 @@ def cache_salt(model_sha256: str, cparams, memory) -> str:
 def block_keys(salt: str, ids, n_blocks: int) -> list[str]:
     keys, prev = [], bytes.fromhex(salt)
     for k in range(n_blocks):
-        blk = np.asarray(ids[k * BLOCK:(k + 1) * BLOCK], dtype="<i4").tobytes()
+        blk = np.asarray(ids[k * BLOCK : (k + 1) * BLOCK], dtype="<i4").tobytes()
         prev = hashlib.sha256(prev + blk).digest()
         keys.append(prev.hex())
     return keys
@@ -178,7 +193,7 @@ class PromptCache:
         """-> [(pos i32 [n], [(k rows, v rows) per layer], cell i64 [n], head, table)] per
         cache (table: i64 [2, m] cells and positions of the sequence then, SWA caches only);
         EntryError if anything is off."""
-        if len(blob) < len(MAGIC) + 4 + _DIGEST or blob[:len(MAGIC)] != MAGIC:
+        if len(blob) < len(MAGIC) + 4 + _DIGEST or blob[: len(MAGIC)] != MAGIC:
             raise EntryError("not a prompt-cache entry")
         body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
         if hashlib.sha256(body).digest() != digest:
@@ -186,12 +201,17 @@ class PromptCache:
         (hlen,) = struct.unpack_from("<I", body, len(MAGIC))
         off = len(MAGIC) + 4
         try:
-            h = json.loads(body[off:off + hlen])
+            h = json.loads(body[off : off + hlen])
         except ValueError:
             raise EntryError("bad header") from None
         off += hlen
-        if not isinstance(h, dict) or h.get("salt") != self.salt or h.get("key") != key \
-                or h.get("prev") != prev or h.get("index") != index:
+        if (
+            not isinstance(h, dict)
+            or h.get("salt") != self.salt
+            or h.get("key") != key
+            or h.get("prev") != prev
+            or h.get("index") != index
+        ):
             raise EntryError("saved for another model, configuration or prefix")
         if h.get("tokens") != [int(t) for t in tokens]:
             raise EntryError("its tokens do not match its key")
@@ -208,9 +228,12 @@ class PromptCache:
                 head = int(desc.get("head"))
             except (TypeError, ValueError):
                 raise EntryError("bad cell description") from None
-            if pos.ndim != 1 or cell.shape != pos.shape or (pos.size and (
-                    pos.min() < 0 or pos.max() > 2**31 - 2 or cell.min() < 0 or cell.max() >= c.kv_size)) \
-                    or not 0 <= head <= c.kv_size:
+            if (
+                pos.ndim != 1
+                or cell.shape != pos.shape
+                or (pos.size and (pos.min() < 0 or pos.max() > 2**31 - 2 or cell.min() < 0 or cell.max() >= c.kv_size))
+                or not 0 <= head <= c.kv_size
+            ):
                 raise EntryError("bad positions or cells")
             table = None
             if c.n_swa > 0:
@@ -218,8 +241,11 @@ class PromptCache:
                     table = np.asarray(desc.get("table"), dtype=np.int64)
                 except (TypeError, ValueError):
                     raise EntryError("bad cell table") from None
-                if table.ndim != 2 or table.shape[0] != 2 or (table.size and (
-                        table.min() < 0 or table[0].max() >= c.kv_size)):
+                if (
+                    table.ndim != 2
+                    or table.shape[0] != 2
+                    or (table.size and (table.min() < 0 or table[0].max() >= c.kv_size))
+                ):
                     raise EntryError("bad cell table")
             n = int(pos.size)
             rows = []
@@ -264,16 +290,21 @@ class PromptCache:
             pos = cells.pos[idxs]
             if c.n_swa == 0 and not np.array_equal(pos, np.arange(a, b)):
                 return False
-            desc = {"pos": [int(p) for p in pos], "cell": [int(i) for i in idxs],
-                    "head": int(c.heads[strm])}
+            desc = {"pos": [int(p) for p in pos], "cell": [int(i) for i in idxs], "head": int(c.heads[strm])}
             if c.n_swa > 0:  # the whole cell table of the sequence, masked leftovers included
                 t = cells.cells_of_seq(seq_id, 0, 2**31 - 1)
                 desc["table"] = [[int(i) for i in t], [int(p) for p in cells.pos[t]]]
             header_caches.append(desc)
             for k_rows, v_rows in c.read_rows(strm, idxs):
                 arrays.extend([np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)])
-        header = {"salt": self.salt, "key": key, "prev": keys[index - 1] if index else self.salt,
-                  "index": index, "tokens": [int(t) for t in ids[a:b]], "caches": header_caches}
+        header = {
+            "salt": self.salt,
+            "key": key,
+            "prev": keys[index - 1] if index else self.salt,
+            "index": index,
+            "tokens": [int(t) for t in ids[a:b]],
+            "caches": header_caches,
+        }
         blob = self._encode(header, arrays)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -281,6 +312,7 @@ class PromptCache:
             if not self._make_room(len(blob), keep):
                 return False
             from kvchat.runtime.memory.state import atomic_write
+
             atomic_write(path, blob)
         except OSError as e:
             self.warn(f"prompt cache: cannot write {path}: {e.strerror or e}")
@@ -295,6 +327,7 @@ class PromptCache:
         sequence seq_id; returns its length in tokens (0: nothing restored, memory unchanged)."""
         from kvchat.runtime.memory.kv_cache_state import StreamState
         from kvchat.runtime.memory.state import StateError
+
         caches = kv_caches(memory)
         if caches is None:
             return 0
@@ -311,8 +344,11 @@ class PromptCache:
                 self.warn(f"prompt cache: cannot read {path.name}: {e.strerror or e}")
                 break
             try:
-                blocks.append(self._decode(blob, key, keys[k - 1] if k else self.salt, k,
-                                           ids[k * BLOCK:(k + 1) * BLOCK], caches, None))
+                blocks.append(
+                    self._decode(
+                        blob, key, keys[k - 1] if k else self.salt, k, ids[k * BLOCK : (k + 1) * BLOCK], caches, None
+                    )
+                )
             except EntryError as e:
                 self._drop(path, str(e))
                 break
@@ -324,13 +360,15 @@ class PromptCache:
                     if got is None:
                         blocks.pop()  # a sliding window's cells are not all there: shorter prefix
                         continue
-                    parsed = [[StreamState(c.seq_to_stream[seq_id], pos, [[seq_id]] * int(pos.size), ks, vs)]
-                              for c, (pos, ks, vs) in zip(caches, got)]
+                    parsed = [
+                        [StreamState(c.seq_to_stream[seq_id], pos, [[seq_id]] * int(pos.size), ks, vs)]
+                        for c, (pos, ks, vs) in zip(caches, got)
+                    ]
                     memory.state_apply(parsed[0] if len(parsed) == 1 else tuple(parsed), seq_id)
             except StateError as e:
                 self.warn(f"prompt cache: cached prefix not restored ({e})")
                 return 0
-            for key in keys[:len(blocks)]:
+            for key in keys[: len(blocks)]:
                 try:
                     os.utime(self._path(key))
                 except OSError:
@@ -346,8 +384,10 @@ class PromptCache:
             ks.append(np.concatenate([b[ci][1][il][0][sel] for b, sel in zip(blocks, sel_of_block)]))
             if c.v_trans:
                 el = c.v_elem_bytes
-                parts = [b[ci][1][il][1][:, (sel[:, None] * el + np.arange(el)).reshape(-1)]
-                         for b, sel in zip(blocks, sel_of_block)]
+                parts = [
+                    b[ci][1][il][1][:, (sel[:, None] * el + np.arange(el)).reshape(-1)]
+                    for b, sel in zip(blocks, sel_of_block)
+                ]
                 vs.append(np.concatenate(parts, axis=1))
             else:
                 vs.append(np.concatenate([b[ci][1][il][1][sel] for b, sel in zip(blocks, sel_of_block)]))
@@ -370,8 +410,7 @@ class PromptCache:
                 if want is None:
                     sel = np.arange(bp.size)
                 else:
-                    sel = np.asarray([j for j in range(bp.size) if (int(bc[j]), int(bp[j])) in want],
-                                     dtype=np.int64)
+                    sel = np.asarray([j for j in range(bp.size) if (int(bc[j]), int(bp[j])) in want], dtype=np.int64)
                 sels.append(sel)
                 pos.append(bp[sel])
                 cell.append(bc[sel])
@@ -405,8 +444,7 @@ def _place_exact(caches, got, seq_id: int) -> bool:
     changed) when that is not possible; the caller then places them like a state load."""
     for c, (pos, ks, vs, cell, head) in zip(caches, got):
         cells = c.cells[c.seq_to_stream[seq_id]]
-        if np.unique(cell).size != cell.size or np.any(cells.pos[cell] >= 0) \
-                or cells.seq_pos_max(seq_id) >= 0:
+        if np.unique(cell).size != cell.size or np.any(cells.pos[cell] >= 0) or cells.seq_pos_max(seq_id) >= 0:
             return False
     for c, (pos, ks, vs, cell, head) in zip(caches, got):
         strm = c.seq_to_stream[seq_id]
@@ -426,6 +464,7 @@ def prefill(ctx, seq_id: int, ids, cache: PromptCache, pos0: int = 0) -> tuple[i
     Returns (n_reused, n_in_memory): tokens restored, and tokens of ids now in the sequence (the
     caller decodes ids[n_in_memory:], at least the last token, itself)."""
     from kvchat.runtime.generate import decode_tokens
+
     if kv_caches(ctx.memory) is None or pos0 != 0 or len(ids) <= BLOCK:
         return 0, 0
     n_blocks = (len(ids) - 1) // BLOCK
@@ -433,7 +472,7 @@ def prefill(ctx, seq_id: int, ids, cache: PromptCache, pos0: int = 0) -> tuple[i
     keys = block_keys(cache.salt, ids, n_blocks)
     n = n_reused
     for k in range(n_reused // BLOCK, n_blocks):
-        decode_tokens(ctx, ids[k * BLOCK:(k + 1) * BLOCK], k * BLOCK, seq_id, logits="none")
+        decode_tokens(ctx, ids[k * BLOCK : (k + 1) * BLOCK], k * BLOCK, seq_id, logits="none")
         n = (k + 1) * BLOCK
         cache.store_block(ctx.memory, seq_id, ids, k, keys)
     return n_reused, n

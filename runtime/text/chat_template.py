@@ -20,6 +20,7 @@ third party, so we treat it as untrusted code:
 `ChatTemplate.from_gguf` falls back to ChatML when the file has no template (Gemma-3-270M, a base
 model, has none).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -44,9 +45,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-MAX_OUTPUT = 1_000_000      # characters of rendered prompt (and of any single value built on the way)
-MAX_STEPS = 1_000_000       # loop iterations + calls + lookups + output chunks
-TIME_LIMIT = 2.0            # seconds of wall-clock per render
+MAX_OUTPUT = 1_000_000  # characters of rendered prompt (and of any single value built on the way)
+MAX_STEPS = 1_000_000  # loop iterations + calls + lookups + output chunks
+TIME_LIMIT = 2.0  # seconds of wall-clock per render
 _ITER_GLOBAL = "__kvchat_budgeted_iter__"
 _WIDE_FORMAT = re.compile(r"\d{7,}")  # a %-format or {}-format width/precision of a million or more
 
@@ -125,8 +126,9 @@ class _SandboxEnv(ImmutableSandboxedEnvironment):
     def _parse(self, source, name, filename):
         tree = super()._parse(source, name, filename)
         for loop in list(tree.find_all(nodes.For)):
-            loop.iter = nodes.Call(nodes.Name(_ITER_GLOBAL, "load", lineno=loop.lineno), [loop.iter],
-                                   [], None, None, lineno=loop.lineno)
+            loop.iter = nodes.Call(
+                nodes.Name(_ITER_GLOBAL, "load", lineno=loop.lineno), [loop.iter], [], None, None, lineno=loop.lineno
+            )
         return tree
 
     def call_binop(self, context, operator, left, right):
@@ -145,7 +147,7 @@ class _SandboxEnv(ImmutableSandboxedEnvironment):
             b.size(_seq_len(left) + _seq_len(right), "concatenating")
         elif operator == "%" and isinstance(left, str):
             if _WIDE_FORMAT.search(left):
-                b.size(10 ** 7, "a %-format width")
+                b.size(10**7, "a %-format width")
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
@@ -165,7 +167,7 @@ class _SandboxEnv(ImmutableSandboxedEnvironment):
         """str.format / format_map: refuse a million-wide field before it is allocated."""
         wrapped = super().wrap_str_format(value)
         if wrapped is not None and _WIDE_FORMAT.search(value.__self__):
-            _budget().size(10 ** 7, "a format width")
+            _budget().size(10**7, "a format width")
         return wrapped
 
     def unsafe_undefined(self, obj, attribute):
@@ -188,7 +190,7 @@ def _check_str_method(b: _Budget, s: str, name: str, args) -> None:
     elif name == "join" and args:
         _check_join(b, s, args[0])
     elif name in ("format", "format_map") and _WIDE_FORMAT.search(s):
-        b.size(10 ** 7, "a format width")
+        b.size(10**7, "a format width")
 
 
 def _check_replace(b: _Budget, s: str, old: str, new: str) -> None:
@@ -210,7 +212,7 @@ def _guard_filter(name, f):
         b = _budget()
         b.step()
         value = args[n_injected] if len(args) > n_injected else None
-        extra = list(args[n_injected + 1:]) + list(kwargs.values())
+        extra = list(args[n_injected + 1 :]) + list(kwargs.values())
         for a in extra:
             if _is_int(a):
                 b.size(abs(a), f"the '{name}' filter's argument")
@@ -221,7 +223,7 @@ def _guard_filter(name, f):
         elif name == "indent" and isinstance(value, str) and extra and isinstance(extra[0], str):
             b.size(len(value) + (value.count("\n") + 1) * len(extra[0]), "indent")
         elif name == "format" and isinstance(value, str) and _WIDE_FORMAT.search(value):
-            b.size(10 ** 7, "a format width")
+            b.size(10**7, "a format width")
         return f(*args, **kwargs)
 
     return guarded
@@ -237,34 +239,43 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
     """Like transformers' tojson: plain JSON, no HTML escaping, non-ASCII kept."""
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
-                      ensure_ascii=ensure_ascii)
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 def _make_env() -> _SandboxEnv:
-    env = _SandboxEnv(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                      autoescape=False)
+    env = _SandboxEnv(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], autoescape=False)
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
-    env.globals.update({
-        "raise_exception": _raise_exception,
-        "strftime_now": _strftime_now,
-        "namespace": _BudgetNamespace,
-        _ITER_GLOBAL: _budgeted_iter,
-    })
+    env.globals.update(
+        {
+            "raise_exception": _raise_exception,
+            "strftime_now": _strftime_now,
+            "namespace": _BudgetNamespace,
+            _ITER_GLOBAL: _budgeted_iter,
+        }
+    )
     return env
 
 
 def _one_line(text: str, limit: int = 200) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class ChatTemplate:
     """A compiled chat template: `render(messages, add_generation_prompt)` → prompt text."""
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *, name: str = "chat template",
-                 max_output: int = MAX_OUTPUT, max_steps: int = MAX_STEPS, time_limit: float = TIME_LIMIT):
+    def __init__(
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        *,
+        name: str = "chat template",
+        max_output: int = MAX_OUTPUT,
+        max_steps: int = MAX_STEPS,
+        time_limit: float = TIME_LIMIT,
+    ):
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -290,8 +301,7 @@ class ChatTemplate:
             tpl = cls(CHATML_TEMPLATE, bos, eos, name="built-in ChatML template", **limits)
             tpl.is_fallback = True
             return tpl
-        return cls(source, bos, eos, name=f"chat template of {Path(str(getattr(gf, 'path', 'model'))).name}",
-                   **limits)
+        return cls(source, bos, eos, name=f"chat template of {Path(str(getattr(gf, 'path', 'model'))).name}", **limits)
 
     @classmethod
     def from_file(cls, path, vocab=None, **limits) -> "ChatTemplate":
@@ -300,15 +310,22 @@ class ChatTemplate:
         try:
             source = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ChatTemplateError(f"chat template file {p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+            raise ChatTemplateError(
+                f"chat template file {p}: cannot read: {getattr(e, 'strerror', None) or e}"
+            ) from None
         bos, eos = _special_texts(vocab)
         return cls(source, bos, eos, name=f"chat template {p}", **limits)
 
     def render(self, messages, add_generation_prompt: bool = True, tools=None, **extra) -> str:
         """The prompt for `messages` (list of {"role", "content", ...} dicts)."""
         variables = dict(extra)
-        variables.update(messages=_plain(messages), add_generation_prompt=bool(add_generation_prompt),
-                         bos_token=self.bos_token, eos_token=self.eos_token, tools=_plain(tools))
+        variables.update(
+            messages=_plain(messages),
+            add_generation_prompt=bool(add_generation_prompt),
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            tools=_plain(tools),
+        )
         budget = _Budget(self.max_steps, self.time_limit, self.max_output)
         token = _BUDGET.set(budget)
         try:

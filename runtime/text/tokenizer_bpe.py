@@ -12,6 +12,7 @@ Three steps for each text fragment:
 The `regex` package supplies the Unicode classes (\\p{L}, \\p{N}); its \\s is the Unicode
 White_Space set, the same set llama.cpp's own tables use.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -24,20 +25,25 @@ from kvchat.runtime.gguf.string_array import StringArray, StringIndex
 # The GPT-2 pre-tokenizer and its relatives (contractions, letters, numbers, other, spaces).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
 class PreTokenizer:
     """What a `tokenizer.ggml.pre` value means: its regexes and the llama.cpp flags it sets."""
+
     name: str
     regexes: tuple
-    clean_spaces: bool = True    # detokenize: drop the space before ?!., and in some contractions
+    clean_spaces: bool = True  # detokenize: drop the space before ?!., and in some contractions
     ignore_merges: bool = False  # a word that is already a token is taken whole
-    add_bos: bool = False        # default when the GGUF has no tokenizer.ggml.add_bos_token
+    add_bos: bool = False  # default when the GGUF has no tokenizer.ggml.add_bos_token
 
 
 _DEFAULT = PreTokenizer("default", (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
@@ -54,15 +60,27 @@ _BY_KIND = {
 # tokenizer.ggml.pre values → the kind of pre-tokenizer (names as llama.cpp's converter writes them)
 _PRE_NAMES = {
     "default": "default",
-    "gpt-2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2", "jais": "gpt2",
+    "gpt-2": "gpt2",
+    "phi-2": "gpt2",
+    "mpt": "gpt2",
+    "olmo": "gpt2",
+    "jais": "gpt2",
     "smollm": "smollm",
-    "starcoder": "starcoder", "refact": "starcoder", "codeshell": "starcoder", "exaone": "starcoder",
+    "starcoder": "starcoder",
+    "refact": "starcoder",
+    "codeshell": "starcoder",
+    "exaone": "starcoder",
     "minerva-7b": "starcoder",
-    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
     "stablelm2": "stablelm2",
-    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+    "llama-bpe": "llama3",
+    "falcon3": "llama3",
     "pixtral": "llama3",
-    "dbrx": "dbrx", "smaug-bpe": "dbrx",
+    "dbrx": "dbrx",
+    "smaug-bpe": "dbrx",
 }
 
 

@@ -10,6 +10,7 @@ per UTF-8 byte.
 Symbols live in flat lists (start, length, prev, next) instead of objects so the loop stays cheap:
 the 35 KB GPL text is one fragment of ~35k symbols for Gemma.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -35,7 +36,7 @@ def spm_tokenize(text: str, token_to_id: dict, scores: list, byte_token: Callabl
             return
         size = length[left] + length[right]
         s = start[left]
-        tid = lookup(text[s:s + size])
+        tid = lookup(text[s : s + size])
         if tid is not None:
             # heapq pops the smallest: negate the score so the highest score comes first,
             # then the leftmost symbol; `size` lets us recognise candidates made stale by a merge.
@@ -64,7 +65,7 @@ def spm_tokenize(text: str, token_to_id: dict, scores: list, byte_token: Callabl
     i = 0
     while i != -1:
         s = start[i]
-        piece = text[s:s + length[i]]
+        piece = text[s : s + length[i]]
         tid = lookup(piece)
         if tid is not None:
             out.append(tid)

@@ -9,6 +9,7 @@ llama.cpp's `unicode_cpts_from_utf8` replaces every byte that does not start a v
 with one U+FFFD and goes on at the next byte; `clean_text` / `decode_bytes` do the same, so an
 invalid byte costs one replacement character, wherever it came from.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -70,8 +71,7 @@ def clean_tree(value):
     if isinstance(value, list):
         return [clean_tree(v) for v in value]
     if isinstance(value, dict):
-        return {clean_text(k) if isinstance(k, str) else k: clean_tree(v)
-                for k, v in value.items()}
+        return {clean_text(k) if isinstance(k, str) else k: clean_tree(v) for k, v in value.items()}
     return value
 
 

@@ -13,6 +13,7 @@ Mirrors llama.cpp's llama_vocab so that ids match it exactly:
 Lookup tables are built once per file; per-token pieces are computed lazily and cached, so a
 262144-token vocabulary loads in a fraction of a second.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -35,21 +36,52 @@ ATTR_CONTROL = 1 << 3
 ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
 # GGUF tokenizer.ggml.token_type values 0..6 → attributes
-_TYPE_TO_ATTR = np.array([ATTR_UNDEFINED, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL,
-                          ATTR_USER_DEFINED, ATTR_UNUSED, ATTR_BYTE], dtype=np.int32)
+_TYPE_TO_ATTR = np.array(
+    [ATTR_UNDEFINED, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_UNUSED, ATTR_BYTE], dtype=np.int32
+)
 
 # Texts llama.cpp recognises as special tokens when the metadata does not name them.
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-              "<end_of_utterance>")
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
 _EOM_TEXTS = ("<|eom_id|>",)
 _FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
 _FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 _FIM_SEP_TEXTS = ("<|file_sep|>",)
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
-              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
-              "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
-              "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+_EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+)
 
 _SPACE_ESCAPE = "\u2581"  # '▁', SentencePiece's visible space
 _KEY = "tokenizer.ggml."
@@ -58,9 +90,26 @@ _KEY = "tokenizer.ggml."
 class Vocab:
     """Tokens, their attributes and the tokenizer of one model (see module docstring)."""
 
-    def __init__(self, *, kind: str, tokens: list[str], token_types, scores=None, merges=None,
-                 pre: str | None = None, bos=None, eos=None, eot=None, eom=None, unk=None, pad=None,
-                 add_bos=None, add_eos=None, add_space_prefix=None, source: str = "<vocab>"):
+    def __init__(
+        self,
+        *,
+        kind: str,
+        tokens: list[str],
+        token_types,
+        scores=None,
+        merges=None,
+        pre: str | None = None,
+        bos=None,
+        eos=None,
+        eot=None,
+        eom=None,
+        unk=None,
+        pad=None,
+        add_bos=None,
+        add_eos=None,
+        add_space_prefix=None,
+        source: str = "<vocab>",
+    ):
         if not tokens:
             raise ModelFileError(f"{source}: {_KEY}tokens: empty vocabulary")
         self.source = source
@@ -75,16 +124,19 @@ class Vocab:
         types = np.zeros(self.n_vocab, dtype=np.int64) if token_types is None else np.asarray(token_types)
         if types.shape[0] < self.n_vocab:
             raise ModelFileError(f"{source}: {_KEY}token_type: {types.shape[0]} entries for {self.n_vocab} tokens")
-        types = types[:self.n_vocab].astype(np.int64)
-        self.attrs = np.where((types >= 0) & (types < len(_TYPE_TO_ATTR)),
-                              _TYPE_TO_ATTR[np.clip(types, 0, len(_TYPE_TO_ATTR) - 1)], ATTR_UNDEFINED)
+        types = types[: self.n_vocab].astype(np.int64)
+        self.attrs = np.where(
+            (types >= 0) & (types < len(_TYPE_TO_ATTR)),
+            _TYPE_TO_ATTR[np.clip(types, 0, len(_TYPE_TO_ATTR) - 1)],
+            ATTR_UNDEFINED,
+        )
         if scores is None:  # array('f'): indexing gives the float32 value as a Python float
             self.scores = array("f", bytes(4 * self.n_vocab))
         else:
             scores = np.asarray(scores, dtype=np.float32)
             if scores.shape[0] < self.n_vocab:
                 raise ModelFileError(f"{source}: {_KEY}scores: {scores.shape[0]} entries for {self.n_vocab} tokens")
-            self.scores = array("f", scores[:self.n_vocab].tobytes())
+            self.scores = array("f", scores[: self.n_vocab].tobytes())
 
         if kind == "spm":
             default_bos, default_eos, default_unk = 1, 2, 0
@@ -97,8 +149,10 @@ class Vocab:
             default_bos, default_eos, default_unk = 11, 11, None
             pre_tok = pre_tokenizer(pre)
             if pre_tok is None:
-                raise ModelFileError(f"{source}: {_KEY}pre: unsupported pre-tokenizer '{pre}' "
-                                     f"(supported: {', '.join(supported_pre_names())})")
+                raise ModelFileError(
+                    f"{source}: {_KEY}pre: unsupported pre-tokenizer '{pre}' "
+                    f"(supported: {', '.join(supported_pre_names())})"
+                )
             if merges is None:
                 raise ModelFileError(f"{source}: {_KEY}merges: missing (a BPE vocabulary needs its merges)")
             self.add_space_prefix = False  # llama.cpp ignores the key for BPE
@@ -127,7 +181,7 @@ class Vocab:
         if self.add_eos and self.eos is None:
             raise ModelFileError(f"{source}: {_KEY}add_eos_token is set but there is no valid eos_token_id")
         self._detect_special_tokens()
-        self._pieces: dict[int, bytes] = {}   # token_to_piece(id, special=True), lazily
+        self._pieces: dict[int, bytes] = {}  # token_to_piece(id, special=True), lazily
         self._byte_ids: dict[int, int] = {}
 
     # ---------------------------------------------------------------- construction
@@ -144,14 +198,24 @@ class Vocab:
         tokens = md.get(_KEY + "tokens")
         if tokens is None:
             raise ModelFileError(f"{source}: {_KEY}tokens: missing (the file has no vocabulary)")
-        return cls(kind=kinds[model], tokens=tokens, token_types=md.get(_KEY + "token_type"),
-                   scores=md.get(_KEY + "scores"), merges=md.get(_KEY + "merges"),
-                   pre=md.get(_KEY + "pre"), bos=md.get(_KEY + "bos_token_id"),
-                   eos=md.get(_KEY + "eos_token_id"), eot=md.get(_KEY + "eot_token_id"),
-                   eom=md.get(_KEY + "eom_token_id"), unk=md.get(_KEY + "unknown_token_id"),
-                   pad=md.get(_KEY + "padding_token_id"), add_bos=md.get(_KEY + "add_bos_token"),
-                   add_eos=md.get(_KEY + "add_eos_token"),
-                   add_space_prefix=md.get(_KEY + "add_space_prefix"), source=source)
+        return cls(
+            kind=kinds[model],
+            tokens=tokens,
+            token_types=md.get(_KEY + "token_type"),
+            scores=md.get(_KEY + "scores"),
+            merges=md.get(_KEY + "merges"),
+            pre=md.get(_KEY + "pre"),
+            bos=md.get(_KEY + "bos_token_id"),
+            eos=md.get(_KEY + "eos_token_id"),
+            eot=md.get(_KEY + "eot_token_id"),
+            eom=md.get(_KEY + "eom_token_id"),
+            unk=md.get(_KEY + "unknown_token_id"),
+            pad=md.get(_KEY + "padding_token_id"),
+            add_bos=md.get(_KEY + "add_bos_token"),
+            add_eos=md.get(_KEY + "add_eos_token"),
+            add_space_prefix=md.get(_KEY + "add_space_prefix"),
+            source=source,
+        )
 
     def _find_first(self, texts) -> int | None:
         for t in texts:
@@ -202,8 +266,9 @@ class Vocab:
         byte_len = self.tokens.byte_len  # the UTF-8 length (surrogate escapes are one byte each)
         special.sort(key=lambda t: -byte_len(t))
         self._special_all = [(self.tokens[t], t) for t in special]
-        self._special_user = [(text, t) for text, t in self._special_all
-                              if not self.attrs[t] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+        self._special_user = [
+            (text, t) for text, t in self._special_all if not self.attrs[t] & (ATTR_CONTROL | ATTR_UNKNOWN)
+        ]
 
     # ---------------------------------------------------------------- queries
 
@@ -221,7 +286,7 @@ class Vocab:
     def _partition(self, text: str, parse_special: bool) -> list:
         """Cut `text` at special-token texts: a list of str (raw text) and int (token id) fragments."""
         fragments: list = [text]
-        for tok_text, tid in (self._special_all if parse_special else self._special_user):
+        for tok_text, tid in self._special_all if parse_special else self._special_user:
             if tok_text not in text:
                 continue
             out = []
@@ -268,8 +333,9 @@ class Vocab:
                     continue
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
-                out.extend(spm_tokenize(frag.replace(" ", _SPACE_ESCAPE), self.token_to_id,
-                                        self.scores, self._byte_token))
+                out.extend(
+                    spm_tokenize(frag.replace(" ", _SPACE_ESCAPE), self.token_to_id, self.scores, self._byte_token)
+                )
                 prev_special = False
         else:
             for frag in fragments:
@@ -298,8 +364,11 @@ class Vocab:
             else:
                 piece = byte_decode(text)
                 if piece is None:  # characters outside the byte alphabet: llama.cpp marks them
-                    piece = b"".join(byte_decode(c) or b"[UNK_BYTE_0x" + c.encode("utf-8").hex().encode()
-                                     + text.encode("utf-8") + b"]" for c in text)
+                    piece = b"".join(
+                        byte_decode(c)
+                        or b"[UNK_BYTE_0x" + c.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+                        for c in text
+                    )
         elif attr & ATTR_BYTE:
             piece = bytes([int(text[3:5], 16)])
         else:
@@ -370,7 +439,7 @@ def _clean_spaces(text: bytes) -> bytes:
         x = src[i]
         if src[i - 1] == 0x20 and x == 0x27 and i + 1 < len(src):
             x1 = src[i + 1]
-            if x1 in b"sm" or (i + 2 < len(src) and src[i + 1:i + 3] in (b"re", b"ve")):
+            if x1 in b"sm" or (i + 2 < len(src) and src[i + 1 : i + 3] in (b"re", b"ve")):
                 out.pop()
         out.append(x)
     return bytes(out)

@@ -15,7 +15,8 @@ model part's real path, size and mtime_ns. Any change gives another key: the fil
 
 File: magic (8 bytes), u64 length of the JSON table, its sha256 (32 bytes), the table (key, model
 paths, bytes of array data; per tensor: ggml type, k, m, kind and each array's dtype, shape and
-offset in the data), then the data, 64-byte aligned, each array 64-byte aligned. A file whose magic, table digest, key, size or any array extent
+offset in the data), then the data, 64-byte aligned, each array 64-byte aligned. A file whose magic, table digest,
+key, size or any array extent
 does not check out is not used (and is rebuilt by this load); the arrays' bytes themselves are
 not re-hashed at load (that would read them all, the cost this cache removes).
 
@@ -26,6 +27,7 @@ Writing a pack removes the model's packs under older keys, packs of model files 
 exist and temporaries of dead processes, so the directory stays bounded.
 ``KVCHAT_WEIGHT_CACHE=0`` turns the cache off.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -90,8 +92,15 @@ def pack_key(files: list[str]) -> str:
     for p in files:
         st = os.stat(p)
         parts.append([p, st.st_size, st.st_mtime_ns])
-    what = {"format": FORMAT_VERSION, "layout": LAYOUT_VERSION, "code": _code_digest(), "isa": ISA.name,
-            "numpy": np.__version__, "byteorder": sys.byteorder, "files": parts}
+    what = {
+        "format": FORMAT_VERSION,
+        "layout": LAYOUT_VERSION,
+        "code": _code_digest(),
+        "isa": ISA.name,
+        "numpy": np.__version__,
+        "byteorder": sys.byteorder,
+        "files": parts,
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 

@@ -8,6 +8,7 @@ repack on, the temporaries come from the heap, interleave with the long-lived re
 and their freed pages stay resident (Gemma-3: 21 MB after load, `malloc_trim` gives them back).
 A fixed threshold keeps every large array in its own mapping, so freeing it frees its pages.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -97,9 +98,11 @@ def _clean_ranges_pagemap(names) -> list:
     """[(lo, hi, resident bytes)] of the named libraries' read-only mappings with no private page
     (one resident or swapped out that is not the file's)."""
     import numpy as np
+
     with open("/proc/self/maps") as f:
-        mappings = [m for m in (_library_mapping(line.rstrip("\n").split(None, 5), names)
-                                for line in f) if m is not None]
+        mappings = [
+            m for m in (_library_mapping(line.rstrip("\n").split(None, 5), names) for line in f) if m is not None
+        ]
     page = os.sysconf("SC_PAGE_SIZE")
     out = []
     with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
