@@ -18,7 +18,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tree_env import use_tree
+
+use_tree(str(ROOT))  # kvchat.* from PYTHONPATH=TREE if given, else this tree
 
 N_HEAD, N_HEAD_KV, HEAD_DIM, N_LAYER = 9, 3, 64, 30
 

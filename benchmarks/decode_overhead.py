@@ -6,7 +6,7 @@ Usage: python benchmarks/decode_overhead.py MODEL [--stub-matmul] [--profile] [-
   --profile      cProfile tottime per token, grouped by what the time is spent on
 Prints ms/token (wall and CPU, medians of 7 runs of n tokens). On a shared machine compare two
 trees by running this alternately in each (PYTHONPATH=tree: that tree's code is measured, whichever
-tree this file is in), and trust the CPU column.
+tree this file is in; benchmarks/tree_env.py maps kvchat.* onto it), and trust the CPU column.
 """
 
 import argparse
@@ -16,8 +16,11 @@ import pstats
 import sys
 import time
 
-if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=tree picks the tree measured, not this file's
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tree_env import use_tree  # noqa: E402
+
+# PYTHONPATH=TREE picks the tree measured, not this file's (tree_env maps kvchat.* onto it)
+TREE = use_tree(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 GROUPS = [
@@ -86,6 +89,8 @@ def main():
     from kvchat.runtime.generate import generate
     from kvchat.runtime.model import Model
 
+    assert os.path.realpath(km.__file__).startswith(TREE + os.sep), (km.__file__, TREE)
+    print(f"tree {TREE}", file=sys.stderr)
     m = Model.load(resolve_model(a.model))
     ctx = Context(m, ContextParams(n_ctx=max(512, a.n + 1)))
     if a.stub_matmul:  # fixed normal values, not zeros: an activation of 0 can take a short path

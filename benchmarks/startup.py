@@ -5,12 +5,14 @@ Side by side (each round runs every command once, in turn; medians over rounds):
     python benchmarks/startup.py --tree /work/main --tree . \\
         --llama-completion BIN -r 5 -- run -m smollm2 -p hi -n 16
 
-  Each --tree runs `python -c "from kvchat.cli.app import main; main()" ARGS...` with PYTHONPATH=TREE
-  and stdout on a pipe; "first byte" is when the first answer byte arrives on the pipe, "exit"
-  when the process ends. llama-completion runs with `-m FILE -p PROMPT -n N -no-cnv -t 2` (the
-  model file and -p/-n taken from ARGS); it echoes the prompt before decoding it, so its "first
-  byte" is the first byte after that echo — its first generated token. .pyc files are written
-  (PYTHONDONTWRITEBYTECODE is removed from the children's environment, as on a user's machine).
+  Each --tree runs `python -c "from kvchat.cli.app import main; main()" ARGS...` with kvchat.* taken
+  from TREE (benchmarks/tree_env.py: a shim package first on PYTHONPATH; each tree is checked to be
+  the one the child imports) and stdout on a pipe; "first byte" is when the first answer byte
+  arrives on the pipe, "exit" when the process ends. llama-completion runs with `-m FILE -p PROMPT
+  -n N -no-cnv -t 2` (the model file and -p/-n taken from ARGS); it echoes the prompt before
+  decoding it, so its "first byte" is the first byte after that echo — its first generated token.
+  .pyc files are written (PYTHONDONTWRITEBYTECODE is removed from the children's environment, as on
+  a user's machine).
 
 Phases (`--phases`, one column per --tree, rounds alternated): the same command run in-process by a child, with
 perf_counter marks around
@@ -31,6 +33,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from tree_env import ENTRY, check_tree, tree_env, use_tree  # noqa: E402
 
 # (module, attribute) wrapped in --phases mode; classes as "Class.method". Rows print in this order.
 PHASES = [
@@ -55,10 +59,8 @@ def _median(xs):
 
 
 def _clean_env(tree: str | None) -> dict:
-    env = dict(os.environ)
+    env = tree_env(tree)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if tree is not None:
-        env["PYTHONPATH"] = os.path.abspath(tree)
     return env
 
 
@@ -87,7 +89,7 @@ def _arg(args: list[str], *names: str, default=None):
 
 
 def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
-    sys.path.insert(0, os.path.dirname(HERE))
+    use_tree(os.path.dirname(HERE))
     from rich.console import Console
 
     from kvchat.cli.sources.models import resolve_model
@@ -101,10 +103,11 @@ def llama_cmd(binary: str, args: list[str]) -> tuple[list[str], bytes]:
 def side_by_side(opts, args: list[str]) -> None:
     runs = []  # (label, cmd, env, skip, cwd): `python -c` puts its working directory first on
     for tree in opts.tree:  # sys.path, so each tree runs from its own directory
+        check_tree(tree, _clean_env(tree), os.path.abspath(tree))
         runs.append(
             (
                 f"kvchat {tree}",
-                [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args],
+                [sys.executable, "-c", ENTRY, *args],
                 _clean_env(tree),
                 b"",
                 os.path.abspath(tree),
@@ -214,6 +217,8 @@ def _phase_round(tree: str, args: list[str]) -> dict:
 def phases(opts, args: list[str]) -> None:
     """One column per --tree, the trees' rounds alternated (A B A B ...), medians."""
     trees = opts.tree or [os.path.dirname(HERE)]
+    for t in trees:
+        check_tree(t, _clean_env(t), os.path.abspath(t))
     rows = {t: {} for t in trees}
     for _ in range(opts.rounds):
         for t in trees:

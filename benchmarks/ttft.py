@@ -6,11 +6,13 @@ Usage: python benchmarks/ttft.py MODEL.gguf  (set NUMBA_CACHE_DIR to an empty di
 import time
 
 t0 = time.perf_counter()
+import os
 import sys
 
-sys.path.insert(
-    0, __import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.abspath(__file__)))
-)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tree_env import use_tree
+
+use_tree(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # PYTHONPATH=TREE measures TREE
 import numpy as np
 
 from kvchat.runtime.batch import Batch

@@ -32,6 +32,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tree_env import ENTRY, check_tree, is_tree, tree_env  # noqa: E402
+
 MODELS = {
     "smollm2": Path.home() / ".cache/kvchat/models/SmolLM2-135M-Instruct.Q4_1.gguf",
     "gemma3": Path.home() / ".cache/kvchat/models/gemma-3-270m-q4_k_m.gguf",
@@ -70,6 +73,19 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, env
 
 
+def variant_env(env: dict | None) -> tuple[dict, str]:
+    """(the child's environment, its tree). PYTHONPATH=TREE names the kvchat tree the variant runs
+    (a tree's root no longer provides `kvchat`: tree_env maps kvchat.* onto it); without one, this
+    script's tree. python -c puts its working directory first on sys.path, so the child runs from
+    its tree's root (which holds no `kvchat`)."""
+    env = dict(env or {})
+    first = env.get("PYTHONPATH", "").split(os.pathsep)[0]
+    tree = first if first and is_tree(first) else str(ROOT)
+    if first and is_tree(first):
+        env["PYTHONPATH"] = os.pathsep.join(env["PYTHONPATH"].split(os.pathsep)[1:])
+    return tree_env(tree, {**os.environ, **env}), tree
+
+
 def start_busy(n: int) -> list[subprocess.Popen]:
     """n processes that each keep one core busy until stopped."""
     return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
@@ -82,7 +98,7 @@ def run_kvchat(
     cmd = [
         sys.executable,
         "-c",
-        "from kvchat.cli.app import main; main()",
+        ENTRY,
         "bench",
         "-m",
         str(model),
@@ -104,10 +120,7 @@ def run_kvchat(
         "on",
         "--json",
     ]
-    env = {**os.environ, **(env or {})}
-    # python -c puts its working directory first on sys.path, ahead of PYTHONPATH: run each
-    # variant from its own tree, or every variant would import this script's tree
-    tree = env.get("PYTHONPATH", "").split(os.pathsep)[0] or ROOT
+    env, tree = variant_env(env)
     out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, check=True, env=env)
     rows = _json_tail(out.stdout)
     return float(rows[-1]["avg_ts"])
@@ -166,6 +179,10 @@ def main() -> None:
     tests = [t.strip() for t in a.tests.split(",") if t.strip()]
     caches = [c.strip() for c in a.caches.split(",") if c.strip()]
     variants = [parse_variant(v) for v in a.variant] or [("kvchat", {})]
+    for name, env in variants:  # each variant must import its own tree, or the ratio is of one tree
+        child_env, tree = variant_env(env)
+        check_tree(tree, child_env, tree)
+        print(f"  variant {name}: kvchat from {os.path.realpath(tree)}", file=sys.stderr)
     busy = start_busy(a.busy)
     rows = []
     try:
