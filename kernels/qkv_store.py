@@ -10,7 +10,7 @@ code prepare_qkv runs), then its K row and V row through quants.quant_row_any (w
 scatter_rows calls), so the cache bytes and the returned Q are bit-identical to the three
 separate launches and every token's result depends on that token only (batch invariance;
 tests/test_qkv_store.py asserts both). The memory context still decides where the rows go
-(runtime/memory/kv_cache_context.py: kv_store gives the destination arrays and cells, as
+(runtime/memory/kv_cache_context.py: attn_io's store gives the destination arrays and cells, as
 llama.cpp's cpy_k returns a set_rows view); applying the ubatch and its rollback are unchanged.
 
 Only for caches that store K and V as plain rows without a rotation: a transposed V cache
@@ -152,7 +152,7 @@ def _prep_store_par(
 def prepare_qkv_store(q_in, k_in, v_in, pos, rope_args, n_head, n_head_kv, head_dim, dst):
     """Q [n, n_head, head_dim] f32 (normed and roped) of the fresh q_in/k_in/v_in, with K and V
     stored through dst = (k_dst, v_dst, strm, cell, type_k, type_v) (the memory context's
-    kv_store). pos: i32 [n]; rope_args: (q_norm, k_norm, has_norm, eps, n_rot, theta_scale,
+    attn_io(il).store, a KVStore). pos: i32 [n]; rope_args: (q_norm, k_norm, has_norm, eps, n_rot, theta_scale,
     freq_scale, factors, attn_factor, neox), the layer's constants (runtime/arch/blocks.py)."""
     n = q_in.shape[0]
     q = np.empty((n, n_head, head_dim), dtype=np.float32)

@@ -12,7 +12,7 @@ from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.interface import MemoryOpError
-from kvchat.runtime.memory.kv_convert import convert_context_cache_types, kv_caches_of
+from kvchat.runtime.memory.kv_convert import convert_context_cache_types
 from kvchat.runtime.model import Model
 from tests.gguf_factory import write_tiny_model
 
@@ -50,7 +50,7 @@ def _next(ctx, tok=7, pos=len(PROMPT)):
 
 
 def _cells(ctx):
-    return [(c.pos.copy(), c.seq.copy()) for kv in kv_caches_of(ctx.memory) for c in kv.cells]
+    return [(c.pos.copy(), c.seq.copy()) for kv in ctx.memory.kv_caches() for c in kv.cells]
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma"])
@@ -78,7 +78,7 @@ def test_converted_cache_answers_like_a_fresh_cache_of_that_type(request, model_
 def test_conversion_back_to_f16_undoes_the_rotation(llama):
     ctx = _ctx(llama)
     _prefill(ctx)
-    kv = kv_caches_of(ctx.memory)[0]
+    kv = ctx.memory.kv_caches()[0]
     n = len(PROMPT)
     k0 = dequantize(kv.layers[0].k[0, :n], kv.type_k, kv.layers[0].n_embd_k)
     convert_context_cache_types(ctx, "q4_0", "q8_0")
@@ -93,7 +93,7 @@ def test_conversion_back_to_f16_undoes_the_rotation(llama):
 def test_refused_conversion_leaves_the_cache_as_it_was(llama):
     ctx = _ctx(llama, fa="off")
     _prefill(ctx)
-    kv = kv_caches_of(ctx.memory)[0]
+    kv = ctx.memory.kv_caches()[0]
     before = [(l.k.copy(), l.v.copy()) for l in kv.layers]
     with pytest.raises(MemoryOpError, match="needs flash attention"):
         convert_context_cache_types(ctx, "q8_0", "q8_0")
@@ -113,9 +113,9 @@ def test_refused_conversion_leaves_the_cache_as_it_was(llama):
 def test_same_types_are_a_no_op(llama):
     ctx = _ctx(llama)
     _prefill(ctx)
-    k = kv_caches_of(ctx.memory)[0].layers[0].k
+    k = ctx.memory.kv_caches()[0].layers[0].k
     assert not convert_context_cache_types(ctx, "f16", "f16")
-    assert kv_caches_of(ctx.memory)[0].layers[0].k is k
+    assert ctx.memory.kv_caches()[0].layers[0].k is k
 
 
 def _chat(path, fa="on", tmp=None):

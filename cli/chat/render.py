@@ -253,7 +253,8 @@ class Renderer:
         """/kv: every cell of each cache — sequence and position, empty cells, the head."""
         from rich.text import Text
 
-        for name, cache in kv_caches(memory):
+        for cache in memory.kv_caches():
+            name = cache.name
             for strm, cells in enumerate(cache.cells):
                 size = int(cells.pos.shape[0])
                 head = cache.heads[strm] if hasattr(cache, "heads") else -1
@@ -326,17 +327,6 @@ def kv_grid(pos, seq, head: int, per_row: int = 8) -> Text:
         out.append(label, style=style)
         out.append(" ")
     return out
-
-
-def kv_caches(memory):
-    """(name, KVCache) pairs of a memory: itself, or the caches an iSWA pair holds."""
-    if hasattr(memory, "cells") and hasattr(memory, "kv_size"):
-        return [(getattr(memory, "name", "") or "", memory)]
-    found = []
-    for attr, value in vars(memory).items():
-        if hasattr(value, "cells") and hasattr(value, "kv_size"):
-            found.append((getattr(value, "name", "") or attr.lstrip("_"), value))
-    return found
 
 
 def recurrent_memories(memory):

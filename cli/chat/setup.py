@@ -71,9 +71,7 @@ def open_engine(
         abort_callback=stop_event.is_set,
     )
     if not n_seq_max:  # auto: room for branches in a KV cache; a recurrent state per sequence costs more
-        from kvchat.runtime.serving.prompt_cache import kv_caches
-
-        if kv_caches(ctx.memory) is None:
+        if not ctx.memory.get_can_trim():
             ctx = Context(
                 model, settings.context_params(n_seq_max=1, kv_unified=kv_unified), abort_callback=stop_event.is_set
             )

@@ -23,10 +23,10 @@ def default_dir() -> Path:
 
 def warm(engine, conv, text: str, directory: Path | None, max_mib: int, renderer) -> None:
     """Fill conv's sequence from the cache (and the cache from this prompt) before conv.ask."""
-    from kvchat.runtime.serving.prompt_cache import BLOCK, PromptCache, cache_salt, file_sha256, kv_caches, prefill
+    from kvchat.runtime.serving.prompt_cache import BLOCK, PromptCache, cache_salt, cacheable, file_sha256, prefill
 
     ctx = engine.ctx
-    if conv.n_cached or kv_caches(ctx.memory) is None:
+    if conv.n_cached or not cacheable(ctx.memory):
         return
     desired = conv.render(conv.messages + [{"role": "user", "content": text}])
     if len(desired) <= BLOCK or len(desired) + 1 > ctx.n_ctx:

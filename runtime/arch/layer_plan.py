@@ -135,8 +135,8 @@ def attention_step(
     """Self-attention of layer p.il for the ubatch (before the output projection): h [n, n_embd]
     f32, pos i32 [n] -> [n, n_head * head_dim_v] f32; kq_scale: the layer's (hparams) when None."""
     q_in, k_in, v_in = qkv_of(p, h)
-    io = mctx.attn_io(p.il)
-    store = io[0]
+    io = mctx.attn_io(p.il)  # AttnIO
+    store = io.store
     if store is not None:  # plain K/V rows: QK-norm, RoPE and the cache write in one launch
         q = prepare_qkv_store(q_in, k_in, v_in, pos, p.rope_args, p.n_head, p.n_head_kv, p.head_dim, store)
         return attend_io(p, q, io, n_threads, kq_scale)
@@ -151,7 +151,7 @@ def store_and_attend(p: LayerPlan, q, k, v, mctx, io, n_threads: int, kq_scale=N
     [n, n_embd_v_gqa] through the memory context (cpy_k / cpy_v), with the K/V rotation of a
     quantized cache (runtime/memory/attn_rotation.py) when io asks for it; [n, n_head * dv]."""
     n = q.shape[0]
-    rot_k, rot_v = io[9], io[10]
+    rot_k, rot_v = io.rot_k, io.rot_v
     if rot_k:
         q, k = rotate(q, rot_k), rotate(k, rot_k)
     if rot_v:
@@ -164,27 +164,27 @@ def store_and_attend(p: LayerPlan, q, k, v, mctx, io, n_threads: int, kq_scale=N
 def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None) -> np.ndarray:
     """Attention of q [n, n_head, dk] f32 over the layer's cache views in io (mctx.attn_io),
     K/V of this ubatch already stored; [n, n_head * dv] f32 (rotated back for a rotated V)."""
-    _, k_cache, type_k, v_cache, type_v, flash, mask, tok_stream, start, _, rot_v = io
+    type_k = io.type_k
     if type_k not in _Q_AS_IS:  # Q in K's vec-dot type, as ggml (blocks.round_q_like_ggml)
         q = round_q_to_vec_dot_type(q, type_k)
     if not q.flags.c_contiguous:
         q = np.ascontiguousarray(q)
     out = attention_checked(
         q,
-        k_cache,
+        io.k,
         type_k,
-        v_cache,
-        type_v,
-        mask,
-        tok_stream,
-        start,
+        io.v,
+        io.type_v,
+        io.mask,
+        io.tok_stream,
+        io.start,
         p.n_head_kv,
         p.kq_scale if kq_scale is None else kq_scale,
         p.softcap,
-        flash,
+        io.flash,
         n_threads,
     )
-    return rotate(out, rot_v) if rot_v else out  # [n, n_head * dv]
+    return rotate(out, io.rot_v) if io.rot_v else out  # [n, n_head * dv]
 
 
 def output_step(p: LayerPlan, attn: np.ndarray) -> np.ndarray:

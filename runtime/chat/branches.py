@@ -30,17 +30,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 INT_MAX = 2**31 - 1
 
 
-def _kv_caches(memory) -> list:
-    """The memory's KV caches (plain or iSWA pair); [] for recurrent / hybrid memories."""
-    from kvchat.runtime.serving.prompt_cache import kv_caches
-
-    return kv_caches(memory) or []
-
-
 def shared_cells_from(memory, seq_id: int, p0: int) -> int:
     """How many cells of seq_id at positions >= p0 also belong to another sequence."""
     n = 0
-    for c in _kv_caches(memory):
+    for c in memory.kv_caches():
         cells = c.cells[c.seq_to_stream[seq_id]]
         idxs = cells.cells_of_seq(seq_id, p0, INT_MAX)
         n += int(np.count_nonzero(cells.nseq[idxs] > 1))
@@ -61,7 +54,7 @@ class BranchConversation(Conversation):
 
     def _free_cells(self) -> int:
         """Empty cells left in this sequence's stream of the (full-attention) cache."""
-        caches = _kv_caches(self.ctx.memory)
+        caches = self.ctx.memory.kv_caches()
         if not caches:
             return 1 << 30
         c = caches[0]
@@ -159,13 +152,13 @@ class Branches:
         return before - self.used_cells()
 
     def used_cells(self) -> int:
-        return sum(cells.get_used() for c in _kv_caches(self.ctx.memory) for cells in c.cells)
+        return sum(cells.get_used() for c in self.ctx.memory.kv_caches() for cells in c.cells)
 
     def shared_with_current(self, conv) -> int:
         """Cells conv's sequence shares with the current branch's (0 across streams: copies)."""
         a, b = conv.seq_id, self.conv.seq_id
         n = 0
-        for c in _kv_caches(self.ctx.memory):
+        for c in self.ctx.memory.kv_caches():
             if c.seq_to_stream[a] == c.seq_to_stream[b]:
                 cells = c.cells[c.seq_to_stream[a]]
                 n = max(n, int(np.count_nonzero(cells.seq[:, a] & cells.seq[:, b] & (cells.pos >= 0))))

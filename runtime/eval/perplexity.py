@@ -53,7 +53,6 @@ def make_context(
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.errors import CParamsError
-    from kvchat.runtime.memory.kv_convert import kv_caches_of
 
     n_batch = min(n_batch, n_ctx)
     try:
@@ -72,7 +71,7 @@ def make_context(
     except CParamsError as e:
         raise KvchatError(str(e)) from None
     if not rotation:
-        for kv in kv_caches_of(ctx.memory):
+        for kv in ctx.memory.kv_caches():
             kv.n_rot_k = kv.n_rot_v = 0
     return ctx
 

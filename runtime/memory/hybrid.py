@@ -53,6 +53,9 @@ class MemoryHybrid(Memory):
     def get_mem_attn(self) -> KVCache:
         return self.mem_attn
 
+    def kv_caches(self) -> list:
+        return [self.mem_attn]  # the recurrent part holds states, not cells
+
     def get_mem_recr(self) -> MemoryRecurrent:
         return self.mem_recr
 

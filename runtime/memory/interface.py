@@ -13,7 +13,7 @@ the arch of the hparams).
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -72,6 +72,34 @@ class MemoryContext:
         raise NotImplementedError
 
 
+class KVStore(NamedTuple):
+    """Where a kernel may write the ubatch's fresh K/V rows itself (kernels/qkv_store.py: what
+    cpy_k and cpy_v do, as llama.cpp's cpy_k hands the graph a set_rows view)."""
+
+    k_rows: np.ndarray  # u8 [n_stream, kv_size, row_bytes_k]: the layer's whole K array
+    v_rows: np.ndarray  # u8 [n_stream, kv_size, row_bytes_v]
+    strm: np.ndarray  # i64 [n_tokens]: stream of each token's slot cell
+    cell: np.ndarray  # i64 [n_tokens]: its cell
+    type_k: int
+    type_v: int
+
+
+class AttnIO(NamedTuple):
+    """Everything attention layer il reads and writes for one ubatch (AttentionMemoryContext.attn_io)."""
+
+    store: KVStore | None  # None when V is stored transposed or K/V are rotated: use cpy_k / cpy_v
+    k: np.ndarray  # get_k: u8 [n_stream, n_kv, row_bytes_k] view
+    type_k: int
+    v: np.ndarray  # get_v: u8 [n_stream, n_kv, row_bytes_v] view, or the whole transposed buffer
+    type_v: int
+    flash: bool  # not v_trans: the flash path of attention
+    mask: np.ndarray  # kq_mask: f32 [n_tokens, n_kv] of 0 / -inf
+    tok_stream: np.ndarray  # i32 [n_tokens]: stream of each token
+    start: np.ndarray | None  # kq_start: i64 [n_tokens], or None for cell 0
+    rot_k: int  # get_rot: Hadamard chunk sizes (0 = none)
+    rot_v: int
+
+
 @runtime_checkable
 class AttentionMemoryContext(Protocol):
     """What a forward pass may ask of the memory context of an attention layer (the KV cache's
@@ -106,11 +134,8 @@ class AttentionMemoryContext(Protocol):
         """i64 [n_tokens] cell where each token's attention sums begin (the cell of the oldest
         position it sees, for a sliding-window ring), or None for cell 0."""
 
-    def attn_io(self, il: int) -> tuple:
-        """All of the above for layer il in one call (the forward's per-layer path): (store, k,
-        type_k, v, type_v, flash, mask, tok_stream, start, rot_k, rot_v); store = (k_rows,
-        v_rows, strm i64 [n], cell i64 [n], type_k, type_v) where a kernel may quantize the
-        ubatch's plain K/V rows itself, or None (transposed V, rotated K/V: use cpy_k / cpy_v)."""
+    def attn_io(self, il: int) -> AttnIO:
+        """All of the above for layer il in one call (the forward's per-layer path)."""
 
 
 @runtime_checkable
@@ -196,6 +221,14 @@ class Memory:
 
     def memory_breakdown(self) -> dict:
         raise NotImplementedError
+
+    def kv_caches(self) -> list:
+        """The KV caches (KVCache) this memory holds, in a fixed order: itself (a KV cache), base
+        then SWA (iSWA), the attention part (hybrid); [] for a recurrent memory. What `/kv` maps,
+        what a cache-type conversion re-stores, what branches count shared cells in. Whether
+        they are the whole of the memory's state (what a prefix cache needs) is get_can_trim():
+        a hybrid's KV cache is listed, but its recurrent states are not cells."""
+        return []
 
     def get_can_trim(self) -> bool:
         """Whether seq_rm can remove any run of a sequence's positions (its tail, a middle run

@@ -181,6 +181,9 @@ class KVCache(KVCacheSeqOps, KVCacheStateIO, Memory):
     def memory_type(self) -> str:
         return "llama_kv_cache"
 
+    def kv_caches(self) -> list:
+        return [self]
+
     def log_line(self) -> str:
         """The llama.cpp form of the cache-size log line."""
         k, v = self.size_k_bytes(), self.size_v_bytes()

@@ -18,7 +18,7 @@ from kvchat.kernels.kv_kernels import (
     scatter_rows_par,
     scatter_rows_trans,
 )
-from kvchat.runtime.memory.interface import MemoryContext, MemoryOpError, MemoryStatus
+from kvchat.runtime.memory.interface import AttnIO, KVStore, MemoryContext, MemoryOpError, MemoryStatus
 
 PAR_MASK_MIN = 1 << 18  # mask entries above which building it in parallel pays off
 PAR_ROWS_MIN = 64  # rows above which quantize-scatter runs in parallel
@@ -132,23 +132,19 @@ class KVCacheContext(MemoryContext):
             return layer.v, self.type_v
         return layer.v[:, : self.n_kv], self.type_v
 
-    def attn_io(self, il: int):
+    def attn_io(self, il: int) -> AttnIO:
         """Everything attention layer il reads and writes for this ubatch, in one call (a
-        generated token runs ~30 layers; the forward's per-layer path, runtime/arch/blocks.py):
-        (store, k, type_k, v, type_v, flash, mask, tok_stream, start, rot_k, rot_v).
-
-        store: (k_rows, v_rows, strm, cell, type_k, type_v): the layer's K and V arrays u8
-        [n_stream, kv_size, row_bytes] and the slot cells i64 [n_tokens] of this ubatch, where a
-        kernel may quantize the fresh rows itself (kernels/qkv_store.py: what cpy_k and cpy_v do,
-        as llama.cpp's cpy_k hands the graph a set_rows view); None when V is stored transposed
-        or K/V are rotated first: then use cpy_k / cpy_v. The rest are get_k, get_v, not v_trans,
-        kq_mask, kq_start and get_rot of this layer."""
+        generated token runs ~30 layers; the forward's per-layer path, runtime/arch/layer_plan.py):
+        get_k, get_v, not v_trans, kq_mask, kq_start and get_rot of this layer, and the store
+        (KVStore: the layer's K and V arrays and this ubatch's slot cells) where a kernel may
+        quantize the fresh rows itself, None when V is stored transposed or K/V are rotated
+        first (then use cpy_k / cpy_v)."""
         layer = self.kv.layer_of[il]
         mask, tok_strm = self.kq_mask(il)
         start = self.kq_start(il)
         n_kv = self.n_kv
         if self.v_trans:
-            return (
+            return AttnIO(
                 None,
                 layer.k[:, :n_kv],
                 self.type_k,
@@ -163,8 +159,8 @@ class KVCacheContext(MemoryContext):
             )
         store = None
         if not (self.n_rot_k or self.n_rot_v):
-            store = (layer.k, layer.v, self._dst_strm, self._dst_cell, self.type_k, self.type_v)
-        return (
+            store = KVStore(layer.k, layer.v, self._dst_strm, self._dst_cell, self.type_k, self.type_v)
+        return AttnIO(
             store,
             layer.k[:, :n_kv],
             self.type_k,

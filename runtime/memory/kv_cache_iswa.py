@@ -67,6 +67,9 @@ class KVCacheISWA(Memory):
     def get_base(self) -> KVCache:
         return self.kv_base
 
+    def kv_caches(self) -> list:
+        return [self.kv_base, self.kv_swa]
+
     def get_swa(self) -> KVCache:
         return self.kv_swa
 

@@ -20,18 +20,6 @@ from kvchat.runtime.memory.attn_rotation import rotate, rotation_sizes
 from kvchat.runtime.memory.interface import MemoryOpError
 
 
-def kv_caches_of(memory) -> list:
-    """The KVCache objects of a memory: itself, base + SWA (iSWA), or the attention part of a
-    hybrid memory. [] for memories without a KV cache (recurrent)."""
-    if hasattr(memory, "get_base") and hasattr(memory, "get_swa"):
-        return [memory.get_base(), memory.get_swa()]
-    if hasattr(memory, "get_mem_attn"):
-        return [memory.get_mem_attn()]
-    if hasattr(memory, "layers") and hasattr(memory, "type_k"):
-        return [memory]
-    return []
-
-
 def _type_id(t) -> int:
     return int(t) if isinstance(t, (int, np.integer)) else cache_type_by_name(t).type_id
 
@@ -78,7 +66,7 @@ def _plan_cache(kv, tk: int, tv: int) -> tuple:
 def convert_cache_types(memory, type_k, type_v) -> bool:
     """Re-store every KV cache of `memory` as type_k / type_v (names or ggml ids). False if the
     types are already these; MemoryOpError (memory unchanged) if V cannot take the type."""
-    caches = kv_caches_of(memory)
+    caches = memory.kv_caches()
     if not caches:
         raise MemoryOpError("this model's memory has no KV cache to convert")
     tk, tv = _type_id(type_k), _type_id(type_v)

@@ -259,6 +259,9 @@ class MemoryRecurrent(RecurrentStateIO, Memory):
     def get_can_shift(self) -> bool:
         return True  # only positions move
 
+    def kv_caches(self) -> list:
+        return []  # states, no KV cells
+
     def get_can_trim(self) -> bool:
         return False  # a state cannot lose its last positions (seq_rm of a tail is refused)
 

@@ -47,16 +47,11 @@ class EntryError(Exception):
     """A cache file that is truncated, corrupt or from another configuration."""
 
 
-def kv_caches(memory) -> list | None:
-    """The KVCaches of a memory the prefix cache can handle (plain or iSWA pair), else None."""
-    from kvchat.runtime.memory.kv_cache import KVCache
-    from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
-
-    if isinstance(memory, KVCacheISWA):
-        return [memory.kv_base, memory.kv_swa]
-    if isinstance(memory, KVCache):
-        return [memory]
-    return None
+def cacheable(memory) -> bool:
+    """Whether a sequence of `memory` is all KV cells (Memory.kv_caches), so that a prefix of it
+    can be stored and restored block by block; False when part of the state is a recurrent one
+    (recurrent, hybrid: get_can_trim), which no prefix of cells restores."""
+    return memory.get_can_trim() and bool(memory.kv_caches())
 
 
 def file_sha256(path, memo_dir: Path | None = None) -> str:
@@ -93,7 +88,7 @@ def file_sha256(path, memo_dir: Path | None = None) -> str:
 def cache_salt(model_sha256: str, cparams, memory) -> str:
     from kvchat.kernels.ggml_types import type_info
 
-    caches = kv_caches(memory)
+    caches = memory.kv_caches() if cacheable(memory) else []
     desc = {
         "format": FORMAT_VERSION,
         "block": BLOCK,
@@ -109,7 +104,7 @@ def cache_salt(model_sha256: str, cparams, memory) -> str:
                 "n_swa": c.n_swa,
                 "layers": [l.il for l in c.layers],
             }
-            for c in caches or []
+            for c in caches
         ],
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
@@ -277,7 +272,7 @@ class PromptCache:
             except OSError:
                 pass
             return False
-        caches = kv_caches(memory)
+        caches = memory.kv_caches()
         a, b = index * BLOCK, (index + 1) * BLOCK
         header_caches, arrays = [], []
         for c in caches:
@@ -328,9 +323,9 @@ class PromptCache:
         from kvchat.runtime.memory.kv_cache_state import StreamState
         from kvchat.runtime.memory.state import StateError
 
-        caches = kv_caches(memory)
-        if caches is None:
+        if not cacheable(memory):
             return 0
+        caches = memory.kv_caches()
         n_blocks = (len(ids) - 1) // BLOCK
         keys = block_keys(self.salt, ids, n_blocks)
         blocks = []
@@ -465,7 +460,7 @@ def prefill(ctx, seq_id: int, ids, cache: PromptCache, pos0: int = 0) -> tuple[i
     caller decodes ids[n_in_memory:], at least the last token, itself)."""
     from kvchat.runtime.generate import decode_tokens
 
-    if kv_caches(ctx.memory) is None or pos0 != 0 or len(ids) <= BLOCK:
+    if not cacheable(ctx.memory) or pos0 != 0 or len(ids) <= BLOCK:
         return 0, 0
     n_blocks = (len(ids) - 1) // BLOCK
     n_reused = cache.restore(ctx.memory, seq_id, ids)
