@@ -16,8 +16,10 @@ a parallel step can cost 3x a serial one, so a probe should cost one such step. 
 loaded machine step times cross the drift bound by chance, so each such probe that keeps the arm
 doubles the steps the next one must wait (`drift_gap`, up to `max_period`); a flip resets it.
 
-The arms differ only in `kvchat.kernels.parallel.MATMUL_PAR_MIN_MACS` during the step (SERIAL: the
-configured threshold; PARALLEL: `PARALLEL_ARM_MACS`). Serial and parallel matmul kernels give
+The arms differ only in the matmul threshold the step's forward is given (`model.forward(ub, mctx,
+min_macs)`, which every matmul of the step takes as its argument; SERIAL: the configured
+`kvchat.kernels.parallel.MATMUL_PAR_MIN_MACS`, PARALLEL: `PARALLEL_ARM_MACS`); nothing global
+changes during a step. Serial and parallel matmul kernels give
 bit-identical rows (tests/test_launch_tuner.py), so the choice changes speed, never tokens.
 Only one-token ubatches are tuned (generation); prompt ubatches keep the configured threshold.
 A user's KVCHAT_MATMUL_PAR_MIN_MACS turns the tuner off: their threshold holds for every step.
@@ -78,20 +80,21 @@ class LaunchTuner:
     # ---- the hook: Context.decode calls this for every ubatch -----------------------------
 
     def forward(self, model, ub, mctx):
-        """model.forward(ub, mctx), with the matmul threshold of the chosen arm for a one-token
-        ubatch; the configured threshold is back in place afterwards, whatever happens."""
+        """model.forward(ub, mctx), given the matmul threshold of the chosen arm for a one-token
+        ubatch (min_macs); prompt ubatches and a disabled tuner keep the configured one."""
         if not self.enabled or ub.n_tokens != 1:
             return model.forward(ub, mctx)
         arm = self.next_arm()
-        saved = parallel.MATMUL_PAR_MIN_MACS
-        parallel.MATMUL_PAR_MIN_MACS = saved if arm == SERIAL else min(saved, PARALLEL_ARM_MACS)
         t0 = self.clock()
-        try:
-            out = model.forward(ub, mctx)
-        finally:
-            parallel.MATMUL_PAR_MIN_MACS = saved
+        out = model.forward(ub, mctx, min_macs=self.min_macs(arm))
         self.record(arm, self.clock() - t0)
         return out
+
+    @staticmethod
+    def min_macs(arm: int) -> int:
+        """The matmul threshold a step of `arm` runs with."""
+        configured = parallel.MATMUL_PAR_MIN_MACS
+        return configured if arm == SERIAL else min(configured, PARALLEL_ARM_MACS)
 
     # ---- decisions --------------------------------------------------------------------------
 

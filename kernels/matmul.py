@@ -144,18 +144,20 @@ class QMatrix:
     def __repr__(self) -> str:
         return f"QMatrix({GGMLType(self.t).name}, m={self.m}, k={self.k})"
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
+    def matmul(self, x: np.ndarray, min_macs: int | None = None) -> np.ndarray:
         """x f32 [n, k] -> f32 [n, m] = x @ W.T (a 1-D x [k] gives [m]). Row t of the result
-        depends on row t of x only, bit for bit (module docstring)."""
+        depends on row t of x only, bit for bit (module docstring), whichever twin runs: the
+        parallel one from min_macs multiply-adds (parallel.MATMUL_PAR_MIN_MACS when None; a
+        forward passes the threshold of its step, kernels/launch_tuner.py)."""
         if x.ndim == 1:
-            return self.matmul(x[None, :])[0]
+            return self.matmul(x[None, :], min_macs)[0]
         if not (x.dtype == np.float32 and x.flags.c_contiguous and x.shape[-1] == self._k_ready):
             x = self._prepared(x)
         n = x.shape[0]
         y = np.empty((n, self.m), np.float32)  # [n, m]
         if self.fmt is None:
             kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
-        elif n * self._macs_per_token < parallel.MATMUL_PAR_MIN_MACS:
+        elif n * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs):
             kernel, args = matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
         else:
             kernel, args = matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)

@@ -9,7 +9,8 @@ decode(batch) either fully succeeds or leaves memory as it was:
      (a one-token ubatch's matmul threshold chosen by kernels/launch_tuner.py)
      -> logits rows of the ubatch's outputs, mctx.next()
   5. any failure after an apply() rolls back everything this call placed   (2 / -2 / -3)
-The model is anything with `.hparams` and `.forward(ubatch, mctx) -> f32 [n_outputs, n_vocab]`.
+The model is anything with `.hparams` and `.forward(ubatch, mctx, min_macs=None) -> f32 [n_outputs,
+n_vocab]` (min_macs: the matmul threshold of a one-token step, given by the launch tuner).
 """
 
 from __future__ import annotations

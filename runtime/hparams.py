@@ -52,8 +52,6 @@ class HParams:
     use_qk_norm: bool
     tied_output: bool  # no output.weight: logits reuse token_embd.weight
     attn_logit_softcap: float = 0.0
-    final_logit_softcap: float = 0.0
-    embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(n_embd))
     kq_scale: float = 0.0  # attention scale; 0 = 1/sqrt(n_embd_head_k) (set in __post_init__)
     rope_freq_scale_swa: float = 1.0
     rope_scaling_type: str = "linear"

@@ -102,9 +102,10 @@ class Model:
             raise
         return cls(gf, hp, vocab, weights, arch)
 
-    def forward(self, ubatch, mctx) -> np.ndarray:
-        """Logits f32 [n_outputs, n_vocab] for the ubatch's tokens flagged as outputs."""
-        return self.arch.forward(self, ubatch, mctx)
+    def forward(self, ubatch, mctx, min_macs: int | None = None) -> np.ndarray:
+        """Logits f32 [n_outputs, n_vocab] for the ubatch's tokens flagged as outputs; min_macs:
+        the matmul threshold of this step (kernels/launch_tuner.py; the configured one when None)."""
+        return self.arch.forward(self, ubatch, mctx, min_macs)
 
     def create_memory(self, cparams):
         """The memory this model needs for cparams (llama_model::create_memory)."""

@@ -83,7 +83,7 @@ class StubModel:
         self.n_calls = 0
         self.seen = []  # (n_tokens, n_kv) per call
 
-    def forward(self, ub, mctx) -> np.ndarray:
+    def forward(self, ub, mctx, min_macs=None) -> np.ndarray:
         self.n_calls += 1
         hp = self.hparams
         for il in range(hp.n_layer):

@@ -89,7 +89,7 @@ class RecurrentStubModel:
         self.fail_at = fail_at
         self.n_calls = 0
 
-    def forward(self, ub, mctx):
+    def forward(self, ub, mctx, min_macs=None):
         self.n_calls += 1
         hp = self.hparams
         recr = mctx.get_recr() if hasattr(mctx, "get_recr") else mctx

@@ -131,7 +131,7 @@ def test_keyboard_interrupt_rolls_back_and_propagates():
     fragmented(ctx)
     before = cells_snapshot(ctx.memory)
 
-    def boom(ub, mctx):
+    def boom(ub, mctx, min_macs=None):
         raise KeyboardInterrupt
 
     model.forward = boom
@@ -143,7 +143,7 @@ def test_keyboard_interrupt_rolls_back_and_propagates():
 def test_memory_error_returns_minus_2():
     ctx, model = make()
 
-    def oom(ub, mctx):
+    def oom(ub, mctx, min_macs=None):
         raise MemoryError("no buffer")
 
     model.forward = oom
@@ -218,7 +218,7 @@ def test_one_token_decode_bookkeeping_is_cheap():
         hparams = hp
         k = np.zeros((1, 192), np.float32)
 
-        def forward(self, ub, mctx):
+        def forward(self, ub, mctx, min_macs=None):
             for il in range(30):
                 mctx.cpy_k(il, self.k)
                 mctx.cpy_v(il, self.k)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import get_arch
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
@@ -81,7 +82,8 @@ def reference_forward(path, tokens):
     n = len(tokens)
     pos = np.arange(n, dtype=np.float64)
     H, KV, D = hp.n_head, hp.n_head_kv, hp.n_embd_head_k
-    x = _w(gf, "token_embd.weight")[tokens] * hp.embed_scale
+    ends = get_arch(hp.arch).model_spec(hp)  # embedding scale, final logit soft-cap
+    x = _w(gf, "token_embd.weight")[tokens] * ends.embed_scale
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         W = lambda s: _w(gf, p + s)  # noqa: E731
@@ -125,8 +127,8 @@ def reference_forward(path, tokens):
             x = x + M((g / (1 + np.exp(-g))) * M(h, "ffn_up.weight"), "ffn_down.weight")
     out = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
     logits = _mm(gf, _rms(x, _w(gf, "output_norm.weight"), hp.norm_eps), out)
-    if hp.final_logit_softcap:
-        logits = np.tanh(logits / hp.final_logit_softcap) * hp.final_logit_softcap
+    if ends.logit_softcap:
+        logits = np.tanh(logits / ends.logit_softcap) * ends.logit_softcap
     gf.close()
     return logits
 

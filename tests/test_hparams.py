@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import get_arch
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.hparams import HParams, expected_tensors
 from tests.gguf_factory import write_tiny_model
@@ -24,7 +25,8 @@ def test_smollm2(smollm2_path):
     assert hp.norm_eps == pytest.approx(1e-5)
     assert hp.n_swa == 0 and hp.swa_layers == [False] * 30 and not hp.is_swa(7)
     assert hp.tied_output and not hp.use_qk_norm and hp.can_shift
-    assert hp.embed_scale == 1.0 and hp.kq_scale == 1 / 8 and hp.final_logit_softcap == 0.0
+    ends = get_arch(hp.arch).model_spec(hp)
+    assert ends.embed_scale == 1.0 and hp.kq_scale == 1 / 8 and ends.logit_softcap == 0.0
     assert all(hp.has_kv(il) for il in range(30)) and not hp.has_kv(30)
 
 
@@ -73,7 +75,7 @@ def test_tiny_models(tmp_path, arch, rope, qk_norm):
         assert hp.n_swa == 16 and hp.swa_layers == [True, True, True]
         assert hp.embed_scale == pytest.approx(8.0)
     else:
-        assert hp.n_swa == 0 and hp.swa_layers == [False] * 3 and hp.embed_scale == 1.0
+        assert hp.n_swa == 0 and hp.swa_layers == [False] * 3 and get_arch(arch).model_spec(hp).embed_scale == 1.0
     assert ("blk.0.attn_q.bias" in gf.tensors) == (arch == "qwen2")
 
 

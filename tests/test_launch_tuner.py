@@ -18,7 +18,7 @@ S, P = SERIAL, PARALLEL
 
 class FakeStep:
     """A model whose forward takes `cost[arm]` seconds on a fake clock; the arm is read from the
-    matmul threshold the tuner put in place, as the real matmul wrapper reads it."""
+    matmul threshold the tuner gives the forward, as the real matmuls take it."""
 
     def __init__(self):
         self.now = 0.0
@@ -28,8 +28,8 @@ class FakeStep:
     def clock(self):
         return self.now
 
-    def forward(self, ub, mctx):
-        arm = P if parallel.MATMUL_PAR_MIN_MACS == 0 else S
+    def forward(self, ub, mctx, min_macs=None):
+        arm = P if min_macs == 0 else S
         if ub.n_tokens == 1:
             self.arms.append(arm)
         self.now += self.cost[arm]
@@ -138,10 +138,9 @@ def test_prompt_ubatches_keep_the_configured_threshold_and_are_not_timed():
     fake = FakeStep()
     tuner = LaunchTuner(fake.clock, enabled=True)
     seen = []
-    fake.forward = lambda ub, mctx: seen.append(parallel.MATMUL_PAR_MIN_MACS)
-    before = parallel.MATMUL_PAR_MIN_MACS
+    fake.forward = lambda ub, mctx, min_macs=None: seen.append(min_macs)
     tuner.forward(fake, UB(7), None)
-    assert seen == [before] and not tuner.history and tuner.next_arm() == P
+    assert seen == [None] and not tuner.history and tuner.next_arm() == P  # None: the configured threshold
 
 
 def test_the_threshold_is_restored_after_a_step_that_raises():
@@ -149,8 +148,8 @@ def test_the_threshold_is_restored_after_a_step_that_raises():
     tuner = LaunchTuner(fake.clock, enabled=True)
     before = parallel.MATMUL_PAR_MIN_MACS
 
-    def boom(ub, mctx):
-        assert parallel.MATMUL_PAR_MIN_MACS == 0
+    def boom(ub, mctx, min_macs=None):
+        assert min_macs == 0 and parallel.MATMUL_PAR_MIN_MACS == before  # an argument, no global patched
         raise RuntimeError("x")
 
     fake.forward = boom

@@ -59,7 +59,7 @@ def test_kv_and_iswa_contexts_satisfy_the_attention_protocol_the_forward_uses():
         mctx_seen = []
         orig = ctx.model.forward
 
-        def forward(ub, mctx, orig=orig):
+        def forward(ub, mctx, min_macs=None, orig=orig):
             assert isinstance(mctx, AttentionMemoryContext)
             mctx_seen.append(type(mctx))
             return orig(ub, _Recorder(mctx, seen))

@@ -36,7 +36,7 @@ def test_the_forward_sees_the_contexts_the_protocols_state(hybrid):
     seen = []
     orig = ctx.model.forward
 
-    def fwd(ub, mctx):
+    def fwd(ub, mctx, min_macs=None):
         recr = mctx.get_recr() if hybrid else mctx
         seen.append(isinstance(recr, RecurrentMemoryContext))
         if hybrid:

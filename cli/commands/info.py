@@ -15,6 +15,7 @@ from rich.table import Table
 
 from kvchat.cli.options import MODEL_HELP, hf_option
 from kvchat.kernels.ggml_types import KV_CACHE_TYPES, row_bytes, type_by_name, type_name
+from kvchat.runtime.arch import get_arch
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.split import open_gguf
@@ -91,10 +92,11 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
             ("q/k norm", "yes" if hp.use_qk_norm else "no"),
             ("output", "tied to token embeddings" if hp.tied_output else "own output.weight"),
         ]
-        if hp.embed_scale != 1.0:
-            rows.append(("embedding scale", f"{hp.embed_scale:.4g} (sqrt n_embd)"))
-        if hp.final_logit_softcap:
-            rows.append(("final logit softcap", f"{hp.final_logit_softcap:g}"))
+        ends = get_arch(hp.arch).model_spec(hp)  # the arch's embedding scale and logit soft-cap
+        if ends.embed_scale != 1.0:
+            rows.append(("embedding scale", f"{ends.embed_scale:.4g} (sqrt n_embd)"))
+        if ends.logit_softcap:
+            rows.append(("final logit softcap", f"{ends.logit_softcap:g}"))
     vocab = f"{len(tokens)} tokens" if tokens is not None else "none"
     model, pre = gf.get("tokenizer.ggml.model"), gf.get("tokenizer.ggml.pre")
     if model:

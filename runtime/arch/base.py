@@ -11,16 +11,21 @@ An architecture is one module runtime/arch/<name>.py holding an `ARCH` object (a
   namespace per block from it, so the forward reads `L.wq`, `L.ffn_norm`, ...;
 - `fusions`: load-time hooks that fuse projections reading the same input (Q|K|V, gate|up)
   into one matrix when they share a format, and fold their biases into one vector;
-- `forward(model, ubatch, mctx) -> f32 [n_outputs, n_vocab]`: the graph (llm_build_*);
+- `layer_spec(hp, il) -> LayerSpec` and `model_spec(hp) -> ModelSpec`: its layers as data (the
+  mixer, the norm kind, the FFN, the residual multiplier; embedding scale, logit soft-cap and
+  scale) for the one layer loop every architecture runs (runtime/arch/layer_plan.py: `forward`,
+  llm_build_*'s shape); the defaults are llama's;
 - `create_memory(hparams, cparams)`: the memory it needs (llama_model::create_memory). The
   default is the attention one: a KV cache, or the base + SWA pair for sliding-window models.
-Shared compute pieces of the forwards live in runtime/arch/blocks.py.
+A new dense architecture is this module and one registry line; the mixers of the other layer
+kinds live beside their archs (runtime/arch/blocks.py, recurrent_blocks.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvchat.runtime.arch.layer_plan import LayerSpec, ModelSpec, forward
 from kvchat.runtime.hparams import HParams
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
@@ -127,9 +132,16 @@ class Arch:
             t["k_norm"] = Tensor(p + "attn_k_norm.weight", (hp.n_embd_head_k,))
         return t
 
-    # ---- graph
-    def forward(self, model, ubatch, mctx):
-        raise NotImplementedError
+    # ---- graph: the layer loop of runtime/arch/layer_plan.py, from these declarations
+    def layer_spec(self, hp, il: int) -> LayerSpec:
+        """Layer il as data: llama's (attention, pre-norm, SwiGLU FFN, plain residual adds)."""
+        return LayerSpec()
+
+    def model_spec(self, hp) -> ModelSpec:
+        """The ends of the loop: no embedding scale, no logit soft-cap or scale."""
+        return ModelSpec()
+
+    forward = staticmethod(forward)  # (model, ubatch, mctx) -> logits f32 [n_outputs, n_vocab]
 
     # ---- memory
     def create_memory(self, hparams, cparams):

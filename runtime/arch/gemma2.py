@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from kvchat.runtime.arch import gemma3
 from kvchat.runtime.arch.base import Arch
-from kvchat.runtime.hparams import HParams, positive, swa_layers
+from kvchat.runtime.arch.gemma3 import GEMMA_LAYER, GemmaHParams, gemma_model_spec, post_norm_tensors
+from kvchat.runtime.hparams import positive, swa_layers
 
 SWA_PATTERN = 2  # layers il % 2 == 0 slide
 N_SWA = 4096  # llama.cpp's default window for gemma 2
@@ -28,7 +28,7 @@ class Gemma2(Arch):
     name = "gemma2"
     rope_type = "neox"
 
-    def read_hparams(self, gf, fields) -> HParams:
+    def read_hparams(self, gf, fields) -> GemmaHParams:
         k = lambda name: f"gemma2.{name}"  # noqa: E731
         n_layer = fields["n_layer"]
         fields["n_swa"] = gf.get_int(k("attention.sliding_window"), N_SWA, min_value=0)
@@ -37,13 +37,15 @@ class Gemma2(Arch):
                 gf, k("attention.sliding_window_pattern"), n_layer, SWA_PATTERN
             )
         fields["rope_freq_base_swa"] = positive(gf, k("rope.freq_base_swa"), fields["rope_freq_base"])
-        fields["embed_scale"] = math.sqrt(fields["n_embd"])
         fields["attn_logit_softcap"] = gf.get_float(k("attn_logit_softcapping"), 50.0)
-        fields["final_logit_softcap"] = gf.get_float(k("final_logit_softcapping"), 30.0)
         if n_layer == 46:  # the 27B scales by n_embd / n_head
             fields["kq_scale"] = 1.0 / math.sqrt(fields["n_embd"] / fields["n_head"])
         fields["tied_output"] = True
-        return HParams(**fields)
+        return GemmaHParams(
+            **fields,
+            embed_scale=math.sqrt(fields["n_embd"]),
+            final_logit_softcap=gf.get_float(k("final_logit_softcapping"), 30.0),
+        )
 
     def model_tensors(self, hp):
         t = super().model_tensors(hp)
@@ -52,12 +54,14 @@ class Gemma2(Arch):
 
     def layer_tensors(self, hp, il):
         t = super().layer_tensors(hp, il)
-        t.update(gemma3.post_norm_tensors(hp, il))
+        t.update(post_norm_tensors(hp, il))
         return t
 
-    @staticmethod
-    def forward(model, ubatch, mctx):
-        return gemma3.forward(model, ubatch, mctx)
+    def layer_spec(self, hp, il):
+        return GEMMA_LAYER
+
+    def model_spec(self, hp):
+        return gemma_model_spec(hp)
 
 
 ARCH = Gemma2()

@@ -7,36 +7,23 @@ The llama block (NORM RoPE, SwiGLU, optional biases) with four multipliers from 
   it before they are added to the residual stream (0 or absent = 1);
 - `logit_scale` (required): the logits are divided by it.
 `rope.scaling.finetuned` false switches RoPE off in every layer (llama.cpp reads it that way).
+The layer loop is the default one with the multipliers declared (layer_spec, model_spec).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvchat.runtime.arch.blocks import decoder_layers, output_projection, self_attention
+from kvchat.runtime.arch.layer_plan import LayerSpec, ModelSpec
 from kvchat.runtime.arch.llama import Llama
 from kvchat.runtime.hparams import HParams
 
 
 @dataclass
 class GraniteHParams(HParams):
+    embed_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
-
-
-def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab] of one ubatch: the shared block loop (blocks.decoder_layers)
-    with the residual multiplier (the embedding multiplier is applied by `embed`, the score scale
-    is kq_scale), then the logits divided by logit_scale."""
-    hp = model.hparams
-
-    def attention_mixer(il, L, h, pos):  # [n, n_head * dv], before the output projection
-        return self_attention(model, il, L, h, pos, mctx, hp.kq_scale)
-
-    logits = decoder_layers(model, ubatch, attention_mixer, project=output_projection, residual_scale=hp.residual_scale)
-    return logits * np.float32(1.0 / hp.logit_scale)
 
 
 class Granite(Llama):
@@ -50,15 +37,21 @@ class Granite(Llama):
         attention_scale = gf.get_float(k("attention.scale"), 0.0)
         if attention_scale:
             fields["kq_scale"] = attention_scale
-        fields["embed_scale"] = gf.get_float(k("embedding_scale"), 0.0) or 1.0
         if not gf.get_bool(k("rope.scaling.finetuned"), True):
             fields["rope_layers"] = [False] * fields["n_layer"]
         hp = super().read_hparams(gf, fields)  # llama's: rope_freqs
         return GraniteHParams(
-            **vars(hp), residual_scale=gf.get_float(k("residual_scale"), 0.0) or 1.0, logit_scale=logit_scale
+            **vars(hp),
+            embed_scale=gf.get_float(k("embedding_scale"), 0.0) or 1.0,
+            residual_scale=gf.get_float(k("residual_scale"), 0.0) or 1.0,
+            logit_scale=logit_scale,
         )
 
-    forward = staticmethod(forward)
+    def layer_spec(self, hp, il):
+        return LayerSpec(residual_scale=hp.residual_scale)
+
+    def model_spec(self, hp):
+        return ModelSpec(embed_scale=hp.embed_scale, logit_scale=hp.logit_scale)
 
 
 ARCH = Granite()

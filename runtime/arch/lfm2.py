@@ -17,14 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvchat.runtime.arch.base import Arch, Tensor
-from kvchat.runtime.arch.blocks import output_projection, self_attention
-from kvchat.runtime.arch.recurrent_blocks import (
-    causal_conv,
-    create_hybrid_memory,
-    dense,
-    hybrid_forward,
-    without_attention,
-)
+from kvchat.runtime.arch.layer_plan import LayerSpec, attention_step
+from kvchat.runtime.arch.recurrent_blocks import causal_conv, create_hybrid_memory, dense, without_attention
 from kvchat.runtime.gguf.file import GGUFValueType
 from kvchat.runtime.hparams import HParams, scalar_int
 
@@ -47,21 +41,26 @@ class LFM2HParams(HParams):
         return 0
 
 
-def shortconv_block(hp, L, h, rctx, il) -> np.ndarray:
+def shortconv_block(hp, L, h, rctx, il, min_macs: int | None = None) -> np.ndarray:
     e = hp.n_embd
-    bcx = L.conv_in_proj.matmul(h)  # [n, 3 * n_embd]: B | C | x
+    bcx = L.conv_in_proj.matmul(h, min_macs)  # [n, 3 * n_embd]: B | C | x
     bx = np.ascontiguousarray(bcx[:, :e] * bcx[:, 2 * e :])
     conv = causal_conv(rctx, il, bx, dense(L, "conv"), hp.l_cache)
-    return L.conv_out_proj.matmul(np.ascontiguousarray(bcx[:, e : 2 * e] * conv))
+    return L.conv_out_proj.matmul(np.ascontiguousarray(bcx[:, e : 2 * e] * conv), min_macs)
 
 
-def attention_block(model, il, L, h, pos, actx) -> np.ndarray:
-    return output_projection(L, self_attention(model, il, L, h, pos, actx, model.hparams.kq_scale))
+def shortconv_mixer(p, h, pos, mctx, run) -> np.ndarray:
+    """A short-conv layer's mixer in the layer loop: mctx is the hybrid memory's context."""
+    return shortconv_block(p.hp, p.L, h, mctx.get_recr(), p.il, run.min_macs)
 
 
-def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab]; mctx is the hybrid memory's context."""
-    return hybrid_forward(model, ubatch, mctx, shortconv_block, attention_block, "ffn_norm")
+def attention_mixer(p, h, pos, mctx, run) -> np.ndarray:
+    """An attention layer's mixer (before the output projection) through the hybrid's KV cache."""
+    return attention_step(p, h, pos, mctx.get_attn(), run)
+
+
+SHORTCONV_LAYER = LayerSpec(mixer=shortconv_mixer, project=False)
+ATTENTION_LAYER = LayerSpec(mixer=attention_mixer)
 
 
 class LFM2(Arch):
@@ -109,7 +108,8 @@ class LFM2(Arch):
         )
         return t
 
-    forward = staticmethod(forward)
+    def layer_spec(self, hp, il):
+        return SHORTCONV_LAYER if hp.is_recurrent(il) else ATTENTION_LAYER
 
     def create_memory(self, hparams, cparams):
         return create_hybrid_memory(hparams, cparams)

@@ -4,51 +4,16 @@ Per layer: x += Wo·attn(rope(Q), rope(K), V) of RMSNorm(x); x += down(silu(gate
 RMSNorm(x), with the optional output and FFN biases llama.cpp allows. RoPE spans the whole
 head. Llama 3.1/3.2 RoPE scaling is entirely the `rope_freqs.weight` tensor (f32 [head/2], one
 for all layers): per-frequency divisors of the rotation speed, which the converter computed
-from the HF rope_scaling (factor, low/high_freq_factor, original context). After the last layer's attention only the
-rows of output tokens are carried on
-(llama.cpp's inp_out_ids). qwen2 and qwen3 reuse this forward (biases / QK-norm apply when the
-layer has them).
+from the HF rope_scaling (factor, low/high_freq_factor, original context). The layer loop is the
+default one (runtime/arch/layer_plan.py: the declared defaults are this layer); qwen2, qwen3,
+phi3 and smollm3 differ only in their weights and hyper-parameters (biases / QK-norm apply when
+the layer has them).
 """
 
 from __future__ import annotations
 
-import numba
-import numpy as np
-
-from kvchat.kernels.fused_norm import add_rms_norm
-from kvchat.kernels.norm import rms_norm
 from kvchat.runtime.arch.base import Arch, Tensor
-from kvchat.runtime.arch.blocks import ctx_size, embed, lm_head, output_ids
-from kvchat.runtime.arch.layer_plan import attention_step, ffn_step, layer_plans, output_step
 from kvchat.runtime.hparams import rope_factor_tensor
-
-
-def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab] of one ubatch.
-
-    Each residual add runs fused with the norm that follows it (kernels/fused_norm.py: the same
-    arithmetic in one launch): after attention with ffn_norm, after the FFN with the next
-    layer's attn_norm, or with output_norm after the last layer. Each layer runs from its plan
-    (runtime/arch/layer_plan.py: its weights and constants, worked out once)."""
-    hp = model.hparams
-    eps = hp.norm_eps
-    pos = np.ascontiguousarray(ubatch.pos, dtype=np.int32)
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32, the residual stream
-    out_ids = output_ids(ubatch)
-    plans = layer_plans(model, ctx_size(mctx))
-    last = hp.n_layer - 1
-    n_threads = numba.get_num_threads()
-    h = rms_norm(x, plans[0].L.attn_norm, eps)
-    for p in plans:
-        attn = attention_step(p, h, pos, mctx, n_threads)  # [n, n_head*dv]
-        if p.il == last and out_ids is not None:
-            attn, x = attn[out_ids], x[out_ids]
-            if x.shape[0] == 0:
-                return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        h = add_rms_norm(x, output_step(p, attn), p.L.ffn_norm, eps)
-        w_next = plans[p.il + 1].L.attn_norm if p.il < last else model.weights.output_norm
-        h = add_rms_norm(x, ffn_step(p, h, False), w_next, eps)
-    return lm_head(model, h)
 
 
 class Llama(Arch):
@@ -78,8 +43,6 @@ class Llama(Arch):
             }
         )
         return t
-
-    forward = staticmethod(forward)
 
 
 ARCH = Llama()

@@ -6,6 +6,7 @@ Per layer: x += out_proj(y) of h = RMSNorm(x), where
     dt, B, C = split(x_proj(u))                          (dt_rank, d_state, d_state)
     dt = dt_proj(dt) + dt_bias                           softplus is applied inside the scan
     y  = (scan(u, dt, A, B, C) + D * u) * silu(z)        A = -exp(A_log), stored so in GGUF
+Every layer is x += mixer(attn_norm(x)), no FFN (the layer loop of runtime/arch/layer_plan.py).
 Memory: a recurrent memory (conv state [d_inner, d_conv - 1], SSM state [d_inner, d_state]).
 llama.cpp accepts only d_inner = 2 * n_embd; the B/C/dt RMS norms (FalconMamba) are refused.
 """
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvchat.kernels.norm import rms_norm
 from kvchat.kernels.ssm_scan import scan
 from kvchat.runtime.arch.base import Arch, Tensor
-from kvchat.runtime.arch.blocks import embed, logits, output_ids
+from kvchat.runtime.arch.layer_plan import LayerSpec
 from kvchat.runtime.arch.recurrent_blocks import causal_conv, create_recurrent_memory, dense, silu
 from kvchat.runtime.hparams import MAX_DIM, HParams, scalar_int
 
@@ -44,15 +44,15 @@ class MambaHParams(HParams):
         return self.d_state * self.d_inner
 
 
-def mamba_layer(hp, L, h, rctx, il) -> np.ndarray:
-    """h f32 [n_tokens, n_embd] -> f32 [n_tokens, n_embd]."""
+def mamba_layer(hp, L, h, rctx, il, min_macs: int | None = None) -> np.ndarray:
+    """h f32 [n_tokens, n_embd] -> f32 [n_tokens, n_embd]; min_macs: the step's matmul threshold."""
     d_inner, d_state, dt_rank = hp.d_inner, hp.d_state, hp.dt_rank
     n_rs, n = rctx.get_n_rs(), h.shape[0]
-    xz = L.ssm_in.matmul(h)  # [n, 2 * d_inner]
+    xz = L.ssm_in.matmul(h, min_macs)  # [n, 2 * d_inner]
     u = causal_conv(rctx, il, np.ascontiguousarray(xz[:, :d_inner]), dense(L, "ssm_conv1d"), hp.d_conv)
     u = silu(u + L.ssm_conv1d_b)  # [n, d_inner]
-    x_db = L.ssm_x.matmul(u)  # [n, dt_rank + 2 * d_state]
-    dt = L.ssm_dt.matmul(np.ascontiguousarray(x_db[:, :dt_rank])) + L.ssm_dt_b  # [n, d_inner]
+    x_db = L.ssm_x.matmul(u, min_macs)  # [n, dt_rank + 2 * d_state]
+    dt = L.ssm_dt.matmul(np.ascontiguousarray(x_db[:, :dt_rank]), min_macs) + L.ssm_dt_b  # [n, d_inner]
     B, C = x_db[:, dt_rank : dt_rank + d_state], x_db[:, dt_rank + d_state :]
     s0 = rctx.get_s(il).reshape(n_rs, d_inner, d_state)
     shp = (n_rs, n // n_rs)
@@ -66,23 +66,15 @@ def mamba_layer(hp, L, h, rctx, il) -> np.ndarray:
     )
     rctx.cpy_s(il, s1.reshape(n_rs, -1))
     y = y.reshape(n, d_inner) + u * L.ssm_d
-    return L.ssm_out.matmul(np.ascontiguousarray(y * silu(np.ascontiguousarray(xz[:, d_inner:]))))
+    return L.ssm_out.matmul(np.ascontiguousarray(y * silu(np.ascontiguousarray(xz[:, d_inner:]))), min_macs)
 
 
-def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab] of one ubatch; mctx is the recurrent memory's context."""
-    hp = model.hparams
-    x = embed(model, ubatch.token)  # [n_tokens, n_embd] f32
-    out_ids = output_ids(ubatch)
-    last = hp.n_layer - 1
-    for il, L in enumerate(model.weights.layers):
-        cur = mamba_layer(hp, L, rms_norm(x, L.attn_norm, hp.norm_eps), mctx, il)
-        if il == last and out_ids is not None:
-            cur, x = cur[out_ids], x[out_ids]
-            if x.shape[0] == 0:
-                return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = cur + x
-    return logits(model, x)
+def mamba_mixer(p, h, pos, mctx, run) -> np.ndarray:
+    """The layer loop's mixer: mctx is the recurrent memory's context."""
+    return mamba_layer(p.hp, p.L, h, mctx, p.il, run.min_macs)
+
+
+MAMBA_LAYER = LayerSpec(mixer=mamba_mixer, project=False, ffn=None)  # x += mixer(norm(x)), no FFN
 
 
 class Mamba(Arch):
@@ -125,7 +117,8 @@ class Mamba(Arch):
             "ssm_out": Tensor(p + "ssm_out.weight", (di, e)),
         }
 
-    forward = staticmethod(forward)
+    def layer_spec(self, hp, il):
+        return MAMBA_LAYER
 
     def create_memory(self, hparams, cparams):
         return create_recurrent_memory(hparams, cparams)

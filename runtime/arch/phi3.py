@@ -16,7 +16,6 @@ sliding window is off, as in llama.cpp.
 
 from __future__ import annotations
 
-from kvchat.runtime.arch import llama
 from kvchat.runtime.arch.base import Arch, Tensor
 from kvchat.runtime.hparams import rope_factor_tensor
 
@@ -61,8 +60,6 @@ class Phi3(Arch):
             }
         )
         return t
-
-    forward = staticmethod(llama.forward)
 
 
 ARCH = Phi3()

@@ -25,12 +25,12 @@ import numpy as np
 from kvchat.kernels.delta_net import gated_delta_rule
 from kvchat.kernels.rope import prepare_qkv
 from kvchat.runtime.arch.base import Arch, Tensor
-from kvchat.runtime.arch.blocks import attend, ctx_size, opt, qkv_projection
+from kvchat.runtime.arch.blocks import attend, opt, qkv_projection
+from kvchat.runtime.arch.layer_plan import LayerSpec, ctx_size
 from kvchat.runtime.arch.recurrent_blocks import (
     causal_conv,
     create_hybrid_memory,
     dense,
-    hybrid_forward,
     l2_norm,
     rms_norm_last,
     sigmoid,
@@ -66,30 +66,32 @@ class Qwen35HParams(HParams):
         return self.d_state * self.d_inner
 
 
-def linear_attention(hp, L, h, rctx, il) -> np.ndarray:
+def linear_attention(hp, L, h, rctx, il, min_macs: int | None = None) -> np.ndarray:
     """Gated delta-net mixer: h f32 [n, n_embd] -> f32 [n, n_embd]."""
     n, S, h_k, h_v = h.shape[0], hp.d_state, hp.n_group, hp.dt_rank
     n_rs = rctx.get_n_rs()
     n_st = n // n_rs
     kdim = h_k * S
-    qkv = silu(causal_conv(rctx, il, L.ssm_qkv.matmul(h), dense(L, "ssm_conv1d"), hp.d_conv))
+    qkv = silu(causal_conv(rctx, il, L.ssm_qkv.matmul(h, min_macs), dense(L, "ssm_conv1d"), hp.d_conv))
     q = l2_norm(qkv[:, :kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
     k = l2_norm(qkv[:, kdim : 2 * kdim].reshape(n_rs, n_st, h_k, S), hp.norm_eps)
     v = qkv[:, 2 * kdim :].reshape(n_rs, n_st, h_v, S)
-    g = softplus(L.ssm_alpha.matmul(h) + L.ssm_dt_b) * L.ssm_a  # [n, H_v] log decay
-    b = sigmoid(L.ssm_beta.matmul(h))
+    g = softplus(L.ssm_alpha.matmul(h, min_macs) + L.ssm_dt_b) * L.ssm_a  # [n, H_v] log decay
+    b = sigmoid(L.ssm_beta.matmul(h, min_macs))
     state = np.ascontiguousarray(rctx.get_s(il).reshape(n_rs, h_v, S, S))  # [.., S_v, S_k]
     o = gated_delta_rule(q, k, v, g.reshape(n_rs, n_st, h_v), b.reshape(n_rs, n_st, h_v), state)
     rctx.cpy_s(il, state.reshape(n_rs, -1))
-    z = L.ssm_gate.matmul(h).reshape(n, h_v, S)
+    z = L.ssm_gate.matmul(h, min_macs).reshape(n, h_v, S)
     out = rms_norm_last(o.reshape(n, h_v, S), L.ssm_norm, hp.norm_eps) * silu(z)
-    return L.ssm_out.matmul(np.ascontiguousarray(out.reshape(n, h_v * S), dtype=np.float32))
+    return L.ssm_out.matmul(np.ascontiguousarray(out.reshape(n, h_v * S), dtype=np.float32), min_macs)
 
 
-def gated_attention(model, il, L, h, pos, actx) -> np.ndarray:
-    hp = model.hparams
+def gated_attention(p, h, pos, mctx, run) -> np.ndarray:
+    """A full-attention layer's mixer (its output projection included) through the hybrid's KV
+    cache: h f32 [n, n_embd] -> f32 [n, n_embd]."""
+    hp, il, L, actx = p.hp, p.il, p.L, mctx.get_attn()
     n, hd, nh = h.shape[0], hp.n_embd_head_k, hp.n_head
-    q_full, k, v = qkv_projection(L, h, (2 * hd * nh, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)))
+    q_full, k, v = qkv_projection(L, h, (2 * hd * nh, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)), run.min_macs)
     qg = q_full.reshape(n, nh, 2, hd)
     gate = np.ascontiguousarray(qg[:, :, 1, :]).reshape(n, nh * hd)
     q, k, v = prepare_qkv(
@@ -106,13 +108,17 @@ def gated_attention(model, il, L, h, pos, actx) -> np.ndarray:
         eps=hp.norm_eps,
         **hp.rope_args(il, ctx_size(actx)),
     )
-    out = attend(model, il, q, k, v, actx, hp.kq_scale) * sigmoid(gate)
-    return L.wo.matmul(np.ascontiguousarray(out, dtype=np.float32))
+    out = attend(p, q, k, v, actx, run.n_threads, hp.kq_scale) * sigmoid(gate)
+    return L.wo.matmul(np.ascontiguousarray(out, dtype=np.float32), run.min_macs)
 
 
-def forward(model, ubatch, mctx) -> np.ndarray:
-    """Logits f32 [n_outputs, n_vocab]; mctx is the hybrid memory's context."""
-    return hybrid_forward(model, ubatch, mctx, linear_attention, gated_attention, "post_attn_norm")
+def linear_mixer(p, h, pos, mctx, run) -> np.ndarray:
+    return linear_attention(p.hp, p.L, h, mctx.get_recr(), p.il, run.min_macs)
+
+
+# every layer: x += mixer(attn_norm(x)); x += SwiGLU(post_attention_norm(x))
+LINEAR_LAYER = LayerSpec(mixer=linear_mixer, project=False, ffn_norm="post_attn_norm")
+ATTENTION_LAYER = LayerSpec(mixer=gated_attention, project=False, ffn_norm="post_attn_norm")
 
 
 class Qwen35(Arch):
@@ -170,7 +176,8 @@ class Qwen35(Arch):
         )
         return t
 
-    forward = staticmethod(forward)
+    def layer_spec(self, hp, il):
+        return LINEAR_LAYER if hp.is_recurrent(il) else ATTENTION_LAYER
 
     def create_memory(self, hparams, cparams):
         return create_hybrid_memory(hparams, cparams)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from kvchat.kernels.conv import conv_with_state
-from kvchat.runtime.arch.blocks import decoder_layers
 from kvchat.runtime.memory.hybrid import MemoryHybrid
 from kvchat.runtime.memory.recurrent import MemoryRecurrent
 
@@ -97,18 +96,3 @@ def rms_norm_last(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis of any-shaped x (per head), times w."""
     ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
     return (x / np.sqrt(ms + eps) * w).astype(np.float32)
-
-
-def hybrid_forward(model, ubatch, mctx, recurrent_mixer, attention_mixer, ffn_norm: str) -> np.ndarray:
-    """The block loop of a hybrid model (blocks.decoder_layers): x += mixer(attn_norm(x));
-    x += SwiGLU(<ffn_norm>(x)), the mixer being recurrent_mixer(hp, L, h, recr_ctx, il) in
-    recurrent layers and attention_mixer(model, il, L, h, pos, attn_ctx) in the others.
-    Logits f32 [n_outputs, n_vocab]."""
-    hp = model.hparams
-
-    def mixer(il, L, h, pos):
-        if hp.is_recurrent(il):
-            return recurrent_mixer(hp, L, h, mctx.get_recr(), il)
-        return attention_mixer(model, il, L, h, pos, mctx.get_attn())
-
-    return decoder_layers(model, ubatch, mixer, ffn_norm=ffn_norm)

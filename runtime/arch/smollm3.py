@@ -6,7 +6,6 @@ A NoPE layer's cached keys carry no position, so the K-shift leaves them alone
 (HParams.has_rope); llama.cpp's K-shift rotates them too.
 """
 
-from kvchat.runtime.arch import llama
 from kvchat.runtime.arch.base import Arch
 
 NO_ROPE_LAYER_STEP = 4
@@ -20,8 +19,6 @@ class SmolLM3(Arch):
     def read_hparams(self, gf, fields):
         fields["rope_layers"] = [(il + 1) % NO_ROPE_LAYER_STEP != 0 for il in range(fields["n_layer"])]
         return super().read_hparams(gf, fields)
-
-    forward = staticmethod(llama.forward)
 
 
 ARCH = SmolLM3()
