@@ -28,6 +28,7 @@ PANEL_CONTEXT = "Context and KV cache"
 PANEL_SAMPLING = "Sampling"
 PANEL_CHAT = "Conversation"
 PANEL_OUTPUT = "Output"
+PANEL_SPEC = "Speculative decoding"
 
 
 class FlashAttn(str, Enum):
@@ -68,6 +69,10 @@ class ChatSettings:
     show_timings: bool = False
     verbose_prompt: bool = False
     markdown: bool = False
+    model_draft: Optional[str] = None
+    spec_type: Optional[str] = None
+    draft_max: int = 8
+    draft_min: int = 0
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -152,6 +157,19 @@ def seed_value(v):
 
 
 seed_value.text = "-1 or 0<=x<2^64"
+
+
+def spec_type_value(v):
+    """draft, ngram or self:TYPE (the draft type is checked when the model is loaded)."""
+    if v is None:
+        return v
+    text = v.strip().lower()
+    if text in ("draft", "ngram") or (text.startswith("self:") and len(text) > 5):
+        return text
+    raise ValueError(f"must be draft, ngram or self:TYPE such as self:q4_0 (got {v!r})")
+
+
+spec_type_value.text = "draft|ngram|self:TYPE"
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -371,6 +389,39 @@ OPTIONS = [
         "render the answer as Markdown when it is complete",
         PANEL_OUTPUT,
         live=OUTPUT,
+    ),
+    Option(
+        "model_draft",
+        Optional[str],
+        ("-md", "--model-draft"),
+        "draft model for speculative decoding (same vocabulary; named as -m)",
+        PANEL_SPEC,
+    ),
+    Option(
+        "spec_type",
+        Optional[str],
+        ("--spec-type",),
+        "draft source: draft (the -md model), ngram (lookups in the prompt and answer), "
+        "self:TYPE (a TYPE copy of the model's weights, e.g. self:q4_0)",
+        PANEL_SPEC,
+        spec_type_value,
+        extra={"show_default": "draft with -md, else off"},
+    ),
+    Option(
+        "draft_max",
+        int,
+        ("--draft-max", "--spec-draft-n-max"),
+        "most draft tokens per verify batch (fewer when drafts are rejected)",
+        PANEL_SPEC,
+        within(1, 32),
+    ),
+    Option(
+        "draft_min",
+        int,
+        ("--draft-min", "--spec-draft-n-min"),
+        "fewest draft tokens worth a verify batch (below: plain steps)",
+        PANEL_SPEC,
+        at_least(0),
     ),
 ]
 OPTIONS = [replace(o, default=getattr(ChatSettings(), o.name)) for o in OPTIONS]

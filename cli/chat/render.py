@@ -23,8 +23,11 @@ MIB = 1024.0 * 1024.0
 
 
 def timings_line(stats) -> str:
-    """llama.cpp's one-line speed summary."""
-    return f"[ Prompt: {stats.prompt_tps:.1f} t/s | Generation: {stats.gen_tps:.1f} t/s ]"
+    """llama.cpp's one-line speed summary (with the drafts accepted when speculating)."""
+    spec = ""
+    if getattr(stats, "n_drafted", 0):
+        spec = f" | Drafts: {stats.n_accepted}/{stats.n_drafted} accepted"
+    return f"[ Prompt: {stats.prompt_tps:.1f} t/s | Generation: {stats.gen_tps:.1f} t/s{spec} ]"
 
 
 class Renderer:
@@ -206,6 +209,13 @@ class Renderer:
         t = Table(title="last turn", show_header=False, box=None, pad_edge=False)
         t.add_row("prompt tokens decoded", str(s.n_prompt), f"{s.t_prompt * 1000:.0f} ms", f"{s.prompt_tps:.1f} t/s")
         t.add_row("answer tokens", str(s.n_gen), f"{s.t_gen * 1000:.0f} ms", f"{s.gen_tps:.1f} t/s")
+        if s.n_drafted or getattr(conv, "speculative", None) is not None:
+            t.add_row(
+                "drafts accepted",
+                f"{s.n_accepted}/{s.n_drafted}",
+                f"{100 * s.acceptance:.0f} %",
+                f"{s.n_verify} verify batches",
+            )
         t.add_row("stopped by", s.stop or "-", "", "")
         t.add_row("dropped by context shift", str(s.n_shifted), "", "")
         t.add_row(

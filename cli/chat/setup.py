@@ -141,7 +141,43 @@ def make_conversation(
     )
     if settings.verbose_prompt:
         conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
+    conv.speculative = make_speculator(engine, settings, renderer, stop_event)
     return conv
+
+
+def make_speculator(engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event):
+    """The Speculator the flags ask for (-md, --spec-type, --draft-max/min), or None; its draft
+    model loaded and warmed up under the spinner."""
+    kind = settings.spec_type or ("draft" if settings.model_draft else None)
+    if kind is None:
+        return None
+    if settings.model_draft is not None and kind != "draft":
+        raise KvchatError(f"-md is the draft model of --spec-type draft, not of {kind}: drop one of them")
+    from kvchat.runtime.speculative import make_speculator as build
+
+    draft_path = None
+    if kind == "draft":
+        if settings.model_draft is None:
+            raise KvchatError("--spec-type draft needs a draft model: give -md FILE")
+        from kvchat.cli.sources.models import resolve_model
+
+        draft_path = resolve_model(settings.model_draft, renderer.err_console)
+    with renderer.spinner(f"preparing the draft ({kind})"):
+        spec = build(
+            engine.ctx,
+            kind,
+            draft_path=draft_path,
+            draft_max=settings.draft_max,
+            draft_min=settings.draft_min,
+            abort_callback=stop_event.is_set,
+        )
+        draft_ctx = getattr(spec.source, "ctx", None)
+        if draft_ctx is not None:
+            from kvchat.runtime.generate import warm_up
+
+            bos = getattr(engine.vocab, "bos", None)
+            warm_up(draft_ctx, bos if bos is not None and bos >= 0 else 0)
+    return spec
 
 
 @contextmanager

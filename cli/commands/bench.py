@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import typer
@@ -63,17 +64,32 @@ def model_desc(model) -> str:
 
 
 BENCH_FLAGS = ("model", "hf_repo", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v", "flash_attn")
+SPEC_FLAGS = ("model_draft", "draft_max", "draft_min")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("bench")
-    @with_settings(names=BENCH_FLAGS)
+    @with_settings(names=BENCH_FLAGS + SPEC_FLAGS)
     def bench(
         n_prompt: int = typer.Option(512, "-p", "--n-prompt", min=0, help="prompt tokens (0: skip pp)"),
         n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, help="generated tokens (0: skip tg)"),
         reps: int = typer.Option(3, "-r", "--repetitions", min=1, help="timed repetitions per test"),
         depth: int = typer.Option(0, "-d", "--n-depth", min=0, help="tokens already in the cache"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+        spec: str = typer.Option(
+            None,
+            "--spec",
+            help="speculative decoding's speed-up instead: draft (with -md), ngram or self:TYPE, "
+            "greedy -n tokens plain and speculative, alternately",
+            rich_help_panel="Speculative decoding",
+        ),
+        prompt_file: Path = typer.Option(
+            None,
+            "--prompt-file",
+            help="with --spec: the user message (default: a coding request)",
+            rich_help_panel="Speculative decoding",
+        ),
+        ctx_size: int = typer.Option(4096, "-c", "--ctx-size", min=64, help="with --spec: context size"),
         settings: ChatSettings = None,
     ):
         """Measure pp (prompt) and tg (generation) speed, llama-bench style."""
@@ -82,6 +98,18 @@ def register(app: typer.Typer) -> None:
         from kvchat.runtime.model import Model
 
         m = Model.load(resolve_model(settings.model))
+        if spec is not None:
+            from kvchat.cli.commands.bench_spec import bench_spec
+            from kvchat.cli.options import spec_type_value
+
+            try:
+                kind = spec_type_value(spec)
+            except ValueError as e:
+                raise KvchatError(f"--spec: {e}") from None
+            draft = resolve_model(settings.model_draft) if settings.model_draft else None
+            ctx = Context(m, settings.context_params(n_ctx=ctx_size))
+            bench_spec(ctx, settings, kind, prompt_file, n_gen, reps, as_json, draft)
+            return
         n_ctx = depth + max(n_prompt, n_gen) + 1
         ctx = Context(m, settings.context_params(n_ctx=n_ctx))
         cache_type_k, cache_type_v, threads = settings.cache_type_k, settings.cache_type_v, settings.threads

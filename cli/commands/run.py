@@ -137,6 +137,8 @@ def run_command(
 
     if prompts_file is not None and (prompt is not None or file is not None):
         raise KvchatError("give either --prompts-file or a prompt (-p / -f), not both")
+    if (parallel > 1 or prompts_file is not None) and (settings.spec_type or settings.model_draft):
+        raise KvchatError("speculative decoding works with one answer; drop -np / --prompts-file or the draft flags")
     if (parallel > 1 or prompts_file is not None or jsonl) and settings.session is not None:
         raise KvchatError("--session works with one answer; drop -np / --prompts-file / --jsonl")
     text = read_prompt(prompt, file) if prompts_file is None else None

@@ -110,6 +110,7 @@ class Conversation(CachedSequence):
         self._n_keep_cache = None  # (system text, n_keep)
         self.last_stats = TurnStats()
         self.on_prompt = None  # called with the token ids about to be decoded (--verbose-prompt)
+        self.speculative = None  # a Speculator (runtime/speculative/): answers verify its drafts
         eog = sorted(int(t) for t in getattr(vocab, "eog", ()) or ())
         self._eog_ids = np.asarray(eog, dtype=np.int64)
 
@@ -254,9 +255,16 @@ class Conversation(CachedSequence):
         decoder = self._stream_decoder(self.vocab)
         pieces: list[str] = []
         cfg = self.config
-        gen = generate(
+        kw = {}
+        run = generate
+        if self.speculative is not None:
+            from kvchat.runtime.speculative.generate import generate_speculative
+
+            run, kw = generate_speculative, {"speculator": self.speculative, "history": list(self.tokens)}
+        gen = run(
             self.ctx,
             self._sample,
+            **kw,
             logits=self.logits,
             pos0=self.n_cached,
             seq=self.seq_id,
@@ -282,6 +290,9 @@ class Conversation(CachedSequence):
             stats.t_gen = gen.seconds
             stats.n_gen_decoded = gen.n_decoded
             stats.stop = gen.stop or ""
+            spec = getattr(gen, "stats", None)
+            if spec is not None:
+                stats.n_drafted, stats.n_accepted, stats.n_verify = spec.n_drafted, spec.n_accepted, spec.n_verify
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
         return stats
 

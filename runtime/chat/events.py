@@ -56,6 +56,13 @@ class TurnStats:
     t_gen: float = 0.0
     n_shifted: int = 0  # tokens dropped by context shifts during this turn
     stop: StopReason | str = ""  # why the answer ended ("" while running or after an exception)
+    n_drafted: int = 0  # speculative decoding: draft tokens verified
+    n_accepted: int = 0  # ... and accepted
+    n_verify: int = 0  # ... verify batches
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
     @property
     def prompt_tps(self) -> float:

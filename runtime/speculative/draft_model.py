@@ -1,0 +1,102 @@
+"""Drafts from a model: a smaller model of the same vocabulary (`-md FILE`), or the target's own
+weights quantized at load (`self:q4_0`, runtime/speculative/self_quant.py).
+
+The draft model has its own Context and memory. It is kept in step with the target the way
+llama.cpp's common_speculative does: each proposal receives the sequence so far, keeps the
+longest prefix its cache already holds (seq_rm of the rest: the drafts the target rejected, or
+what a context shift of the target changed), decodes the new tokens in one batch, then drafts
+greedily, one token at a time. A sequence longer than the draft's context is windowed: the draft
+sees its tail from a start that moves in steps of half its context, so the prefix stays reusable
+between proposals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvchat.runtime.chat.refit import common_prefix
+from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.generate import decode_tokens
+
+VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE (padded vocabularies)
+
+
+def check_same_vocab(target_vocab, draft_vocab, draft_name: str) -> None:
+    """KvchatError (one line) unless the draft's token ids mean what the target's mean (llama.cpp's
+    common_speculative_are_compatible: sizes within 128, the same texts over the shared ids, the
+    same BOS/EOS): a draft from another vocabulary would be accepted never, or by accident."""
+    nt, nd = int(target_vocab.n_vocab), int(draft_vocab.n_vocab)
+    why = None
+    if abs(nt - nd) > VOCAB_MAX_SIZE_DIFFERENCE:
+        why = f"{nd} tokens against the target's {nt}"
+    else:
+        n = min(nt, nd)
+        for i in sorted(set(range(0, n, max(1, n // 4096))) | {n - 1}):
+            if target_vocab.token_text(i) != draft_vocab.token_text(i):
+                why = f"token {i} is {draft_vocab.token_text(i)!r}, the target's {target_vocab.token_text(i)!r}"
+                break
+    if why is None and (target_vocab.bos, target_vocab.eos) != (draft_vocab.bos, draft_vocab.eos):
+        why = "its BOS/EOS tokens differ"
+    if why is not None:
+        raise KvchatError(
+            f"draft model {draft_name}: not the target's vocabulary ({why}); use a model of the same family"
+        )
+
+
+class ModelDraft:
+    """Draft source on a draft model's Context (sequence 0)."""
+
+    def __init__(self, ctx, name: str = "draft", n_vocab_target: int | None = None):
+        self.ctx = ctx
+        self.n_vocab_target = n_vocab_target or int(ctx.n_vocab)  # drafts past it are dropped
+        self.name = name
+        self.cached: list[int] = []  # the tokens the draft's cache holds, at positions 0, 1, ...
+        self.offset = 0  # history index of the draft's position 0 (the window's start)
+
+    def _window(self, history, n_max: int) -> int:
+        """Where the draft's window of history starts (a multiple of half its context)."""
+        n_ctx = int(self.ctx.n_ctx_seq)
+        need = len(history) + n_max + 1
+        if need <= n_ctx:
+            return 0
+        half = max(1, n_ctx // 2)
+        return ((need - n_ctx) // half + 1) * half
+
+    def propose(self, history, n_max: int) -> list[int]:
+        """Up to n_max greedy draft tokens to follow `history` (token ids, oldest first)."""
+        if n_max <= 0 or not len(history):
+            return []
+        start = self._window(history, n_max)
+        if start >= len(history):
+            return []
+        h = [int(t) for t in history[start:]]
+        if start != self.offset:
+            self._forget()
+            self.offset = start
+        p = common_prefix(self.cached, h)
+        if p >= len(h):
+            p = len(h) - 1  # re-decode the last token: its logits start the draft
+        mem = self.ctx.memory
+        if not mem.seq_rm(0, p, -1):  # a recurrent draft cannot cut a tail: start over
+            self._forget()
+            p = 0
+        self.cached = h[:p]
+        logits = decode_tokens(self.ctx, h[p:], p, 0)
+        self.cached = h
+        out: list[int] = []
+        while True:
+            t = int(np.argmax(logits))  # greedy; ties to the lowest id, as the sampler's greedy
+            if t >= self.n_vocab_target:
+                return out
+            out.append(t)
+            if len(out) >= n_max:
+                return out
+            logits = decode_tokens(self.ctx, [t], len(self.cached), 0)
+            self.cached.append(t)
+
+    def _forget(self) -> None:
+        self.ctx.memory.seq_rm(0, -1, -1)
+        self.cached = []
+
+    def close(self) -> None:
+        self._forget()

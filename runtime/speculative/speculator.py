@@ -1,0 +1,121 @@
+"""What a speculative run keeps between verify batches: the draft source, how many tokens to
+draft next (DraftLength), and the counts `/stats` shows (SpecStats).
+
+The draft length follows a cost model, so that bad drafts cost (almost) nothing: with a
+per-token acceptance probability p, a verify of the sampled token and k drafts yields
+1 + p + ... + p^k tokens on average and costs t(k + 1) + k·t_draft, where t(n) is the target's
+time for an n-token batch (measured: t(1) + (n - 1)·t_row, fitted from the batches seen) and
+t_draft the draft source's time per token (measured; ~0 for n-gram lookups). k is the value in
+0..draft_max with the most tokens per second; below draft_min it is 0 (a plain one-token step),
+and every PROBE_EVERY plain steps a draft of draft_min (at least 1) is tried again, so that the
+estimates can recover. p is counted with decay (recent drafts weigh most).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROBE_EVERY = 16  # plain steps between two probing drafts when drafting does not pay
+DECAY = 0.9  # weight of the past in the acceptance counts and time averages (per verify)
+
+
+@dataclass
+class SpecStats:
+    """Counts of a speculative run: tokens drafted, accepted, verify batches."""
+
+    n_drafted: int = 0
+    n_accepted: int = 0
+    n_verify: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    def add(self, other: "SpecStats") -> None:
+        self.n_drafted += other.n_drafted
+        self.n_accepted += other.n_accepted
+        self.n_verify += other.n_verify
+
+
+class DraftLength:
+    """The number of tokens to draft next, from measured acceptance and costs (module docstring)."""
+
+    def __init__(self, draft_max: int = 8, draft_min: int = 0):
+        if draft_max < 0 or draft_min < 0 or draft_min > draft_max:
+            raise ValueError(f"draft lengths: need 0 <= draft-min ({draft_min}) <= draft-max ({draft_max})")
+        self.draft_max, self.draft_min = int(draft_max), int(draft_min)
+        self.acc, self.trials = 1.0, 2.0  # prior p = 0.5 (pseudo-counts)
+        self.t_size: dict[int, float] = {}  # batch size n -> mean seconds of a target decode of n tokens
+        self.t_draft = 0.0  # mean seconds per drafted token
+        self.n_plain = 0  # plain steps since the last draft
+
+    @property
+    def p(self) -> float:
+        return min(0.99, self.acc / self.trials)
+
+    def _t(self, n: int) -> float:
+        """Estimated seconds of an n-token target decode: a line through the sizes measured."""
+        pts = sorted(self.t_size.items())
+        if not pts:
+            return 1.0 + 0.15 * (n - 1)  # before any measurement: only ratios matter
+        if len(pts) == 1:
+            (m, t) = pts[0]
+            one = t / (1.0 + 0.15 * (m - 1))
+            return one * (1.0 + 0.15 * (n - 1))
+        xs = [m for m, _ in pts]
+        ys = [t for _, t in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx)
+        return max(1e-6, my + slope * (n - mx))
+
+    def next(self) -> int:
+        """How many tokens to draft for the next verify."""
+        p = self.p
+        t_draft = self.t_draft if self.t_size else 0.0  # seconds only mean something next to measured t(n)
+        best, best_rate = 0, 1.0 / self._t(1)
+        gain = 1.0
+        for k in range(1, self.draft_max + 1):
+            gain += p**k
+            rate = gain / (self._t(k + 1) + k * t_draft)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best < max(1, self.draft_min):
+            self.n_plain += 1
+            if self.n_plain >= PROBE_EVERY:
+                self.n_plain = 0
+                return max(1, self.draft_min)
+            return 0
+        self.n_plain = 0
+        return best
+
+    def record_decode(self, n: int, seconds: float) -> None:
+        """A target decode of n tokens took `seconds`."""
+        old = self.t_size.get(n)
+        self.t_size[n] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def record_draft(self, n_drafted: int, n_accepted: int, rejected: bool, seconds: float) -> None:
+        """A proposal of n_drafted tokens (taking `seconds`), of which the first n_accepted were
+        accepted (`rejected`: the next one was not; False when all were, or the run stopped)."""
+        self.acc = DECAY * self.acc + n_accepted
+        self.trials = DECAY * self.trials + n_accepted + (1 if rejected else 0)
+        if n_drafted:
+            per = seconds / n_drafted
+            self.t_draft = per if self.t_draft == 0.0 else DECAY * self.t_draft + (1 - DECAY) * per
+
+
+class Speculator:
+    """A draft source with its draft length and counts; one per conversation (or bench run).
+    source: anything with propose(history, n_max) -> list[int] and close()."""
+
+    def __init__(self, source, draft_max: int = 8, draft_min: int = 0):
+        self.source = source
+        self.length = DraftLength(draft_max, draft_min)
+        self.stats = SpecStats()  # the whole run's
+
+    @property
+    def name(self) -> str:
+        return getattr(self.source, "name", type(self.source).__name__)
+
+    def close(self) -> None:
+        self.source.close()

@@ -1,0 +1,215 @@
+"""Speculative decoding (runtime/speculative/) on the tiny reference models — dense, iSWA,
+recurrent, hybrid: a verify batch's rows are bit-identical to one-token decodes, and greedy
+generation with any draft source gives the plain answer token for token and leaves the memory
+holding what plain decoding leaves (state bytes equal), also when the answer stops inside a
+verified run (token limit, end of generation, Ctrl-C) and across context shifts."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.generate import StopReason, decode_tokens, generate
+from kvchat.runtime.model import Model
+from kvchat.runtime.speculative.generate import generate_speculative
+from kvchat.runtime.speculative.ngram import NgramDraft
+from kvchat.runtime.speculative.speculator import DraftLength, Speculator
+
+MODELS = ["llama3rope_s1", "gemma2_s1", "mamba_s1", "lfm2_s1", "qwen35_s1"]
+PROMPT = [1, 500, 600, 700, 800, 900, 1000, 1100, 500, 600, 700, 800, 1200, 1300, 1400]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request, reference_dir):
+    m = Model.load(reference_dir / "tiny" / f"{request.param}.gguf")
+    yield m
+    m.close()
+
+
+def context(model, n_ctx=256, stop=None):
+    return Context(model, ContextParams(n_ctx=n_ctx, n_batch=256, n_ubatch=256), abort_callback=stop)
+
+
+def greedy(logits):
+    return int(np.argmax(logits))
+
+
+class Oracle:
+    """Drafts from a known answer, wrong at every third proposal's second token: accepted runs,
+    rejections at every index, and drafts past the end."""
+
+    name = "oracle"
+
+    def __init__(self, n_prompt, answer, n_vocab):
+        self.n_prompt, self.answer, self.n_vocab = n_prompt, list(answer), n_vocab
+        self.calls = 0
+
+    def propose(self, history, n_max):
+        self.calls += 1
+        g = len(history) - self.n_prompt
+        out = self.answer[g : g + n_max] + [7] * max(0, g + n_max - len(self.answer))
+        if self.calls % 3 == 0 and len(out) > 1:
+            out[1] = (out[1] + 1) % self.n_vocab
+        return out
+
+    def close(self):
+        pass
+
+
+def run(model, source=None, n=40, is_eog=None, stop_at=None, draft_max=5):
+    """Greedy tokens, the stop reason, n_decoded and the sequence's state after generate()."""
+    stop = threading.Event()
+    ctx = context(model, stop=stop.is_set)
+    spec = None
+    if source is not None:
+        spec = Speculator(source, draft_max=draft_max)
+        spec.length.next = lambda: draft_max  # every step drafts: the paths under test, not the policy
+    kw = dict(prompt=PROMPT, max_tokens=n, is_eog=is_eog, stop_event=stop)
+    gen = generate(ctx, greedy, **kw) if spec is None else generate_speculative(ctx, greedy, spec, **kw)
+    toks = []
+    for step in gen:
+        toks.append(step.token)
+        if stop_at is not None and step.index == stop_at:
+            stop.set()
+    return toks, gen.stop, gen.n_decoded, ctx.state_seq_get_data(0), spec
+
+
+def test_verify_batch_rows_are_bit_identical_to_one_token_decodes(model):
+    ctx = context(model)
+    decode_tokens(ctx, PROMPT, 0)
+    toks = [321, 4000, 77, 9000, 15, 2222, 31]
+    p0 = len(PROMPT)
+    ckpt = ctx.memory.seq_checkpoint(0)
+    assert ctx.decode(Batch.one_seq(np.array(toks, np.int32), p0, 0, all_logits=True)) == 0
+    rows = ctx.get_logits().copy()  # [7, n_vocab]
+    assert ctx.memory.seq_restore(0, ckpt)
+    for i, t in enumerate(toks):
+        one = decode_tokens(ctx, [t], p0 + i)
+        assert np.array_equal(one, rows[i]), f"row {i}"
+
+
+def test_greedy_with_drafts_is_plain_greedy_and_leaves_the_same_memory(model):
+    plain, stop, n_dec, state, _ = run(model)
+    assert stop == StopReason.LIMIT and len(plain) == 40
+    for source in (Oracle(len(PROMPT), plain, model.hparams.n_vocab), NgramDraft(3, 1)):
+        toks, stop2, n_dec2, state2, spec = run(model, source)
+        assert toks == plain, source.name
+        assert (stop2, n_dec2) == (stop, n_dec)
+        assert state2 == state, f"{source.name}: the memory differs from plain decoding's"
+        assert spec.stats.n_drafted > 0 and spec.stats.n_verify > 0
+    assert spec.stats.n_accepted < spec.stats.n_drafted  # ngram drafts on random weights: some rejected
+
+
+@pytest.mark.parametrize("n", [5, 6, 7, 13])
+def test_a_token_limit_inside_a_verified_run_leaves_what_plain_decoding_leaves(model, n):
+    plain, stop, n_dec, state, _ = run(model, n=n)
+    oracle = Oracle(len(PROMPT), run(model, n=40)[0], model.hparams.n_vocab)
+    toks, stop2, n_dec2, state2, spec = run(model, oracle, n=n)
+    assert (toks, stop2, n_dec2) == (plain, stop, n_dec)
+    assert state2 == state
+    assert spec.stats.n_accepted > 0
+
+
+@pytest.mark.parametrize("at", [3, 8])
+def test_end_of_generation_inside_a_verified_run(model, at):
+    ref = run(model, n=40)[0]
+    eog = ref[at]
+    is_eog = lambda t: t == eog  # noqa: E731
+    plain, stop, n_dec, state, _ = run(model, is_eog=is_eog)
+    assert stop == StopReason.EOG
+    toks, stop2, n_dec2, state2, _ = run(model, Oracle(len(PROMPT), ref, model.hparams.n_vocab), is_eog=is_eog)
+    assert (toks, stop2, n_dec2) == (plain, stop, n_dec)
+    assert state2 == state
+
+
+@pytest.mark.parametrize("at", [0, 4, 9])
+def test_ctrl_c_inside_a_verified_run(model, at):
+    ref = run(model, n=40)[0]
+    plain, stop, n_dec, state, _ = run(model, stop_at=at)
+    assert stop == StopReason.INTERRUPTED
+    toks, stop2, n_dec2, state2, _ = run(model, Oracle(len(PROMPT), ref, model.hparams.n_vocab), stop_at=at)
+    assert (toks, stop2, n_dec2) == (plain, stop, n_dec)
+    assert state2 == state
+
+
+def test_draft_length_falls_to_plain_steps_when_drafts_fail_and_probes_again():
+    dl = DraftLength(draft_max=8, draft_min=0)
+    for _ in range(3):
+        dl.record_decode(1, 0.010)
+        dl.record_decode(5, 0.016)
+    assert dl.next() == 2  # prior p = 0.5, a batch of n costs 1 + 0.15 (n - 1) tokens: 2 drafts pay best
+    for _ in range(30):
+        dl.record_draft(4, 0, True, 0.0)
+    ks = [dl.next() for _ in range(32)]
+    assert ks.count(0) >= 30 and max(ks) >= 1  # plain steps, with a probe now and then
+    for _ in range(30):
+        dl.record_draft(4, 4, False, 0.0)
+    assert dl.next() == 8  # all accepted: the longest drafts
+
+
+def test_ngram_draft_continues_the_latest_match():
+    src = NgramDraft(ngram_max=3, ngram_min=1)
+    h = [5, 6, 7, 8, 9, 1, 5, 6, 7, 4, 2, 5, 6, 7]
+    assert src.propose(h, 3) == [4, 2, 5]  # [5 6 7] last seen before 4 2 ...
+    assert src.propose([1, 2, 3], 4) == []
+    assert src.propose([3, 1, 2, 3], 4) == [1, 2, 3]
+
+
+def conversation(model, speculative=None, n_ctx=256, n_predict=40, temp=0.0):
+    from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
+    from kvchat.runtime.sampling import Sampler, SamplingParams
+
+    ctx = context(model, n_ctx=n_ctx)
+    conv = Conversation(
+        ctx,
+        model.vocab,
+        None,
+        Sampler(SamplingParams(temp=temp, seed=7)),
+        ConversationConfig(n_predict=n_predict, raw=True, ignore_eos=True, keep=4),
+    )
+    conv.speculative = speculative
+    return conv
+
+
+def test_a_conversation_through_context_shifts_is_plain_decodings(model):
+    """256 cells, answers of 300 tokens: several shifts inside speculative runs (dense, iSWA with
+    its window; recurrent and hybrid memories stop at the full context, as plain ones do)."""
+    plain = conversation(model, n_predict=300)
+    spec = conversation(model, Speculator(NgramDraft(3, 1), draft_max=6), n_predict=300)
+    for conv in (plain, spec):
+        conv.ask("one two three one two three one two three four")
+        conv.ask("five six five six")
+    assert spec.tokens == plain.tokens and spec.messages == plain.messages
+    assert (spec.n_dropped, spec.n_keep_shift) == (plain.n_dropped, plain.n_keep_shift)
+    assert spec.session_state() == plain.session_state()
+    assert spec.last_stats.stop == plain.last_stats.stop
+    assert spec.speculative.stats.n_drafted > 0
+
+
+def test_a_seeded_sampled_answer_is_the_same_with_drafts(model):
+    """temp 0.8: drafts are point masses, so "draw from the model, keep the draft while they
+    agree" is the speculative-sampling rule and uses the same random numbers as plain sampling."""
+    plain = conversation(model, temp=0.8, n_predict=60)
+    spec = conversation(model, Speculator(NgramDraft(3, 1), draft_max=6), temp=0.8, n_predict=60)
+    for conv in (plain, spec):
+        conv.ask("one two three one two three one two three four")
+    assert spec.tokens == plain.tokens
+    assert spec.session_state() == plain.session_state()
+
+
+def test_self_q4_0_drafts_give_the_plain_answer(model):
+    """The model drafting for itself: a q4_0 copy of the (F32) weights, its own Context."""
+    from kvchat.runtime.speculative import make_speculator
+
+    plain = conversation(model, n_predict=40)
+    spec_conv = conversation(model, n_predict=40)
+    spec_conv.speculative = make_speculator(spec_conv.ctx, "self:q4_0", draft_max=4)
+    for conv in (plain, spec_conv):
+        conv.ask("one two three one two three one two three four")
+    assert spec_conv.tokens == plain.tokens
+    assert spec_conv.session_state() == plain.session_state()
+    st = spec_conv.speculative.stats
+    assert st.n_drafted > 0 and st.n_accepted > 0  # a 4-bit copy agrees with its model often
