@@ -14,6 +14,12 @@ Side by side (each round runs every command once, in turn; medians over rounds):
   .pyc files are written (PYTHONDONTWRITEBYTECODE is removed from the children's environment, as on
   a user's machine).
 
+What a start-up piece saves (`--skip PIECES`, repeatable: the first tree again with
+KVCHAT_STARTUP_SKIP=PIECES, one column each; kernels/numba_start.py names the pieces):
+
+    python benchmarks/startup.py --tree . --skip fast_args,fast_params --skip lean_cache_loads \\
+        -r 9 -- run -m smollm2 -p hi -n 16
+
 Phases (`--phases`, one column per --tree, rounds alternated): the same command run in-process by a child, with
 perf_counter marks around
 the calls a warm start makes (imports, GGUF parse, vocabulary, weights, context, warm-up, the
@@ -64,8 +70,9 @@ def _clean_env(tree: str | None) -> dict:
     return env
 
 
-def time_first_byte(cmd: list[str], env: dict, skip: bytes = b"", cwd=None) -> tuple[float, float, int]:
-    """(seconds to the first stdout byte past the echoed `skip`, seconds to exit, return code)."""
+def time_first_byte(cmd: list[str], env: dict, skip: bytes = b"", cwd=None) -> tuple[float, float, int, float]:
+    """(seconds to the first stdout byte past the echoed `skip`, seconds to exit, return code,
+    CPU seconds of the process: user + system, from its rusage)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     got = b""
@@ -77,8 +84,10 @@ def time_first_byte(cmd: list[str], env: dict, skip: bytes = b"", cwd=None) -> t
         got += chunk
         if first is None and len(got) > (len(skip) if got.startswith(skip) else 0):
             first = time.perf_counter() - t0
-    rc = p.wait()
-    return (first if first is not None else float("nan")), time.perf_counter() - t0, rc
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    cpu = usage.ru_utime + usage.ru_stime
+    return (first if first is not None else float("nan")), time.perf_counter() - t0, p.returncode, cpu
 
 
 def _arg(args: list[str], *names: str, default=None):
@@ -113,22 +122,31 @@ def side_by_side(opts, args: list[str]) -> None:
                 os.path.abspath(tree),
             )
         )
+    for pieces in opts.skip:
+        tree = opts.tree[0] if opts.tree else os.path.dirname(HERE)
+        env = dict(_clean_env(tree), KVCHAT_STARTUP_SKIP=pieces)
+        cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args]
+        runs.append((f"kvchat without {pieces}", cmd, env, b"", os.path.abspath(tree)))
     if opts.llama_completion:
         cmd, echo = llama_cmd(opts.llama_completion, args)
         runs.append(("llama-completion", cmd, _clean_env(None), echo, None))
-    res = {label: ([], []) for label, *_ in runs}
+    res = {label: ([], [], []) for label, *_ in runs}
     for r in range(opts.rounds):
-        for label, cmd, env, skip, cwd in runs:
-            first, total, rc = time_first_byte(cmd, env, skip, cwd)
+        for label, cmd, env, skip, cwd in runs if r % 2 == 0 else runs[::-1]:  # alternated order
+            first, total, rc, cpu = time_first_byte(cmd, env, skip, cwd)
             if rc != 0:
                 sys.exit(f"{label}: exit code {rc}")
             res[label][0].append(first)
             res[label][1].append(total)
-            print(f"round {r + 1}: {label}: first byte {first:.3f} s, exit {total:.3f} s", file=sys.stderr)
-    print(f"{'':44s} {'first byte':>11s} {'exit':>8s}   (medians of {opts.rounds}, s)")
-    for label, (firsts, totals) in res.items():
+            res[label][2].append(cpu)
+            print(
+                f"round {r + 1}: {label}: first byte {first:.3f} s, exit {total:.3f} s, CPU {cpu:.3f} s",
+                file=sys.stderr,
+            )
+    print(f"{'':44s} {'first byte':>11s} {'exit':>8s} {'CPU':>8s}   (medians of {opts.rounds}, s)")
+    for label, (firsts, totals, cpus) in res.items():
         print(
-            f"{label:44s} {_median(firsts):11.3f} {_median(totals):8.3f}   "
+            f"{label:44s} {_median(firsts):11.3f} {_median(totals):8.3f} {_median(cpus):8.3f}   "
             f"first bytes {' '.join(f'{x:.2f}' for x in firsts)}"
         )
 
@@ -248,6 +266,13 @@ def phases(opts, args: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", action="append", default=[], help="a kvchat source tree (repeat to compare)")
+    ap.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        help="also run this tree with KVCHAT_STARTUP_SKIP=PIECES (comma list of kernels/numba_start.py's pieces, "
+        "fast_args, fast_params): what those pieces are worth, side by side (repeat for more columns)",
+    )
     ap.add_argument("--llama-completion", help="llama-completion binary to run side by side")
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--phases", action="store_true", help="phase table of each --tree (or this one), rounds alternated")

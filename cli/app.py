@@ -40,7 +40,8 @@ def make_app(only: str | None = None):
 
     from kvchat.cli import fast_params
 
-    fast_params.install()
+    if not startup_piece_skipped("fast_params"):
+        fast_params.install()
     application = typer.Typer(
         name="kvchat",
         help="Chat with local GGUF models in the terminal (a llama.cpp-style engine on numba).",
@@ -88,9 +89,16 @@ def single_threaded_blas() -> None:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def startup_piece_skipped(name: str) -> bool:
+    """True when KVCHAT_STARTUP_SKIP names this piece (benchmarks/startup.py measures its worth)."""
+    from kvchat.kernels.numba_start import SKIP_ENV
+
+    return name in os.environ.get(SKIP_ENV, "").replace(" ", "").split(",")
+
+
 def run_without_typer(args: list[str]):
     """`kvchat run ...` parsed by cli/fast_args.py and run; NotImplemented when typer must parse it."""
-    if args[0] != "run":
+    if args[0] != "run" or startup_piece_skipped("fast_args"):
         return NotImplemented
     from kvchat.cli import fast_args
     from kvchat.cli.commands import run as cmd_run
@@ -132,6 +140,9 @@ def main(argv=None) -> None:
     stderr — exit 2 and 1 respectively, as click and llama.cpp's tools do."""
     quiet_engine_logs()
     single_threaded_blas()
+    from kvchat.kernels.numba_start import install
+
+    install()  # kvchat's changes to numba, before anything imports it (kernels/numba_start.py)
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help")):
         args = ["chat", *args]

@@ -15,6 +15,12 @@ Set before numba is first imported (a user's environment wins):
   launch wait for a descheduled spinner when anything else ran (tg 4–5 against 21–35 t/s at load
   6–8 in session 3); whether a one-token step's matmuls go parallel at all is decided from
   measured step times by kernels/launch_tuner.py. docs/performance.md has the runs.
+
+Importing this package changes nothing in numba itself. What kvchat changes in numba and
+llvmlite (cached kernels loaded without the compiler's set-up, cache writes safe for several
+processes, the record of a warm-up's kernels) is applied by one explicit call,
+`kvchat.kernels.numba_start.install()`, made by the CLI's entry point (kvchat.cli.app.main)
+and the compile workers before numba is first imported.
 """
 
 import os
@@ -25,36 +31,3 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
-import sys  # noqa: E402
-
-
-def _import_numba_without_yaml() -> None:
-    """numba imports PyYAML at start-up (~0.01 s) only to read a `.numba_config.yaml` in the
-    working directory; with no such file there is nothing for it to read, so it is imported as
-    if PyYAML were absent (a file, or numba already imported: numba's own way)."""
-    if "numba" in sys.modules or "yaml" in sys.modules or os.path.exists(".numba_config.yaml"):
-        return
-    sys.modules["yaml"] = None  # `import yaml` raises ImportError
-    try:
-        import numba.core.config  # noqa: F401
-    finally:
-        del sys.modules["yaml"]
-
-
-from kvchat.kernels import numba_start  # noqa: E402
-
-numba_start.lazy_metadata()  # importlib.metadata runs when numba's extension scan needs it
-_import_numba_without_yaml()
-
-from kvchat.kernels.jit_cache import lean_cache_loads  # noqa: E402 (numba's threading env is set above)
-
-lean_cache_loads()  # cached kernels load without numba's compiler registries (kernels/jit_cache.py)
-numba_start.cheap_extension_scan()  # and the rest of kernels/numba_start.py
-numba_start.arrays_typed_without_numpy_ma()
-numba_start.dispatchers_made_cheaply()
-numba_start.llvm_lock_events_when_listened()
-
-from kvchat.kernels import warm_set  # noqa: E402
-
-warm_set.install()  # which kernels a warm-up loaded (the CLI skips a warm-up that cannot compile)

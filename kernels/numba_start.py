@@ -1,8 +1,20 @@
-"""numba's start-up without work that a run loading cached kernels never uses.
+"""What kvchat changes in numba and llvmlite, applied by one explicit `install()` — called by the
+CLI's entry point (kvchat.cli.app.main) and the compile workers (kvchat.runtime.compile_worker)
+before numba is first imported; importing kvchat.kernels changes nothing.
 
-Installed by kernels/__init__.py; each piece keeps numba's behaviour for everything it could
-observe and leaves numba as it is when this numba differs from what it expects
-(docs/performance.md "Start-up" has the timings):
+`install()` applies, in this order (PIECES; each returns False and leaves numba as it is when
+this numba differs from what it expects; tests/test_numba_patches.py fails when one no longer
+applies on the numba/llvmlite range pyproject.toml pins):
+- `cache_writes`: numba's cache saves safe with several writers (kernels/cache_writes.py) — the
+  compile workers and the chat write one cache at once;
+- `warm_set`: the record of the kernels a warm-up loaded (kernels/warm_set.py);
+- the start-up pieces below and kernels/jit_cache.py's `lean_cache_loads` (cached kernels load
+  without numba's compiler set-up, the NRT from a cache), kept because each measurably shortens
+  a warm start (docs/performance.md "Start-up" has each one's saving, side by side).
+`KVCHAT_STARTUP_SKIP=name,...` leaves the named pieces out (benchmarks/startup.py --variant
+measures a piece's worth that way).
+
+The start-up pieces keep numba's behaviour for everything a caller could observe:
 - `lazy_metadata()`, before numba is imported: numba imports importlib.metadata (and the email
   package under it) only to scan installed distributions for `numba_extensions` entry points;
   the module is made with the standard library's LazyLoader, so it runs when first used.
@@ -26,6 +38,74 @@ from __future__ import annotations
 
 import os
 import sys
+
+SKIP_ENV = "KVCHAT_STARTUP_SKIP"
+
+
+def _numba_without_yaml() -> bool:
+    """numba imports PyYAML at start-up (~0.01 s) only to read a `.numba_config.yaml` in the
+    working directory; with no such file there is nothing for it to read, so it is imported as
+    if PyYAML were absent (a file, or numba already imported: numba's own way)."""
+    if "numba" in sys.modules or "yaml" in sys.modules or os.path.exists(".numba_config.yaml"):
+        return False
+    sys.modules["yaml"] = None  # `import yaml` raises ImportError
+    try:
+        import numba.core.config  # noqa: F401
+    finally:
+        del sys.modules["yaml"]
+    return True
+
+
+def _lean_cache_loads() -> bool:
+    from kvchat.kernels.jit_cache import lean_cache_loads
+
+    return lean_cache_loads()
+
+
+def _cache_writes() -> bool:
+    from kvchat.kernels import cache_writes
+
+    return cache_writes.install()
+
+
+def _warm_set() -> bool:
+    from kvchat.kernels import warm_set
+
+    return warm_set.install()
+
+
+def pieces() -> list:
+    """(name, function) in the order install() applies them: the two that must run before numba
+    is imported first."""
+    return [
+        ("lazy_metadata", lazy_metadata),
+        ("numba_without_yaml", _numba_without_yaml),
+        ("cache_writes", _cache_writes),
+        ("warm_set", _warm_set),
+        ("lean_cache_loads", _lean_cache_loads),
+        ("cheap_extension_scan", cheap_extension_scan),
+        ("arrays_typed_without_numpy_ma", arrays_typed_without_numpy_ma),
+        ("dispatchers_made_cheaply", dispatchers_made_cheaply),
+        ("llvm_lock_events_when_listened", llvm_lock_events_when_listened),
+    ]
+
+
+_installed: dict = {}
+
+
+def install() -> dict:
+    """Apply every piece not named in KVCHAT_STARTUP_SKIP, once per process; returns
+    {name: True if applied}. Before numba's first import it also makes numba's lazy import of
+    importlib.metadata and PyYAML cheap; after it, those two are False (numba already paid)."""
+    if _installed:
+        return dict(_installed)
+    import kvchat.kernels  # noqa: F401 (numba's threading environment first)
+
+    skip = {s.strip() for s in os.environ.get(SKIP_ENV, "").split(",") if s.strip()}
+    for name, apply in pieces():
+        _installed[name] = False if name in skip else bool(apply())
+    return dict(_installed)
+
 
 METADATA = "importlib.metadata"
 GROUP = b"numba_extensions"

@@ -24,6 +24,10 @@ REFERENCE_DIR = ROOT.parent / "shared" / "reference"
 # it on in a temporary KVCHAT_CACHE.
 os.environ.setdefault("KVCHAT_WEIGHT_CACHE", "0")
 
+from kvchat.kernels.numba_start import install  # noqa: E402
+
+install()  # numba as the CLI runs it (kvchat.cli.app.main installs the same before anything else)
+
 
 # Property tests draw the same examples on every run (the suite gates every landing, so a failure must
 # reproduce); KVCHAT_HYPOTHESIS=explore draws fresh ones to hunt for new counterexamples.

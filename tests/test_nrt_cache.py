@@ -11,7 +11,8 @@ from tests.conftest import ROOT
 # a cached kernel that needs the NRT (it allocates and returns an array), called in a new process
 SCRIPT = """
 import numpy as np
-import kvchat.kernels
+from kvchat.kernels.numba_start import install
+install()  # as kvchat.cli.app.main does (the NRT cache is part of its lean cache loads)
 import kvchat.kernels.nrt_cache as nc
 hows = []
 real = nc.initialize

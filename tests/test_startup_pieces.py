@@ -15,6 +15,7 @@ from kvchat.kernels.matmul import QMatrix
 from kvchat.kernels.quants import dequantize
 from tests.test_matmul import random_raw
 
+INSTALL = "from kvchat.kernels.numba_start import install\ninstall()\n"  # as kvchat.cli.app.main does
 PROBE = "from kvchat.kernels.jit_cache import kernels_compiled; print(kernels_compiled())"
 REGISTRIES = ("numba.np.linalg", "numba.typed.typeddict", "numba.experimental.jitclass.base")
 LOAD_CACHED = f"""
@@ -48,7 +49,7 @@ def test_a_cached_kernel_loads_in_a_new_process_without_numbas_compiler_registri
     qm = QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64)
     expected = qm.matmul(np.arange(64, dtype=np.float32)[None])  # compiles (and caches) if needed
     out = subprocess.run(
-        [sys.executable, "-c", LOAD_CACHED],
+        [sys.executable, "-c", INSTALL + LOAD_CACHED],
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
@@ -66,7 +67,7 @@ def test_a_cache_miss_still_compiles_with_every_registry(tmp_path):
     from tests.conftest import ROOT
 
     (tmp_path / "lean_probe.py").write_text(
-        "import numpy as np\nimport kernels\nfrom numba import njit\n"
+        INSTALL + "import numpy as np\nfrom numba import njit\n"
         "@njit(cache=True)\ndef norm(x):\n    return np.cumsum(x * x)[-1]\n"
     )
     code = (
@@ -87,7 +88,7 @@ def test_a_kernel_loaded_from_the_cache_links_into_a_new_compile(tmp_path):
     from tests.conftest import ROOT
 
     (tmp_path / "lazy_probe.py").write_text(
-        "import kernels\nfrom numba import njit\n"
+        INSTALL + "from numba import njit\n"
         "@njit(cache=True)\ndef inner(x):\n    return x * 3.0\n"
         "@njit(cache=True)\ndef outer(x):\n    return inner(x) + 1.0\n"
     )
@@ -131,7 +132,7 @@ def test_the_symbols_read_from_a_cached_object_are_the_ones_numba_reads_from_its
 
     QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
     out = subprocess.run(
-        [sys.executable, "-c", ELF_SYMBOLS],
+        [sys.executable, "-c", INSTALL + ELF_SYMBOLS],
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
@@ -167,7 +168,7 @@ def test_llvms_clean_pages_leave_the_resident_set_and_every_kernel_still_runs():
 
     QMatrix(random_raw(GGMLType.Q4_1, 32, 64), GGMLType.Q4_1, 64)  # compiled (and cached) if needed
     out = subprocess.run(
-        [sys.executable, "-c", RELEASE],
+        [sys.executable, "-c", INSTALL + RELEASE],
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
@@ -193,7 +194,7 @@ def test_pagemap_finds_the_same_clean_library_mappings_and_resident_bytes_as_sma
     from tests.conftest import ROOT
 
     out = subprocess.run(
-        [sys.executable, "-c", PAGE_KINDS],
+        [sys.executable, "-c", INSTALL + PAGE_KINDS],
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
@@ -339,7 +340,6 @@ def test_the_renderer_makes_its_stderr_console_only_when_it_shows_something(monk
 
 EXTENSION_RUN = """
 import sys, numpy as np
-import kvchat.kernels
 from numba import njit
 from kvchat.kernels.numba_start import extensions_may_be_declared
 @njit
@@ -367,7 +367,12 @@ def test_a_declared_numba_extension_still_initialises_and_an_undeclared_one_cost
     for name, root in (("plain", plain), ("extended", extended)):
         env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
         runs[name] = subprocess.run(
-            [sys.executable, "-c", EXTENSION_RUN], env=env, capture_output=True, text=True, check=True, cwd=tmp_path
+            [sys.executable, "-c", INSTALL + EXTENSION_RUN],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
         ).stdout.split("\n")
     assert runs["plain"][0] == "False 6.0 False"  # no scan, no numpy.ma for typing the array
     assert runs["extended"][:2] == ["extension initialised", "True 6.0 False"]
@@ -388,7 +393,8 @@ def test_numba_reads_no_distribution_as_declaring_an_extension_where_the_cheap_c
 TYPEOF = """
 import sys, numpy as np, numba
 if sys.argv[1] == "kvchat":
-    import kvchat.kernels
+    from kvchat.kernels.numba_start import install
+    install()
 a = np.arange(24, dtype=np.float32).reshape(4, 6)
 ro = a.copy(); ro.flags.writeable = False
 cases = [a, a.T, a[:, ::2], ro, np.zeros(3, np.int8), np.zeros((2, 2), np.complex128), np.float16([1]),
@@ -421,7 +427,9 @@ def test_llvm_lock_events_reach_a_listener_and_are_not_made_without_one(monkeypa
     import llvmlite.binding as ll
     from numba.core import event
 
-    import kvchat.kernels  # noqa: F401 (installs kernels/numba_start.py)
+    from kvchat.kernels.numba_start import install
+
+    install()  # (done once by tests/conftest.py already)
 
     made = []
     real_start = event.start_event
@@ -441,7 +449,7 @@ def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_n
     from tests.conftest import ROOT
 
     (tmp_path / "late_probe.py").write_text(
-        "import kernels\nfrom numba import njit\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n"
+        INSTALL + "from numba import njit\n@njit(cache=True)\ndef twice(x):\n    return 2 * x\n"
     )
     code = (
         "import late_probe as p\nbefore = p.twice._cache._made is None\n"
