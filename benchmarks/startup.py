@@ -125,7 +125,7 @@ def side_by_side(opts, args: list[str]) -> None:
     for pieces in opts.skip:
         tree = opts.tree[0] if opts.tree else os.path.dirname(HERE)
         env = dict(_clean_env(tree), KVCHAT_STARTUP_SKIP=pieces)
-        cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", *args]
+        cmd = [sys.executable, "-c", ENTRY, *args]
         runs.append((f"kvchat without {pieces}", cmd, env, b"", os.path.abspath(tree)))
     if opts.llama_completion:
         cmd, echo = llama_cmd(opts.llama_completion, args)

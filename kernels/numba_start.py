@@ -2,7 +2,7 @@
 CLI's entry point (kvchat.cli.app.main) and the compile workers (kvchat.runtime.compile_worker)
 before numba is first imported; importing kvchat.kernels changes nothing.
 
-`install()` applies, in this order (PIECES; each returns False and leaves numba as it is when
+`install()` applies, in this order (pieces(); each returns False and leaves numba as it is when
 this numba differs from what it expects; tests/test_numba_patches.py fails when one no longer
 applies on the numba/llvmlite range pyproject.toml pins):
 - `cache_writes`: numba's cache saves safe with several writers (kernels/cache_writes.py) — the
@@ -11,17 +11,17 @@ applies on the numba/llvmlite range pyproject.toml pins):
 - the start-up pieces below and kernels/jit_cache.py's `lean_cache_loads` (cached kernels load
   without numba's compiler set-up, the NRT from a cache), kept because each measurably shortens
   a warm start (docs/performance.md "Start-up" has each one's saving, side by side).
-`KVCHAT_STARTUP_SKIP=name,...` leaves the named pieces out (benchmarks/startup.py --variant
-measures a piece's worth that way).
+`KVCHAT_STARTUP_SKIP=name,...` leaves the named pieces out (benchmarks/startup_pieces.py and
+benchmarks/startup.py --skip measure a piece's worth that way). Removed in #23 because they did
+not measurably pay (docs/performance.md): a LazyLoader importlib.metadata put in sys.modules,
+numba imported with PyYAML hidden, numba's llvm_lock events skipped without a listener.
 
 The start-up pieces keep numba's behaviour for everything a caller could observe:
-- `lazy_metadata()`, before numba is imported: numba imports importlib.metadata (and the email
-  package under it) only to scan installed distributions for `numba_extensions` entry points;
-  the module is made with the standard library's LazyLoader, so it runs when first used.
-- `cheap_extension_scan()`: that scan (importlib.metadata over every installed distribution)
-  runs when the first kernel loads. It is skipped when no distribution's `entry_points.txt`
-  names the group, read directly from the directories importlib.metadata searches; anything
-  else (a name found, a zip or egg file on sys.path, another kind of finder) runs numba's own.
+- `cheap_extension_scan()`: numba scans every installed distribution's entry points (through
+  importlib.metadata) for `numba_extensions` when the first kernel loads. It is skipped when no
+  distribution's `entry_points.txt` names the group, read directly from the directories
+  importlib.metadata searches; anything else (a name found, a zip or egg file on sys.path,
+  another kind of finder) runs numba's own.
 - `arrays_typed_without_numpy_ma()`: typing an array argument asks whether it is a
   numpy.ma.MaskedArray, which imports numpy.ma on first use; before numpy.ma is imported no such
   array can exist, so numba's own code runs with a stand-in class no object is an instance of.
@@ -29,9 +29,6 @@ The start-up pieces keep numba's behaviour for everything a caller could observe
   decoration computed the function's signature twice (the dispatcher and its compiler) and set
   up its cache (finding and test-writing the cache directory, hashing the source); the second
   signature is the first one, and the cache is set up when the kernel first compiles or loads.
-- `llvm_lock_events_when_listened()`: numba makes and broadcasts a "numba:llvm_lock" start and
-  end event around every llvmlite call (~1100 before the first token, 3-5 µs a pair), and the
-  event has listeners only while a compile times itself; without one the pair is skipped.
 """
 
 from __future__ import annotations
@@ -40,20 +37,6 @@ import os
 import sys
 
 SKIP_ENV = "KVCHAT_STARTUP_SKIP"
-
-
-def _numba_without_yaml() -> bool:
-    """numba imports PyYAML at start-up (~0.01 s) only to read a `.numba_config.yaml` in the
-    working directory; with no such file there is nothing for it to read, so it is imported as
-    if PyYAML were absent (a file, or numba already imported: numba's own way)."""
-    if "numba" in sys.modules or "yaml" in sys.modules or os.path.exists(".numba_config.yaml"):
-        return False
-    sys.modules["yaml"] = None  # `import yaml` raises ImportError
-    try:
-        import numba.core.config  # noqa: F401
-    finally:
-        del sys.modules["yaml"]
-    return True
 
 
 def _lean_cache_loads() -> bool:
@@ -75,18 +58,14 @@ def _warm_set() -> bool:
 
 
 def pieces() -> list:
-    """(name, function) in the order install() applies them: the two that must run before numba
-    is imported first."""
+    """(name, function) in the order install() applies them."""
     return [
-        ("lazy_metadata", lazy_metadata),
-        ("numba_without_yaml", _numba_without_yaml),
         ("cache_writes", _cache_writes),
         ("warm_set", _warm_set),
         ("lean_cache_loads", _lean_cache_loads),
         ("cheap_extension_scan", cheap_extension_scan),
         ("arrays_typed_without_numpy_ma", arrays_typed_without_numpy_ma),
         ("dispatchers_made_cheaply", dispatchers_made_cheaply),
-        ("llvm_lock_events_when_listened", llvm_lock_events_when_listened),
     ]
 
 
@@ -95,8 +74,7 @@ _installed: dict = {}
 
 def install() -> dict:
     """Apply every piece not named in KVCHAT_STARTUP_SKIP, once per process; returns
-    {name: True if applied}. Before numba's first import it also makes numba's lazy import of
-    importlib.metadata and PyYAML cheap; after it, those two are False (numba already paid)."""
+    {name: True if applied}."""
     if _installed:
         return dict(_installed)
     import kvchat.kernels  # noqa: F401 (numba's threading environment first)
@@ -107,26 +85,7 @@ def install() -> dict:
     return dict(_installed)
 
 
-METADATA = "importlib.metadata"
 GROUP = b"numba_extensions"
-
-
-def lazy_metadata() -> bool:
-    """importlib.metadata as a lazily executed module (before numba imports it); True if so."""
-    if METADATA in sys.modules or "numba" in sys.modules:
-        return False
-    import importlib
-    import importlib.util
-
-    spec = importlib.util.find_spec(METADATA)
-    if spec is None or not hasattr(spec.loader, "exec_module"):
-        return False
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[METADATA] = module
-    spec.loader.exec_module(module)
-    importlib.metadata = module  # as the import system binds a submodule to its package
-    return True
 
 
 def extensions_may_be_declared() -> bool:
@@ -262,45 +221,4 @@ def dispatchers_made_cheaply() -> bool:
     pysignature._kvchat = True
     utils.pysignature = pysignature
     dispatcher.Dispatcher.enable_caching = enable_caching
-    return True
-
-
-LLVM_LOCK = "numba:llvm_lock"
-
-
-def llvm_lock_events_when_listened() -> bool:
-    """numba's lock callbacks run only while someone listens (module docstring). Whether they
-    run is decided when llvmlite's lock is taken, so every end event matches its start (the
-    lock is held from the acquire callbacks to the release callbacks: one thread at a time)."""
-    from llvmlite.binding import ffi
-    from numba.core import event
-
-    callbacks = getattr(getattr(ffi.lib, "_lock", None), "_cblist", None)
-    registered = getattr(event, "_registered", None)
-    if callbacks is None or registered is None:
-        return False
-    if any(getattr(on, "_kvchat", False) for on, _ in callbacks):
-        return True
-    numba_pair = next(
-        (pair for pair in callbacks if getattr(pair[0], "__qualname__", "").startswith("_initialize_llvm_lock_event")),
-        None,
-    )
-    if numba_pair is None:
-        return False
-    numba_on, numba_off = numba_pair
-    told = []  # per acquire (nested ones included): did numba's callback run?
-
-    def on():
-        listened = bool(registered.get(LLVM_LOCK))
-        told.append(listened)
-        if listened:
-            numba_on()
-
-    def off():
-        if told.pop():
-            numba_off()
-
-    on._kvchat = True
-    ffi.unregister_lock_callback(numba_on, numba_off)
-    ffi.register_lock_callback(on, off)
     return True

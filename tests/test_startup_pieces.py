@@ -284,15 +284,14 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
 LEAN_RUN = (
     "import atexit, sys\n"
     "atexit.register(lambda: sys.stderr.write('MODULES %r\\n' % sorted(m for m in "
-    "('rich', 'pydantic', 'yaml', 'numba.np.arrayobj', 'typer', 'email', 'numpy.ma') if m in sys.modules)))\n"
+    "('rich', 'pydantic', 'numba.np.arrayobj', 'typer', 'numpy.ma') if m in sys.modules)))\n"
     "from kvchat.cli.app import main\nmain()\n"
 )
 
 
 def test_a_plain_kvchat_run_imports_none_of_the_modules_a_warm_start_does_not_need(tiny_chat, tmp_path):
     """rich (stderr not a terminal and nothing to say), pydantic and typer (a plain command line),
-    yaml, numba's array overloads, importlib.metadata's email package (no numba extension is
-    installed), numpy.ma (no masked array exists): none is imported, and the answer is the one a
+    numba's array overloads, numpy.ma (no masked array exists): none is imported, and the answer is the one a
     run that imports rich (FORCE_COLOR makes rich treat stderr as a terminal: spinners) gives."""
     from tests.conftest import ROOT
 
@@ -421,28 +420,6 @@ def test_arrays_get_numbas_types_before_and_after_numpy_ma_is_imported():
     assert said[0][0].endswith("True") and said[1][0].endswith("False")  # numba's own imports numpy.ma
     assert said[0][0][:-4] == said[1][0][:-5] and said[0][1:] == said[1][1:]
     assert "MaskedArray" in said[1][1]
-
-
-def test_llvm_lock_events_reach_a_listener_and_are_not_made_without_one(monkeypatch):
-    import llvmlite.binding as ll
-    from numba.core import event
-
-    from kvchat.kernels.numba_start import install
-
-    install()  # (done once by tests/conftest.py already)
-
-    made = []
-    real_start = event.start_event
-    monkeypatch.setattr(event, "start_event", lambda kind, data=None: made.append(kind) or real_start(kind, data))
-    ll.get_process_triple()  # an llvmlite call: the lock is taken
-    assert made == []
-    with event.install_timer("numba:llvm_lock", lambda seconds: made.append(seconds)):
-        ll.get_process_triple()
-        ll.get_host_cpu_name()
-    *kinds, seconds = made
-    assert len(kinds) >= 2 and set(kinds) == {"numba:llvm_lock"} and seconds > 0  # the timer timed them
-    ll.get_process_triple()
-    assert len(made) == len(kinds) + 1  # none once the timer went
 
 
 def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_next_process(tmp_path):

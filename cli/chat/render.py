@@ -192,6 +192,30 @@ class Renderer:
         else:
             yield
 
+    @contextlib.contextmanager
+    def progress(self, text: str):
+        """A spinner (terminal) or plain lines (a pipe, a log file) on stderr; yields show(line):
+        the spinner, shown as `text` from the start, becomes `text line`; on a pipe each new
+        line is printed as `text line` (nothing before the first). None changes nothing."""
+        shown = [None]
+        if self._err_is_terminal():
+            with self.err.status(text, spinner="dots") as status:
+
+                def show(line):
+                    if line is not None and line != shown[0]:
+                        shown[0] = line
+                        status.update(f"{text} {line}")
+
+                yield show
+            return
+
+        def show(line):
+            if line is not None and line != shown[0]:
+                shown[0] = line
+                self.notice(f"{text} {line}")
+
+        yield show
+
     def verbose_prompt(self, vocab, ids) -> None:
         from rich.text import Text
 

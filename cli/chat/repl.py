@@ -47,6 +47,7 @@ COMMANDS = {
 from kvchat.cli.chat.branches import BRANCH_COMMANDS, BranchCommands  # noqa: E402
 
 COMMANDS.update(BRANCH_COMMANDS)
+DECODING_COMMANDS = {"/alts", "/set", "/load"}  # may run kernels: wait for the compile workers
 ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help", "/save!": "/save"}
 LEAVE_HINT = "(Ctrl-D or /exit leaves the chat)"
 
@@ -209,7 +210,9 @@ class Repl(BranchCommands):
             raise KvchatError(f"stdout is closed, so answers cannot be printed{saved}")
 
     def turn(self, start) -> None:
-        """Run one answer (ask or regen) with Ctrl-C stopping it; report, autosave."""
+        """Run one answer (ask or regen) with Ctrl-C stopping it; report, autosave. Kernels still
+        compiling behind the chat are waited for first (Ctrl-C there: nothing has changed)."""
+        self.engine.kernels_ready(self.r)
         self.r.begin_answer()
         try:
             with sigint_sets(self.conv.stop_event):
@@ -268,6 +271,8 @@ class Repl(BranchCommands):
             hint = f" — did you mean {close[0]}?" if close else ""
             self.r.warn(f"unknown command {name}{hint} (/help lists the commands)")
             return
+        if name in DECODING_COMMANDS:
+            self.engine.kernels_ready(self.r)
         handler(arg)
 
     def cmd_help(self, arg: str) -> None:

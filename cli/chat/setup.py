@@ -32,6 +32,14 @@ class Engine:
     has_template: bool  # the model (or --chat-template-file) provides one
     identity: dict  # session.model_identity
     cache: dict  # session.cache_config
+    compiling: object = None  # KernelsBehind while worker processes compile this run's kernels
+
+    def kernels_ready(self, renderer) -> None:
+        """Wait for kernels compiling behind the chat (if any), with a progress line; Ctrl-C
+        raises KeyboardInterrupt with nothing changed (a later call waits again)."""
+        if self.compiling is not None:
+            self.compiling.wait(renderer)
+            self.compiling = None
 
     @property
     def vocab(self):
@@ -39,6 +47,59 @@ class Engine:
 
 
 FIRST_RUN = "compiling kernels, first run only (a few minutes; cached afterwards)…"
+WORKERS_ENV = "KVCHAT_COMPILE_WORKERS"  # kvchat.runtime.compile_ahead's; not part of a warm set's name
+
+
+class KernelsBehind:
+    """This run's kernels compiling in worker processes (kvchat.runtime.compile_ahead), and what
+    the main process does once they are in numba's cache: a warm-up decode that loads them all
+    and records them (kernels/warm_set.py), so the next start knows it is warm."""
+
+    def __init__(self, ahead, ctx, model, path, first_run: bool):
+        self.ahead, self.ctx, self.model, self.path, self.first_run = ahead, ctx, model, path, first_run
+
+    @classmethod
+    def start_if_needed(cls, ctx, model, path, first_run: bool):
+        """Workers started on a first run (numba's cache holds no hot-path kernel for this source:
+        a new install, a kvchat or numba upgrade) unless a warm-up of this model and context is
+        recorded as cached, and workers are allowed (KVCHAT_COMPILE_WORKERS); else None. A warm
+        cache that only lacks a kernel or two (a new weight type) keeps the in-process warm-up:
+        planning in a worker (its start, the model's load) would cost more than it saves."""
+        from kvchat.kernels import warm_set
+        from kvchat.runtime.compile_ahead import CompileAhead, worker_count
+
+        if not first_run or worker_count() < 1 or warm_set.covered(warm_set_name(ctx, path)):
+            return None
+        return cls(CompileAhead(path, ctx.params).start(), ctx, model, path, first_run)
+
+    def wait(self, renderer) -> None:
+        """Block until the workers are done (progress `kernels 37/52` on stderr), then load."""
+        with renderer.progress(FIRST_RUN if self.first_run else "compiling kernels…") as show, sigint_raises():
+            self.ahead.wait(lambda done, total: show(KERNELS.format(done, total) if total else None))
+            self.ahead.close()
+            warm_up_kernels(self.ctx, self.model, self.path, _Quiet(renderer), self.first_run)
+        from kvchat.runtime.weights.os_memory import release_library_pages
+
+        release_library_pages()
+
+    def close(self) -> None:
+        self.ahead.close()
+
+
+KERNELS = "kernels {}/{}"  # the progress line while a run waits for its compile workers
+
+
+class _Quiet:
+    """A renderer whose spinner shows nothing (an outer progress line is already up)."""
+
+    def __init__(self, renderer):
+        self._r = renderer
+
+    @contextmanager
+    def spinner(self, text):
+        yield
+
+
 AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
 
 
@@ -49,11 +110,15 @@ def open_engine(
     n_seq_max: int = 1,
     kv_unified: bool = True,
     skip_cached_warm_up: bool = False,
+    compile_behind: bool = False,
 ) -> Engine:
     """Model + Context + template from the flags; KvchatError (one line) for bad input.
     skip_cached_warm_up (`run`): no warm-up when it would only load cached kernels — the
     prompt loads them next anyway; the chat keeps it, as it runs while the user reads the prompt
-    and would otherwise land in the first answer."""
+    and would otherwise land in the first answer.
+    When the kernels this run needs are not all cached, worker processes compile them
+    (kvchat.runtime.compile_ahead); with compile_behind (the chat) open_engine returns at once
+    and the first answer waits for them (Engine.kernels_ready), else it waits here."""
     from kvchat.cli.session.session import cache_config, model_identity
     from kvchat.cli.sources.models import resolve_model
     from kvchat.kernels.jit_cache import kernels_compiled
@@ -77,17 +142,36 @@ def open_engine(
             )
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
-    warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
-    from kvchat.runtime.weights.os_memory import release_library_pages
+    behind = KernelsBehind.start_if_needed(ctx, model, path, first_run)
+    if behind is None:
+        warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
+        from kvchat.runtime.weights.os_memory import release_library_pages
 
-    release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
+        release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
+    elif not compile_behind:
+        behind.wait(renderer)
+        behind = None
     if settings.chat_template_file is not None:
         template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
     else:
         has = isinstance(model.gguf.get("tokenizer.chat_template"), str)
         template = ChatTemplate.from_gguf(model.gguf, model.vocab)
     identity = model_identity(path, getattr(model.gguf, "data_offset", None))
-    return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams))
+    return Engine(model, ctx, template, has, identity, cache_config(ctx.cparams), behind)
+
+
+def warm_set_name(ctx, path) -> str:
+    """The name of the kernels a warm-up of this model file and context loads (kernels/warm_set.py)."""
+    from kvchat.kernels import warm_set
+
+    st = os.stat(path)
+    return warm_set.name_for(
+        str(Path(path).resolve()),
+        st.st_size,
+        st.st_mtime_ns,
+        ctx.cparams,
+        sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_") and k != WORKERS_ENV),
+    )
 
 
 def warm_up_kernels(ctx, model, path, renderer, first_run: bool, skip_if_cached: bool = False) -> None:
@@ -97,14 +181,7 @@ def warm_up_kernels(ctx, model, path, renderer, first_run: bool, skip_if_cached:
     (kernels/warm_set.py): then it would only load them, which the prompt does anyway."""
     from kvchat.kernels import warm_set
 
-    st = os.stat(path)
-    name = warm_set.name_for(
-        str(Path(path).resolve()),
-        st.st_size,
-        st.st_mtime_ns,
-        ctx.cparams,
-        sorted((k, v) for k, v in os.environ.items() if k.startswith("KVCHAT_")),
-    )
+    name = warm_set_name(ctx, path)
     if skip_if_cached and not first_run and warm_set.covered(name):
         return
     with renderer.spinner(FIRST_RUN if first_run else "warming up kernels"):
@@ -195,6 +272,24 @@ def sigint_sets(event):
 
     try:
         signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def sigint_raises():
+    """While waiting, Ctrl-C raises KeyboardInterrupt — also in a process started with SIGINT
+    ignored (a background job), as the answer's Ctrl-C (sigint_sets) works there too."""
+    if not hasattr(signal, "SIGINT"):
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     except ValueError:  # not the main thread
         yield
         return

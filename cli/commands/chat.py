@@ -50,9 +50,13 @@ def register(app: typer.Typer) -> None:
         atexit.register(target.release)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
-        engine = open_engine(settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified)
+        engine = open_engine(settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True)
         conv = make_conversation(engine, settings, renderer, stop)
         repl = Repl(engine, conv, settings, renderer, target=target)
         if should_resume(settings, renderer):
             repl.resume(settings.session)  # SessionError → exit 1, file untouched
-        repl.run()
+        try:
+            repl.run()
+        finally:
+            if engine.compiling is not None:  # left before the kernels were needed
+                engine.compiling.close()

@@ -1,0 +1,217 @@
+"""Compile a run's kernels in worker processes, on every core, while the caller does something
+else (the chat takes input; `run` loads its model); the caller waits only before it decodes.
+
+numba compiles a kernel in the process that calls it, one kernel at a time (its compiler lock),
+so a first run used one core for minutes. Here `CompileAhead(model_path, cparams).start()`
+starts `n_workers` processes (kvchat.runtime.compile_worker; default: one per core, at most
+2 — MAX_WORKERS) and a thread per worker that drives it:
+1. worker 0 *plans*: it loads the model, makes the Context and runs a warm-up decode under
+   kvchat.kernels.compile_plan.dry_run(), which lists the (kernel, signature) pairs that decode
+   calls without compiling them; the pairs numba's cache already holds are dropped;
+2. the workers take those pairs one at a time from a shared queue, each compiled by
+   `Dispatcher.compile(signature)`, which writes numba's on-disk cache (safe with several
+   writers: kvchat.kernels.cache_writes);
+3. the caller's own decode then loads every kernel from the cache; one the plan missed is
+   compiled by the caller on its first call, as without workers.
+`wait(on_progress)` blocks until the workers are done (Ctrl-C raises KeyboardInterrupt in the
+caller and leaves them working); `progress` is (done, total) — total None while planning.
+`close()` ends the workers after the kernel each is compiling. A worker whose resident memory
+passed WORKER_RSS_LIMIT is replaced by a fresh one before its next kernel (numba keeps all it
+compiled), which bounds a first run's peak memory at the cost of a process start.
+
+Workers run in their own session (a Ctrl-C in the terminal is the chat's, not theirs) and end
+when their input closes: if the chat ends, so do they.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+MAX_WORKERS = 2  # compiling is CPU-bound: one per core; docs/performance.md has 1 vs 2
+WORKERS_ENV = "KVCHAT_COMPILE_WORKERS"  # a user's count (0: no workers, compile in-process)
+WORKER_RSS_LIMIT = 400 << 20  # a worker past this many resident bytes is replaced before its next kernel
+PLAN_PROMPT = 64  # the warm-up's prompt length: past every parallel threshold (generate.warm_up)
+
+
+def worker_count() -> int:
+    """KVCHAT_COMPILE_WORKERS if set (0 = none), else min(cores, MAX_WORKERS)."""
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if text.isdigit():
+        return int(text)
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+class _Worker:
+    """One compile_worker process and its pickled request/answer channel."""
+
+    def __init__(self):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvchat.runtime.compile_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if not os.environ.get("KVCHAT_DEBUG") else None,
+            env=env,
+            start_new_session=True,  # the terminal's Ctrl-C goes to the chat only
+        )
+
+    def ask(self, request):
+        pickle.dump(request, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.flush()
+        return pickle.load(self.proc.stdout)  # EOFError when the worker died
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # the worker ends after its current request
+        except OSError:
+            pass
+
+
+class CompileAhead:
+    def __init__(self, model_path, cparams, n_workers: int | None = None, n_prompt: int = PLAN_PROMPT):
+        self.model_path = str(model_path)
+        self.cparams = cparams
+        self.n_workers = worker_count() if n_workers is None else n_workers
+        self.n_prompt = n_prompt
+        self.entries: list | None = None  # the plan's pairs not yet cached
+        self.done = 0
+        self.seconds: dict = {}  # entry -> (wall, CPU) seconds of its compile in a worker
+        self.plan_seconds = None  # wall seconds until the plan was known
+        self.errors: list[str] = []
+        self.started_at = None
+        self.finished_at = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._planned = threading.Event()
+        self._finished = threading.Event()
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._threads: list[threading.Thread] = []
+        self._running = 0
+        self._closed = False
+
+    # ---- the caller's side -------------------------------------------------------------------
+
+    def start(self) -> "CompileAhead":
+        self.started_at = time.perf_counter()
+        if self.n_workers < 1:
+            self._finish()
+            return self
+        for _ in range(self.n_workers):
+            try:
+                self._workers.append(_Worker())
+            except OSError as e:
+                self.errors.append(f"cannot start a compile worker: {e}")
+        self._running = len(self._workers)
+        if not self._workers:
+            self._finish()
+        for i, worker in enumerate(self._workers):  # the first one plans
+            t = threading.Thread(target=self._drive, args=(worker, i == 0), daemon=True, name=f"compile-{i}")
+            self._threads.append(t)
+            t.start()
+        return self
+
+    @property
+    def progress(self) -> tuple[int, int | None]:
+        """(kernels compiled, kernels to compile); the total is None while the plan is made."""
+        return self.done, None if self.entries is None else len(self.entries)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, on_progress=None, poll: float = 0.1) -> None:
+        """Block until every worker is done; on_progress(done, total) whenever that changes.
+        A KeyboardInterrupt (Ctrl-C) leaves the workers compiling."""
+        last = None
+        while not self._finished.wait(poll):
+            now = self.progress
+            if on_progress is not None and now != last:
+                on_progress(*now)
+                last = now
+        if on_progress is not None and self.progress != last:
+            on_progress(*self.progress)
+
+    def close(self) -> None:
+        """No more jobs; each worker ends after the kernel it is compiling."""
+        self._closed = True
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        self._planned.set()
+        for w in self._workers:
+            w.close()
+
+    # ---- the worker threads ------------------------------------------------------------------
+
+    def _drive(self, worker: _Worker, plans: bool) -> None:
+        try:
+            if plans:
+                self._plan(worker)
+            else:
+                self._planned.wait()
+            while True:
+                try:
+                    i, entry = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                answer = worker.ask(("compile", i, entry))
+                with self._lock:
+                    self.done += 1
+                    self.seconds[entry] = (answer[2], answer[3])
+                    if answer[4]:
+                        self.errors.append(answer[4])
+                if answer[5] > WORKER_RSS_LIMIT and not self._jobs.empty():
+                    worker = self._replace(worker)
+        except (
+            EOFError,
+            OSError,
+            ValueError,
+            pickle.UnpicklingError,
+        ) as e:  # died or closed: the caller compiles the rest
+            self.errors.append(f"compile worker ended: {type(e).__name__}")
+        finally:
+            worker.close()
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+            if plans:
+                self._planned.set()
+            if last:
+                self._finish()
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        """A new worker for an old one grown past WORKER_RSS_LIMIT (numba keeps every module it
+        compiled: a first run's peak memory is the largest worker's, not the sum of its kernels)."""
+        worker.close()
+        fresh = _Worker()
+        with self._lock:
+            self._workers.append(fresh)
+        return fresh
+
+    def _plan(self, worker: _Worker) -> None:
+        try:
+            answer = worker.ask(("plan", self.model_path, self.cparams, self.n_prompt))
+            self.plan_seconds = time.perf_counter() - self.started_at
+            if answer[0] == "planned":
+                self.entries = answer[1]
+                for job in enumerate(self.entries if not self._closed else []):
+                    self._jobs.put(job)
+            else:
+                self.entries = []
+                self.errors.append(answer[1])
+        finally:
+            self._planned.set()
+
+    def _finish(self) -> None:
+        if self.entries is None:
+            self.entries = []
+        self.finished_at = time.perf_counter()
+        self._finished.set()

@@ -1,0 +1,99 @@
+"""One compile worker process (`python -m kvchat.runtime.compile_worker`), driven by
+kvchat.runtime.compile_ahead over its stdin/stdout: pickled messages, one at a time.
+
+Requests, answered in order:
+- ("plan", model_path, cparams, n_prompt): load the model, make a Context with those
+  parameters and run a warm-up decode (n_prompt tokens, then one) under
+  kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", entries) — the
+  (kernel, signature) pairs the run calls that numba's cache does not hold yet, in call
+  order — or ("failed", text).
+  The dry run leaves garbage in the model's outputs, so this process plans once and then only
+  compiles; the model and context are dropped before the answer.
+- ("compile", i, entry): compile_plan.compile_entry(entry), which writes numba's cache; the
+  answer is ("done", i, seconds, cpu seconds, error text or None, resident bytes now).
+- ("exit",) or end of input: the process ends.
+
+numba's cache saves go through kvchat.kernels.cache_writes (installed with the kernels), so
+this process, its sibling and the chat itself can write one cache at the same time. stdout is
+the channel: anything printed by the code it runs goes to stderr instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+
+
+def plan(model_path: str, cparams, n_prompt: int) -> list:
+    """The entries a warm-up decode of this model and context calls (module docstring)."""
+    from kvchat.kernels.compile_plan import dry_run, is_cached
+    from kvchat.runtime.context import Context
+    from kvchat.runtime.generate import warm_up
+    from kvchat.runtime.model import Model
+
+    model = Model.load(model_path)  # its own kernels (GGUF strings, vocabulary) compile for real
+    ctx = Context(model, cparams)
+    bos = getattr(model.vocab, "bos", None)
+    with dry_run() as entries:
+        warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=n_prompt)
+    return [e for e in entries if not is_cached(e)]
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (0 where /proc is missing): numba keeps every module it
+    compiled, so a worker grows with each kernel."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def answer(request) -> tuple:
+    kind = request[0]
+    if kind == "plan":
+        try:
+            return ("planned", plan(*request[1:]))
+        except Exception:
+            return ("failed", traceback.format_exc(limit=4))
+    if kind == "compile":
+        from kvchat.kernels.compile_plan import compile_entry
+
+        i, entry = request[1], request[2]
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            compile_entry(entry)
+            error = None
+        except Exception as e:  # the chat compiles it itself when it calls it
+            error = f"{type(e).__name__}: {e}"
+        return ("done", i, time.perf_counter() - t0, time.process_time() - c0, error, resident_bytes())
+    return ("failed", f"unknown request {kind!r}")
+
+
+def main() -> None:
+    channel_in = sys.stdin.buffer
+    channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr  # prints of the code run here must not corrupt the channel
+    from kvchat.kernels.numba_start import install
+
+    install()  # numba set up as in the chat: threading layer, cache writes safe beside the chat's
+
+    while True:
+        try:
+            request = pickle.load(channel_in)
+        except (EOFError, pickle.UnpicklingError):
+            return
+        if request[0] == "exit":
+            return
+        pickle.dump(answer(request), channel_out, protocol=pickle.HIGHEST_PROTOCOL)
+        channel_out.flush()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # the chat's Ctrl-C reaches its process group: not ours to act on
+        pass
