@@ -19,8 +19,9 @@ caller and leaves them working); `progress` is (done, total) — total None whil
 passed WORKER_RSS_LIMIT is replaced by a fresh one before its next kernel (numba keeps all it
 compiled), which bounds a first run's peak memory at the cost of a process start.
 
-Workers run in their own session (a Ctrl-C in the terminal is the chat's, not theirs) and end
-when their input closes: if the chat ends, so do they.
+Workers run in their own session (a Ctrl-C in the terminal is the chat's, not theirs), end when
+their input closes, and (Linux) get SIGTERM when the process that started them ends; a chat left
+before its kernels were needed kills them (`close(kill=True)`).
 """
 
 from __future__ import annotations
@@ -66,11 +67,14 @@ class _Worker:
         self.proc.stdin.flush()
         return pickle.load(self.proc.stdout)  # EOFError when the worker died
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
         try:
             self.proc.stdin.close()  # the worker ends after its current request
         except OSError:
             pass
+        if kill and self.proc.poll() is None:
+            self.proc.kill()  # now: its current kernel is not saved
+            self.proc.wait()
 
 
 class CompileAhead:
@@ -137,8 +141,8 @@ class CompileAhead:
         if on_progress is not None and self.progress != last:
             on_progress(*self.progress)
 
-    def close(self) -> None:
-        """No more jobs; each worker ends after the kernel it is compiling."""
+    def close(self, kill: bool = False) -> None:
+        """No more jobs; each worker ends after the kernel it is compiling (kill: at once)."""
         self._closed = True
         while True:
             try:
@@ -146,8 +150,8 @@ class CompileAhead:
             except queue.Empty:
                 break
         self._planned.set()
-        for w in self._workers:
-            w.close()
+        for w in list(self._workers):
+            w.close(kill)
 
     # ---- the worker threads ------------------------------------------------------------------
 

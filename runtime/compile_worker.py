@@ -73,7 +73,22 @@ def answer(request) -> tuple:
     return ("failed", f"unknown request {kind!r}")
 
 
+def end_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the process that started it ends (the chat killed
+    mid-compile must not leave a worker compiling for minutes); elsewhere it ends at its next read."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    end_with_parent()
     channel_in = sys.stdin.buffer
     channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr  # prints of the code run here must not corrupt the channel

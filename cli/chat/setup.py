@@ -83,7 +83,9 @@ class KernelsBehind:
         release_library_pages()
 
     def close(self) -> None:
-        self.ahead.close()
+        """The chat ends before its kernels were needed: the workers stop now (the kernels they
+        finished stay cached; the next start plans the rest)."""
+        self.ahead.close(kill=True)
 
 
 KERNELS = "kernels {}/{}"  # the progress line while a run waits for its compile workers
