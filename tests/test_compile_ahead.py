@@ -20,6 +20,7 @@ from tests.pty_chat import ACCEPTED, READY, Chat, answer_of
 pytestmark = pytest.mark.slow
 
 PROGRESS = r"kernels (\d+)/(\d+)"
+COMPILE_TIMEOUT = 2400  # every kernel of the tiny model: ~4 min idle, 15 at load 22 on 2 cores
 
 
 def after_progress(text: str) -> str:
@@ -31,6 +32,7 @@ def after_progress(text: str) -> str:
 def test_the_chat_takes_input_while_compiling_and_answers_as_a_warm_chat(tiny_chat, tmp_path):
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     cold = Chat(tiny_chat, tmp_path, env=env)  # the prompt is up: the workers are compiling
+    cold.child.timeout = COMPILE_TIMEOUT
     cold.child.sendline("Hello there")
     cold.wait(ACCEPTED)
     seen = cold.wait(PROGRESS)  # the first answer waits for the workers and says how far they are
@@ -58,7 +60,7 @@ def test_run_shows_the_progress_on_stderr_and_only_the_answer_on_stdout(tiny_cha
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), KVCHAT_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "run", "-m", str(tiny_chat)]
     cmd += ["-p", "Hello", "-n", "8", "--temp", "0", "--no-prompt-cache"]
-    cold = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    cold = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=COMPILE_TIMEOUT)
     assert cold.returncode == 0, cold.stderr
     steps = [tuple(map(int, m)) for m in re.findall(PROGRESS, cold.stderr)]
     assert steps and steps[-1][0] == steps[-1][1] > 0  # counted up to every planned kernel
