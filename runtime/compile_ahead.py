@@ -8,9 +8,12 @@ starts `n_workers` processes (kvchat.runtime.compile_worker; default: one per co
 1. worker 0 *plans*: it loads the model, makes the Context and runs a warm-up decode under
    kvchat.kernels.compile_plan.dry_run(), which lists the (kernel, signature) pairs that decode
    calls without compiling them; the pairs numba's cache already holds are dropped;
-2. the workers take those pairs one at a time from a shared queue, each compiled by
+2. the workers take those pairs from a shared queue, each compiled by
    `Dispatcher.compile(signature)`, which writes numba's on-disk cache (safe with several
-   writers: kvchat.kernels.cache_writes);
+   writers: kvchat.kernels.cache_writes). A kernel's parallel and serial twins (`name_par` /
+   `name_ser`, `name` / `name_serial` of one module) are one job, compiled in turn by one
+   worker: they share their body (a cached kernel both call), which the second then loads
+   instead of both workers compiling it at once. Jobs of twins go first (the heavy ones);
 3. the caller's own decode then loads every kernel from the cache; one the plan missed is
    compiled by the caller on its first call, as without workers.
 `wait(on_progress)` blocks until the workers are done (Ctrl-C raises KeyboardInterrupt in the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -46,6 +50,19 @@ def worker_count() -> int:
     if text.isdigit():
         return int(text)
     return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+TWIN = re.compile(r"_(par|ser|serial)$")  # a kernel's parallel / serial twin: one job with its sibling
+
+
+def jobs_of(entries: list) -> list[list]:
+    """The plan's entries as jobs: lists of (index, entry), a kernel's twins together (in plan
+    order), jobs of several entries first."""
+    groups: dict = {}
+    for i, entry in enumerate(entries):
+        module, qualname, _ = entry
+        groups.setdefault((module, TWIN.sub("", qualname)), []).append((i, entry))
+    return sorted(groups.values(), key=lambda job: len(job) == 1)  # stable: plan order within
 
 
 class _Worker:
@@ -163,15 +180,16 @@ class CompileAhead:
                 self._planned.wait()
             while True:
                 try:
-                    i, entry = self._jobs.get_nowait()
+                    job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                answer = worker.ask(("compile", i, entry))
-                with self._lock:
-                    self.done += 1
-                    self.seconds[entry] = (answer[2], answer[3])
-                    if answer[4]:
-                        self.errors.append(answer[4])
+                for i, entry in job:
+                    answer = worker.ask(("compile", i, entry))
+                    with self._lock:
+                        self.done += 1
+                        self.seconds[entry] = (answer[2], answer[3])
+                        if answer[4]:
+                            self.errors.append(answer[4])
                 if answer[5] > WORKER_RSS_LIMIT and not self._jobs.empty():
                     worker = self._replace(worker)
         except (
@@ -206,7 +224,7 @@ class CompileAhead:
             self.plan_seconds = time.perf_counter() - self.started_at
             if answer[0] == "planned":
                 self.entries = answer[1]
-                for job in enumerate(self.entries if not self._closed else []):
+                for job in jobs_of(self.entries if not self._closed else []):
                     self._jobs.put(job)
             else:
                 self.entries = []

@@ -162,3 +162,14 @@ def test_two_processes_compiling_one_kernel_at_once_keep_every_signature(kmod, t
     )
     res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, check=True)
     assert res.stdout.split() == ["0", "8"]  # all eight signatures loaded, none compiled again
+
+
+def test_a_kernels_twins_are_one_job_and_such_jobs_go_first():
+    """Twins share their body (a cached kernel both call): one worker compiles them in turn."""
+    from kvchat.runtime.compile_ahead import jobs_of
+
+    entries = [("m", "embed", "s1"), ("k", "matmul_q", "q4"), ("a", "flash_par", "s"), ("a", "flash_ser", "s")]
+    entries += [("k", "matmul_q_serial", "q4"), ("m", "embed", "s2"), ("a", "flash_parity", "s")]
+    jobs = [[i for i, _ in job] for job in jobs_of(entries)]
+    assert jobs == [[0, 5], [1, 4], [2, 3], [6]]
+    assert sorted(i for job in jobs for i in job) == list(range(len(entries)))
