@@ -19,9 +19,10 @@ The child runs the CLI in-process (`kvchat.cli.app.main`) with a listener on num
 it compiled inside is theirs, inline="always" callees and @overload/@intrinsic bodies are their
 caller's), the cache write after each, and how many signatures it compiled. The first compile of
 a process also pays numba's one-time compiler set-up (target and lowering registries): it shows in
-the first kernel's row. `--plain` runs `python -c "from kvchat.cli.app import main; main()"`
-instead (no listener: the timing a user sees, no table). Compiles in other processes (workers
-that fill numba's cache) are not in the table; their CPU is in the CPU column when waited for.
+the first kernel's row. The table needs every compile in that process, so the child runs with
+KVCHAT_COMPILE_WORKERS=0 (no compile workers: kvchat.runtime.compile_ahead). `--plain` runs
+`python -c "from kvchat.cli.app import main; main()"` instead, with the user's default workers
+(no listener, no table: the timing a user sees); the workers' CPU is in its CPU column.
 
 `--warm` runs the same command again on the same caches (the second run a user makes).
 `--tree TREE` measures that kvchat tree (benchmarks/tree_env.py). `--top N` rows (default 15).
@@ -208,6 +209,7 @@ def measure(model: str, opts, run_args: list[str]) -> dict:
             cmd = [sys.executable, "-c", ENTRY, *args]
         else:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", table, "--", *args]
+            env["KVCHAT_COMPILE_WORKERS"] = "0"  # every compile in the child, where it is timed
         cold = run_once(cmd, env, cwd)
         if cold["rc"] != 0:
             raise SystemExit(f"cold_start: {model}: exit code {cold['rc']}\n{cold['stderr_tail']}")
