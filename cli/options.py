@@ -2,9 +2,9 @@
 
 `OPTIONS` is the one table: per flag its `ChatSettings` field, type, spellings, help, --help panel,
 the range check, and — for what can change mid-chat — where `/set` applies it. From it:
-- `with_settings(...)` appends the flags to a typer command (all of them for chat/run; a subset
-  such as `CACHE_FLAGS` with other defaults for bench, perplexity, logprobs) and hands the command
-  one `ChatSettings` instead of thirty arguments;
+- `with_settings(...)` (cli/option_params.py) appends the flags to a typer command (all of them
+  for chat/run; a subset such as `CACHE_FLAGS` with other defaults for bench, perplexity,
+  logprobs) and hands the command one `ChatSettings` instead of thirty arguments;
 - the REPL's `/set` (names, parsing, listing) and the `/set` line of `/help` (cli/chat/repl.py).
 A value is refused by the same check whether it comes from a flag (usage error, exit 2) or from
 `/set` (an error line, the chat goes on): `check_value(option, value)`.
@@ -12,13 +12,11 @@ A value is refused by the same check whether it comes from a flag (usage error, 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
@@ -445,13 +443,6 @@ CACHE_FLAGS = (
 )
 
 
-def hf_option(panel: str | None = None):
-    """`-hf owner/repo[:QUANT]` for a command declaring its own -m (same as -m hf:owner/repo[:QUANT])."""
-    import typer
-
-    return typer.Option(None, *BY_NAME["hf_repo"].flags, help=HF_HELP, rich_help_panel=panel)
-
-
 def check_value(option: Option, value):
     """The option's range check (ValueError with the reason); returns the normalised value."""
     return option.check(value) if option.check is not None else value
@@ -497,62 +488,3 @@ def settings_from(values: dict, fixed: dict | None = None) -> ChatSettings:
             raise KvchatError(f"give -m {values['model']} or -hf {values['hf_repo']}, not both")
         values["model"] = "hf:" + values["hf_repo"]
     return ChatSettings(**((fixed or {}) | values))
-
-
-# ---- typer wiring (typer is imported by a command's registration, not with this module) -----------
-
-
-def _callback(option: Option):
-    def callback(value):
-        try:
-            return check_value(option, value)
-        except ValueError as e:
-            import typer
-
-            raise typer.BadParameter(str(e)) from None
-
-    return callback
-
-
-def _parameter(option: Option) -> inspect.Parameter:
-    import typer
-
-    default = option.default
-    if option.type is FlashAttn and default is not None:
-        default = FlashAttn(default)
-    extra = {"show_default": default is not None, **option.extra}
-    cb = _callback(option) if option.check is not None else None
-    text = getattr(option.check, "text", None)
-    help_ = f"{option.help} \\[{text}]" if text else option.help  # a literal "[", not rich markup
-    opt = typer.Option(*option.flags, help=help_, rich_help_panel=option.panel, callback=cb, **extra)
-    return inspect.Parameter(
-        option.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[option.type, opt]
-    )
-
-
-def with_settings(func=None, *, names=None, overrides=None):
-    """Give a typer command the shared flags; it receives them as `settings: ChatSettings`.
-
-    names: which flags (default: all of OPTIONS). overrides: {field: {"default"|"help"|"check"|
-    "panel": ...}} for a command whose flag means something narrower (perplexity's -c is the
-    chunk size). Flags not taken keep ChatSettings' defaults in `settings`."""
-    if func is None:
-        return functools.partial(with_settings, names=names, overrides=overrides)
-    chosen = [BY_NAME[n] for n in (names or BY_NAME)]
-    over = overrides or {}
-    chosen = [replace(o, **over.get(o.name, {})) for o in chosen]
-    own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "settings"]
-    shared = [_parameter(o) for o in chosen]
-    taken = [o.name for o in chosen]
-    fixed = {n: o["default"] for n, o in over.items() if n not in taken and "default" in o}
-
-    @functools.wraps(func)
-    def command(**kwargs):
-        values = {n: kwargs.pop(n) for n in taken}
-        return func(settings=settings_from(values, fixed), **kwargs)
-
-    del command.__wrapped__  # typer must see the new signature, not the wrapped one
-    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared
-    command.__signature__ = inspect.Signature(params)
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    return command

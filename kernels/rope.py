@@ -9,7 +9,7 @@ LongRoPE factors) and `attn_factor` multiplying cos and sin (LongRoPE's scaling)
 
 The rotation is ggml's as its x86 build compiles it (GCC contracts rotate_pairs' x0*cos - x1*sin
 into one fused step): x0' = fma(x0, cos, -(x1 sin)), x1' = fma(x0, sin, x1 cos), with cosf/sinf
-of the f32 angle, so the values are llama.cpp's bits (tests/ggml_order.py). Compiled without
+of the f32 angle, so the values are llama.cpp's bits (tests/helpers/ggml_order.py). Compiled without
 fast-math and with the fusion spelled out (kernels/ggml_math.fma32), so a token's result is the
 same whether prepare_qkv runs its serial or its parallel twin (batch invariance,
 kernels/attention.py). The cost is nil: a few hundred values per token next to cos/sin calls.

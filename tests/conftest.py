@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models written by tests/gguf_factory.py (the fast lane), and the two
+"""Shared fixtures: tiny models written by tests/helpers/gguf_factory.py (the fast lane), and the two
 real models, fetched once into KVCHAT_CACHE (default ~/.cache/kvchat), for agreement with llama.cpp.
 
 `python -m pytest -q -n 2 -m "not real_model"` (README's fast lane) runs without the real models: every test that
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model(tmp_path_factory):
     """tiny_model(arch="llama", **opts) -> Path of a tiny random GGUF (ChatML template, the
     factory's vocabulary), written once per session for each distinct (arch, opts)."""
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     made = {}
     root = tmp_path_factory.mktemp("tiny_models")
@@ -65,8 +65,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_chat(tmp_path_factory) -> Path:
     """A tiny llama with the ChatML template that answers in printable text and never ends its
-    turn by itself (tests/gguf_factory.write_tiny_chat_model): the CLI contract tests' model."""
-    from tests.gguf_factory import write_tiny_chat_model
+    turn by itself (tests/helpers/gguf_factory.write_tiny_chat_model): the CLI contract tests' model."""
+    from tests.helpers.gguf_factory import write_tiny_chat_model
 
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat") / "tiny-chat.gguf")
 

@@ -4,7 +4,7 @@ table) against llama.cpp on the tiny reference model gemma2_s1, and on factory v
 import numpy as np
 import pytest
 
-from tests import arch_refs
+from tests.helpers import arch_refs
 
 NAME = "gemma2_s1"
 
@@ -117,7 +117,7 @@ def test_gelu_table_is_ggml_s():
 def test_factory_gemma2_swa_pattern_and_softcap_keys(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.hparams import HParams
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     p = write_tiny_model(
         tmp_path / "g.gguf",

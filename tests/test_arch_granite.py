@@ -4,7 +4,7 @@ tiny reference model granite_s1, and on factory variants."""
 import numpy as np
 import pytest
 
-from tests import arch_refs
+from tests.helpers import arch_refs
 
 NAME = "granite_s1"
 
@@ -15,7 +15,7 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 
 def _granite(tmp_path, name, **meta):
     from kvchat.runtime.model import Model
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     keys = {"granite.logit_scale": 1.0}
     keys.update({f"granite.{k}": v for k, v in meta.items()})
@@ -41,7 +41,7 @@ def test_the_multipliers_are_read_and_applied(tmp_path):
 def test_logit_scale_is_required(tmp_path):
     from kvchat.runtime.errors import ModelFileError
     from kvchat.runtime.model import Model
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     with pytest.raises(ModelFileError, match=r"granite.logit_scale.*missing"):
         Model.load(write_tiny_model(tmp_path / "x.gguf", arch="granite", n_layer=2))

@@ -4,7 +4,7 @@ reference model llama3rope_s1, and on factory variants."""
 import numpy as np
 import pytest
 
-from tests import arch_refs
+from tests.helpers import arch_refs
 
 NAME = "llama3rope_s1"
 
@@ -18,7 +18,7 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 
 def _model(tmp_path, name, factors=None, **kw):
     from kvchat.runtime.model import Model
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     extra = {} if factors is None else {"rope_freqs.weight": np.asarray(factors, np.float32)}
     return Model.load(

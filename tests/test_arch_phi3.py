@@ -4,7 +4,7 @@ tiny reference model phi3_s1, and on factory variants."""
 import numpy as np
 import pytest
 
-from tests import arch_refs
+from tests.helpers import arch_refs
 
 NAME = "phi3_s1"
 
@@ -37,7 +37,7 @@ def test_the_context_size_picks_the_longrope_factor_set():
 
 
 def _phi3(tmp_path, name, fused=True, **kw):
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     n_layer = 2
     opt = (

@@ -14,7 +14,7 @@ from kvchat.runtime.cparams import ContextParams, resolve_cparams
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.hparams import HParams, expected_tensors
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

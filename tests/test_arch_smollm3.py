@@ -3,7 +3,7 @@ smollm3_s1, and on factory variants."""
 
 import numpy as np
 
-from tests import arch_refs
+from tests.helpers import arch_refs
 
 NAME = "smollm3_s1"
 
@@ -15,7 +15,7 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 def test_every_fourth_layer_has_no_rope(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.hparams import HParams
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     hp = HParams.from_gguf(GGUFFile(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=8)))
     assert [il for il in range(8) if not hp.has_rope(il)] == [3, 7]
@@ -29,7 +29,7 @@ def test_context_shift_leaves_nope_keys_and_matches_a_fresh_decode(tmp_path):
     from kvchat.runtime.context import Context
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.model import Model
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     m = Model.load(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=4))
     tokens = list(range(5, 41))

@@ -196,7 +196,8 @@ def test_fast_f16_row_is_exact_for_every_half():
 
 def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1):
     """Run the flash kernel with groups of cpu chunks as units (split) or each unit walking all chunks."""
-    from kvchat.kernels.attention import _NO_PARTIALS, _flash_attn_par, _flash_attn_ser, _partials, _values_per_bytes
+    from kvchat.kernels.attention import _values_per_bytes
+    from kvchat.kernels.attention_flash import _NO_PARTIALS, _flash_attn_par, _flash_attn_ser, _partials
 
     n_tokens, n_head = q.shape[:2]
     dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
@@ -291,7 +292,7 @@ def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, sp
     """Few queries and several chunks: groups of chunks become the units, about four per thread,
     every chunk in exactly one group; otherwise (prompts, one thread, a single chunk) every unit
     walks all chunks."""
-    from kvchat.kernels.attention import CHUNK, flash_plan
+    from kvchat.kernels.attention_flash import CHUNK, flash_plan
 
     tb, got_split, cpu = flash_plan(n_tokens, 3, n_kv, 1, n_threads)
     n_ch = -(-n_kv // CHUNK)
@@ -305,7 +306,7 @@ def test_flash_plan_splits_only_decode_sized_calls(n_tokens, n_kv, n_threads, sp
 
 def test_attention_splits_long_decode_and_matches_reference():
     """Through the public entry: one token over 1200 cells with 2 threads takes the split path."""
-    from kvchat.kernels.attention import flash_plan
+    from kvchat.kernels.attention_flash import flash_plan
 
     assert flash_plan(1, 3, 1200, 1, 2)[1]
     q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q8_0", 1, 9, 3, 64, 1200, 1280, 1, seed=19)

@@ -13,7 +13,7 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.model import Model
 from kvchat.runtime.sampling import Sampler, SamplingParams
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")

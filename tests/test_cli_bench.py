@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from kvchat.cli.app import app
 from kvchat.kernels.ggml_types import GGMLType
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 def _bench(*args):

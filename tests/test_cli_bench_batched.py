@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from kvchat.cli.app import app
 from kvchat.cli.commands.bench_batched import n_kv_required
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 def _run(*args):

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from tests.gguf_factory import write_tiny_model
-from tests.pty_chat import Chat, answer_of
+from tests.helpers.gguf_factory import write_tiny_model
+from tests.helpers.pty_chat import Chat, answer_of
 
 pexpect = pytest.importorskip("pexpect")
 

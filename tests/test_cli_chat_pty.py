@@ -1,11 +1,11 @@
 """`kvchat chat` driven in a pseudo-terminal, as a user would, on SmolLM2 (greedy, -c 256);
-the driver is tests/pty_chat.py."""
+the driver is tests/helpers/pty_chat.py."""
 
 import re
 
 import pytest
 
-from tests.pty_chat import ACCEPTED, READY, answer_of, chats_on, decoded_prompt_tokens
+from tests.helpers.pty_chat import ACCEPTED, READY, answer_of, chats_on, decoded_prompt_tokens
 
 pytestmark = pytest.mark.real_model
 

@@ -1,7 +1,7 @@
 """The CLI contract of `kvchat run` / `kvchat chat` on a tiny ChatML model (no real model needed):
 stdout carries only the answer, errors are one line with a clear exit code, sessions resume
 without re-processing, Ctrl-C stops an answer. Most calls run `kvchat.cli.app.main` in this process
-(tests/cli_inproc.py: the kernels are compiled once); the one about a signal runs a real process.
+(tests/helpers/cli_inproc.py: the kernels are compiled once); the one about a signal runs a real process.
 tests/test_cli_run.py holds the contract tests that run on both this model and SmolLM2 (the
 `any_model` ones: stdout-only answers, corrupt and resumed sessions) and SmolLM2's agreement
 with llama.cpp's answers."""
@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.cli_inproc import kvchat
 from tests.conftest import ROOT
+from tests.helpers.cli_inproc import kvchat
 
 TIMEOUT = 600
 
@@ -31,7 +31,7 @@ def greedy_text(model_path, prompt_ids, n):
     from kvchat.runtime.cparams import ContextParams
     from kvchat.runtime.generate import generate
     from kvchat.runtime.model import Model
-    from kvchat.runtime.text.vocab import StreamDecoder
+    from kvchat.runtime.text.detokenize import StreamDecoder
 
     m = Model.load(model_path)
     ctx = Context(m, ContextParams(n_ctx=256))

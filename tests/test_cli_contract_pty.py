@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.pty_chat import ACCEPTED, READY, chats_on, decoded_prompt_tokens
+from tests.helpers.pty_chat import ACCEPTED, READY, chats_on, decoded_prompt_tokens
 
 pexpect = pytest.importorskip("pexpect")
 

@@ -1,4 +1,4 @@
-"""`kvchat run` on SmolLM2 and on the tiny ChatML model, run in this process (tests/cli_inproc.py):
+"""`kvchat run` on SmolLM2 and on the tiny ChatML model, run in this process (tests/helpers/cli_inproc.py):
 stdout carries only the answer, errors are one line."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.cli_inproc import kvchat
+from tests.helpers.cli_inproc import kvchat
 
 # tests that take smollm2_path are marked real_model by tests/conftest.py; --help and usage
 # errors need no model and run in the fast lane

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvchat.cli.app import app
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ drafts is the plain answer, byte for byte; what cannot work is one line and exit
 
 import pytest
 
-from tests.cli_inproc import kvchat
+from tests.helpers.cli_inproc import kvchat
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.hparams import HParams
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 def render(gf) -> tuple[str, Exception | None]:

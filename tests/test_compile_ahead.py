@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.pty_chat import ACCEPTED, READY, Chat, answer_of
+from tests.helpers.pty_chat import ACCEPTED, READY, Chat, answer_of
 
 pytestmark = pytest.mark.slow
 

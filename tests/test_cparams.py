@@ -1,11 +1,11 @@
 """ContextParams -> CParams resolution, as llama_context's constructor does it."""
 
 import pytest
-from memory_stubs import make_hparams
 
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.cparams import QUANT_V_NEEDS_FA, ContextParams, resolve_cparams
 from kvchat.runtime.errors import CParamsError, KvchatError
+from tests.helpers.memory_stubs import make_hparams
 
 
 def resolve(**kw):

@@ -183,7 +183,7 @@ def test_kvchat_run_answers_without_importing_typer_and_says_the_same_as_typer(t
 )
 def test_a_run_without_typer_ends_as_a_typer_run_when_the_command_raises(monkeypatch, raised):
     import kvchat.cli.commands.run as cmd_run
-    from tests.cli_inproc import kvchat
+    from tests.helpers.cli_inproc import kvchat
 
     def command(settings, **own):
         raise raised

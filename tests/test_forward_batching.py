@@ -25,7 +25,7 @@ from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 def _logits_by_ubatch(model, tokens, n_ubatch, n_ctx=1024, **kw):

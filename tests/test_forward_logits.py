@@ -31,7 +31,7 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.hparams import HParams
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 # ---- float64 reference forward ---------------------------------------------------------------
 
@@ -46,9 +46,9 @@ def _w(gf, name):
 
 def _mm(gf, x, name):
     """x @ W.T as ggml computes it: for a block-quantized W the activations are first rounded to
-    its vec_dot type (q8_0 / q8_1 / q8_K, tests/qref.py), then multiplied exactly (float64)."""
+    its vec_dot type (q8_0 / q8_1 / q8_K, tests/helpers/qref.py), then multiplied exactly (float64)."""
     from kvchat.kernels.qlayout import FORMATS
-    from tests.qref import dequantized_act
+    from tests.helpers.qref import dequantized_act
 
     t = int(gf.tensors[name].ggml_type)
     if t in [int(f) for f in FORMATS]:

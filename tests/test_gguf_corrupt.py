@@ -16,7 +16,7 @@ from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.file import GGUFValueType as VT
 from kvchat.runtime.hparams import HParams
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 # ----------------------------------------------------------------------------- raw encoder

@@ -13,7 +13,7 @@ import pytest
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.file import GGUFValueType as VT
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 from tests.test_gguf_corrupt import ARCH, gguf_bytes, kv_arr, s, tinfo
 
 

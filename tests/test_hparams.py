@@ -11,7 +11,7 @@ from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.arch import get_arch
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.hparams import HParams, expected_tensors
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.mark.real_model

@@ -15,7 +15,7 @@ from kvchat.cli.app import app
 from kvchat.kernels.logprob import kld_rows, nll_rows, quantize_log_prob_rows, row_words
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.eval.kld import KLDStats, LogitsFile, LogitsFileWriter, n_scored
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 def _log_softmax64(x):

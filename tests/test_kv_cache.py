@@ -3,7 +3,6 @@ K-shift, sequence ops, stream copies and compaction - checked cell by cell."""
 
 import numpy as np
 import pytest
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams, roped_k
 
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.quants import dequantize, quantize
@@ -13,6 +12,7 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.attn_rotation import rotate
 from kvchat.runtime.memory.interface import MemoryOpError, MemoryStatus
 from kvchat.runtime.memory.kv_cache import KVCache
+from tests.helpers.memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams, roped_k
 
 F16, Q8_0, F32 = int(GGMLType.F16), int(GGMLType.Q8_0), int(GGMLType.F32)
 

@@ -3,7 +3,6 @@ masked cells, and operations reaching both caches."""
 
 import numpy as np
 import pytest
-from memory_stubs import StubModel, make_hparams
 
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.arch import create_memory
@@ -12,6 +11,7 @@ from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
+from tests.helpers.memory_stubs import StubModel, make_hparams
 
 SWA = [True, True, False, True]  # layers 0, 1, 3 slide; layer 2 is global
 

@@ -14,7 +14,7 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.interface import MemoryOpError
 from kvchat.runtime.memory.kv_convert import convert_context_cache_types
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")

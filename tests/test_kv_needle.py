@@ -14,7 +14,7 @@ from kvchat.runtime.eval.kv_sweep import SweepConfig
 from kvchat.runtime.eval.perplexity import make_context
 from kvchat.runtime.generate import decode_tokens
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvchat.runtime.eval.kld import KLDStats, LogitsFile
 from kvchat.runtime.eval.kv_sweep import SweepConfig, kv_footprint, paired_difference, run_sweep, sweep_configs
 from kvchat.runtime.eval.perplexity import compute_perplexity
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tests import arch_refs
+from tests.helpers import arch_refs
 
 
 def run(capsys, *args):

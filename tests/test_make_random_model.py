@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from kvchat.runtime.model import Model
-from tests.arch_refs import greedy_ids
-from tests.cli_inproc import kvchat
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.arch_refs import greedy_ids
+from tests.helpers.cli_inproc import kvchat
+from tests.helpers.gguf_factory import write_tiny_model
 from tests.test_forward_logits import reference_forward
 
 ROOT = Path(__file__).resolve().parent.parent

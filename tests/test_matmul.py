@@ -6,7 +6,7 @@ Tolerance: float weights are multiplied in float32 (kernels/matmul_kernels.py: p
 s_a + s_b fma chains, accumulated in one fixed order); block-quantized weights by exact integer
 block dots on activations quantized as ggml does (kernels/matmul_int.py), so their reference is
 the float64 product of the dequantized weights with those quantized activations
-(tests/qref.py). The classic bound for a float sum of k products is
+(tests/helpers/qref.py). The classic bound for a float sum of k products is
 |err| <= gamma_{k+2} * sum_i |x_i w_i| with gamma_j = j * eps / (1 - j * eps); the decode or
 the scale steps add at most two roundings per term. So we assert
     |y - ref| <= (k + 4) * eps32 * (|x| @ |W|.T)
@@ -68,7 +68,7 @@ def reference(raw: np.ndarray, t: GGMLType, k: int) -> np.ndarray:
 
 
 def assert_matmul_close(qm: QMatrix, w: np.ndarray, x: np.ndarray) -> None:
-    from tests.qref import int_matmul_reference
+    from tests.helpers.qref import int_matmul_reference
 
     y = qm.matmul(x)  # [n, m]
     assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == np.float32

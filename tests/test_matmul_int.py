@@ -1,6 +1,6 @@
 """The integer matmul (kernels/matmul_int.py) on every weight type and every CPU path this machine runs.
 
-- the activations are quantized bit for bit as ggml's x86 build does (tests/qref.py);
+- the activations are quantized bit for bit as ggml's x86 build does (tests/helpers/qref.py);
 - the product equals gguf-py's dequantized weights times those activations, computed in
   float64, up to the float order of the per-block scale steps: |err| <= (k + 4) eps32 |x̂|·|W|
   (a proven bound for k accumulations of one rounding each, as in tests/test_matmul.py);
@@ -22,7 +22,7 @@ from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
 from kvchat.kernels.matmul_int import quantize_activations as quantize_rows
 from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 from kvchat.kernels.simd_int import Isa
-from tests.qref import int_matmul_reference, quantize_act
+from tests.helpers.qref import int_matmul_reference, quantize_act
 from tests.test_matmul import random_raw
 
 EPS32 = float(np.finfo(np.float32).eps)

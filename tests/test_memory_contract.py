@@ -5,7 +5,6 @@ attention layer uses is exactly AttentionMemoryContext."""
 import inspect
 
 import numpy as np
-from memory_stubs import StubModel, make_hparams
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
@@ -16,6 +15,7 @@ from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_context import KVCacheContext
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA, KVCacheISWAContext
 from kvchat.runtime.memory.recurrent import MemoryRecurrent, RecurrentContext
+from tests.helpers.memory_stubs import StubModel, make_hparams
 
 
 def _abstract_names(base):

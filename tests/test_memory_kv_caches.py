@@ -4,8 +4,6 @@ cache refuses it). The four copies of this question disagreed on hybrids: the pr
 branches saw no KV cache, the cache-type conversion and /kv saw the attention part."""
 
 import numpy as np
-from memory_stubs import StubModel, make_hparams
-from recurrent_stubs import make_rctx
 
 from kvchat.kernels.ggml_types import cache_type_by_name
 from kvchat.runtime.batch import Batch
@@ -15,7 +13,10 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
 from kvchat.runtime.memory.kv_convert import convert_cache_types
-from kvchat.runtime.serving.prompt_cache import cache_salt, cacheable, prefill
+from kvchat.runtime.serving.prompt_cache import prefill
+from kvchat.runtime.serving.prompt_keys import cache_salt, cacheable
+from tests.helpers.memory_stubs import StubModel, make_hparams
+from tests.helpers.recurrent_stubs import make_rctx
 
 TOKENS = (np.arange(12) * 5 + 1) % 64
 

@@ -12,11 +12,11 @@ error) leaves every cell, head and position set exactly as it was.
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 from kvchat.runtime.batch import Batch, BatchAllocator
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
+from tests.helpers.memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 N_SEQ = 3
 

@@ -4,10 +4,10 @@ seq_cp independence, refused partial seq_rm, checkpoints."""
 
 import numpy as np
 import pytest
-from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.memory.interface import AttentionMemoryContext, RecurrentMemoryContext
+from tests.helpers.recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 TOKENS = (np.arange(30) * 7 + 3) % 64
 

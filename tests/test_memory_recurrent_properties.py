@@ -6,9 +6,9 @@ failed decode restores every cell and state row, and a refused seq_rm changes no
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 from kvchat.runtime.batch import Batch
+from tests.helpers.recurrent_stubs import assert_same, make_rctx, recr_of, snapshot
 
 N_SEQ = 3
 

@@ -7,7 +7,7 @@ import pytest
 from kvchat.kernels.act import geglu, glu_fused, softmax, swiglu
 from kvchat.kernels.norm import rms_norm
 from kvchat.kernels.rope import prepare_qkv, rope_inplace
-from tests.ggml_order import rms_norm_reference, rope_reference, silu_reference
+from tests.helpers.ggml_order import rms_norm_reference, rope_reference, silu_reference
 
 
 def _rng(seed=0):
@@ -28,7 +28,7 @@ def test_rms_norm_matches_numpy(with_weight):
 
 @pytest.mark.parametrize("width", [576, 64, 13])
 def test_rms_norm_gives_ggmls_bits(width):
-    """ggml's float order (tests/ggml_order.py), bit for bit, with and without the weight."""
+    """ggml's float order (tests/helpers/ggml_order.py), bit for bit, with and without the weight."""
     x = (_rng(5).standard_normal((40, width)) * _rng(6).uniform(0.01, 100, (40, 1))).astype(np.float32)
     w = _rng(7).standard_normal(width).astype(np.float32)
     np.testing.assert_array_equal(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
@@ -61,7 +61,7 @@ def test_swiglu_and_geglu_match_numpy():
 
 
 def test_swiglu_gives_ggmls_bits():
-    """silu with ggml's own exp (tests/ggml_order.py), bit for bit, over the range where the
+    """silu with ggml's own exp (tests/helpers/ggml_order.py), bit for bit, over the range where the
     exponential saturates too (|x| > 88)."""
     g = np.concatenate([np.linspace(-120, 120, 4001), _rng(9).standard_normal(3000) * 6]).astype(np.float32)
     g = np.concatenate([g, np.float32([0.0, -0.0, 1e-30, -1e-30])])
@@ -142,7 +142,7 @@ def test_rope_matches_numpy(neox, n_rot):
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("n_rot,base", [(64, 100000.0), (32, 10000.0)])
 def test_rope_gives_ggmls_bits(neox, n_rot, base):
-    """ggml's float order (tests/ggml_order.py), bit for bit, through rope_inplace and prepare_qkv."""
+    """ggml's float order (tests/helpers/ggml_order.py), bit for bit, through rope_inplace and prepare_qkv."""
     x = (_rng(11).standard_normal((7, 3, 64)) * 4).astype(np.float32)
     pos = np.array([0, 1, 2, 17, 300, 511, 4095], dtype=np.int32)
     want = rope_reference(x, pos, n_rot, base, neox)

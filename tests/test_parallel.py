@@ -12,7 +12,7 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.model import Model
 from kvchat.runtime.sampling import Sampler, SamplingParams
 from kvchat.runtime.serving.parallel import ParallelRunner, Request, alternatives
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 PROMPT = "hello world, this is a test of many sequences"
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kvchat.cli.app import app
 from kvchat.runtime.eval.perplexity import compute_perplexity
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 from tests.test_forward_logits import reference_forward
 
 

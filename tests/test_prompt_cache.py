@@ -10,8 +10,9 @@ from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.generate import decode_tokens
 from kvchat.runtime.model import Model
-from kvchat.runtime.serving.prompt_cache import BLOCK, PromptCache, cache_salt, prefill
-from tests.gguf_factory import write_tiny_model
+from kvchat.runtime.serving.prompt_cache import PromptCache, prefill
+from kvchat.runtime.serving.prompt_keys import BLOCK, cache_salt
+from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_another_configuration_does_not_see_the_entries(llama, tmp_path):
 def test_a_damaged_entry_is_ignored_with_one_warning_and_deleted(llama, tmp_path, damage):
     ids = tokens(500, seed=6)
     run(llama, ids, make_cache(tmp_path, llama))
-    from kvchat.runtime.serving.prompt_cache import block_keys
+    from kvchat.runtime.serving.prompt_keys import block_keys
 
     keys = block_keys(make_cache(tmp_path, llama).salt, ids, 3)
     victim = tmp_path / "pc" / f"{keys[1]}.kvpc"

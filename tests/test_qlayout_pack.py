@@ -1,12 +1,12 @@
 """The compiled repack (kernels/qlayout_pack.py) writes the bytes of the numpy build it replaced
-(tests/qlayout_numpy.py), for every weight type, partial row groups and sliced matrices alike."""
+(tests/helpers/qlayout_numpy.py), for every weight type, partial row groups and sliced matrices alike."""
 
 import numpy as np
 import pytest
 
 from kvchat.kernels import qlayout
 from kvchat.kernels.qlayout import FORMATS, repack_int
-from tests.qlayout_numpy import repack_reference
+from tests.helpers.qlayout_numpy import repack_reference
 from tests.test_matmul import random_raw
 
 

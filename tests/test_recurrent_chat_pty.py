@@ -5,7 +5,7 @@ KV state, and a full context on a recurrent memory stops with one line."""
 
 import pytest
 
-from tests.pty_chat import Chat, answer_of, decoded_prompt_tokens
+from tests.helpers.pty_chat import Chat, answer_of, decoded_prompt_tokens
 
 pytest.importorskip("pexpect")
 

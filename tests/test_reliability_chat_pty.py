@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tests.gguf_factory import write_tiny_model
-from tests.pty_chat import ACCEPTED, READY, Chat, chats_on, flat
+from tests.helpers.gguf_factory import write_tiny_model
+from tests.helpers.pty_chat import ACCEPTED, READY, Chat, chats_on, flat
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """`kvchat run`, `tokenize` and `session show` on bad bytes, damaged models, impossible sizes and
 locked sessions, on a tiny random model: one line and a clear exit code each, never a traceback,
-never a lost turn. Most calls run in this process (tests/cli_inproc.py); a session held by
+never a lost turn. Most calls run in this process (tests/helpers/cli_inproc.py); a session held by
 another process, concurrent runs, closed or vanishing stdout and the start-up locale need real
 processes."""
 
@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests import cli_inproc as inproc
 from tests.conftest import ROOT
-from tests.gguf_factory import write_tiny_model
+from tests.helpers import cli_inproc as inproc
+from tests.helpers.gguf_factory import write_tiny_model
 
 TIMEOUT = 600  # the first run compiles the kernels
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvchat.runtime.errors import SessionError
 from tests.conftest import ROOT
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 
 TEXT_BYTES = st.one_of(
     st.binary(min_size=0, max_size=64),

@@ -5,13 +5,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from memory_stubs import make_hparams
 
 from kvchat.runtime.arch import create_memory
 from kvchat.runtime.cparams import ContextParams, check_kv_fits, kv_cache_bytes, resolve_cparams
 from kvchat.runtime.errors import CParamsError, ModelOutputError
 from kvchat.runtime.sampling import Sampler, SamplingParams, check_logits
 from kvchat.runtime.text.utf8 import clean_text, decode_bytes
+from tests.helpers.memory_stubs import make_hparams
 
 
 def resolve(hp, **kw):
@@ -91,7 +91,7 @@ def test_invalid_utf8_becomes_one_replacement_character_per_byte():
 def test_tokenizer_accepts_surrogates_for_both_vocab_kinds(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
     from kvchat.runtime.text.vocab import Vocab
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     for arch in ("llama", "gemma3"):
         path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch)
@@ -103,8 +103,9 @@ def test_tokenizer_accepts_surrogates_for_both_vocab_kinds(tmp_path):
 
 def test_answer_cut_inside_a_character_ends_without_replacement_character(tmp_path):
     from kvchat.runtime.gguf.file import GGUFFile
-    from kvchat.runtime.text.vocab import StreamDecoder, Vocab
-    from tests.gguf_factory import write_tiny_model
+    from kvchat.runtime.text.detokenize import StreamDecoder
+    from kvchat.runtime.text.vocab import Vocab
+    from tests.helpers.gguf_factory import write_tiny_model
 
     path = write_tiny_model(tmp_path / "m.gguf")
     with GGUFFile(path) as gf:

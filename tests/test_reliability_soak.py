@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.pty_chat import ACCEPTED, READY, Chat, flat
+from tests.helpers.pty_chat import ACCEPTED, READY, Chat, flat
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -45,7 +45,7 @@ def check_mirror(chat):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("soak") / "tiny.gguf")
 

@@ -10,8 +10,8 @@ import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
 from tests.conftest import ROOT
-from tests.gguf_factory import split_gguf_file, write_tiny_model
-from tests.sources_fake_hub import FakeHub, dead_endpoint
+from tests.helpers.gguf_factory import split_gguf_file, write_tiny_model
+from tests.helpers.sources_fake_hub import FakeHub, dead_endpoint
 from tests.test_sources_ollama import write_ollama_model
 
 TIMEOUT = 600

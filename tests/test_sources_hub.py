@@ -1,5 +1,5 @@
 """`-hf owner/repo[:QUANT]`: the file llama.cpp would pick, fetched once through huggingface_hub
-from a local fake hub (tests/sources_fake_hub.py), then found in the cache without a request;
+from a local fake hub (tests/helpers/sources_fake_hub.py), then found in the cache without a request;
 every failure is one line."""
 
 import numpy as np
@@ -11,8 +11,8 @@ from kvchat.cli.sources.models import locate_model
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.model import Model
-from tests.gguf_factory import split_gguf_file, write_tiny_model
-from tests.sources_fake_hub import FakeHub, dead_endpoint
+from tests.helpers.gguf_factory import split_gguf_file, write_tiny_model
+from tests.helpers.sources_fake_hub import FakeHub, dead_endpoint
 
 REPO = "acme/tiny-GGUF"
 

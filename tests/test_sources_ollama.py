@@ -13,8 +13,8 @@ from kvchat.cli.sources.models import locate_model
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
-from tests.sources_fake_hub import FakeHub
+from tests.helpers.gguf_factory import write_tiny_model
+from tests.helpers.sources_fake_hub import FakeHub
 
 
 def write_ollama_model(root, name, gguf_path, tag="latest", namespace="library"):

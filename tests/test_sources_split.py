@@ -14,7 +14,7 @@ from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.split import SplitGGUF, open_gguf, parse_split_name, part_paths, split_path
 from kvchat.runtime.model import Model
-from tests.gguf_factory import split_gguf_file, write_tiny_model
+from tests.helpers.gguf_factory import split_gguf_file, write_tiny_model
 
 
 @pytest.fixture

@@ -452,7 +452,7 @@ def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_ca
 
     import kvchat.kernels.warm_set as warm_set
     import kvchat.runtime.generate
-    from tests.cli_inproc import kvchat
+    from tests.helpers.cli_inproc import kvchat
 
     monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
     warmed = []

@@ -6,12 +6,12 @@ import struct
 
 import numpy as np
 import pytest
-from memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.state import StateError, StateReader, StateWriter, atomic_write
+from tests.helpers.memory_stubs import StubModel, assert_same_cells, cells_snapshot, make_hparams
 
 
 def make(n_ctx=256, n_seq_max=3, hp=None, **kw):

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from kvchat.runtime.gguf.file import GGUFFile
+from kvchat.runtime.text.detokenize import StreamDecoder
 from kvchat.runtime.text.tokenizer_bpe import byte_encode
-from kvchat.runtime.text.vocab import StreamDecoder, Vocab
+from kvchat.runtime.text.vocab import Vocab
 
 MODELS = ("smollm2", "gemma3")
 

@@ -20,7 +20,7 @@ from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.memory.state import TMP_TAG
 from kvchat.runtime.model import Model
-from tests.gguf_factory import write_tiny_model
+from tests.helpers.gguf_factory import write_tiny_model
 from tests.test_matmul import random_raw
 
 TOKENS = [1, 17, 42, 99, 7, 250, 3, 64]

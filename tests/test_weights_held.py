@@ -80,7 +80,7 @@ def test_model_file_pages_leave_the_resident_set_once_the_weights_are_repacked(g
 
 
 def _untied_and_tied(tmp_path):
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
 
     kw = dict(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=64, weight_type=GGMLType.Q8_0)
     return (

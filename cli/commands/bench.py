@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from kvchat.cli.options import ChatSettings, with_settings
+from kvchat.cli.option_params import with_settings
+from kvchat.cli.options import ChatSettings
 from kvchat.runtime.errors import KvchatError
 
 

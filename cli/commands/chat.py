@@ -9,7 +9,8 @@ import typer
 
 from kvchat.cli.chat.render import Renderer
 from kvchat.cli.chat.setup import make_conversation, open_engine, should_resume
-from kvchat.cli.options import ChatSettings, with_settings
+from kvchat.cli.option_params import with_settings
+from kvchat.cli.options import ChatSettings
 
 
 def register(app: typer.Typer) -> None:

@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvchat.cli.options import MODEL_HELP, hf_option
+from kvchat.cli.option_params import hf_option
+from kvchat.cli.options import MODEL_HELP
 from kvchat.kernels.ggml_types import KV_CACHE_TYPES, row_bytes, type_by_name, type_name
 from kvchat.runtime.arch import get_arch
 from kvchat.runtime.errors import ModelFileError

@@ -16,7 +16,8 @@ from typing import Optional
 
 import typer
 
-from kvchat.cli.options import MODEL_HELP, hf_option
+from kvchat.cli.option_params import hf_option
+from kvchat.cli.options import MODEL_HELP
 from kvchat.runtime.errors import KvchatError
 
 

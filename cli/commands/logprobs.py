@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from kvchat.cli.options import CACHE_FLAGS, ChatSettings, with_settings
+from kvchat.cli.option_params import with_settings
+from kvchat.cli.options import CACHE_FLAGS, ChatSettings
 from kvchat.runtime.errors import KvchatError
 
 FLAGS = CACHE_FLAGS + ("swa_full",)

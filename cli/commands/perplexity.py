@@ -17,7 +17,8 @@ from typing import Optional
 
 import typer
 
-from kvchat.cli.options import CACHE_FLAGS, ChatSettings, at_least, with_settings
+from kvchat.cli.option_params import with_settings
+from kvchat.cli.options import CACHE_FLAGS, ChatSettings, at_least
 from kvchat.runtime.errors import KvchatError
 
 

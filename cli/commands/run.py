@@ -104,14 +104,14 @@ def register(app) -> None:
     """`run` on the typer app: RUN_OPTIONS, then the shared flags (cli/options.py)."""
     import inspect
 
-    from kvchat.cli.options import _parameter, with_settings
+    from kvchat.cli.option_params import parameter, with_settings
 
     def run(settings: ChatSettings = None, **own):
         """Answer one prompt (-p, -f or stdin) and exit; only the answer goes to stdout."""
         return run_command(settings, **own)
 
     run.__signature__ = inspect.Signature(
-        [_parameter(o) for o in RUN_OPTIONS] + [inspect.Parameter("settings", inspect.Parameter.KEYWORD_ONLY)]
+        [parameter(o) for o in RUN_OPTIONS] + [inspect.Parameter("settings", inspect.Parameter.KEYWORD_ONLY)]
     )
     app.command("run")(with_settings(run))
 

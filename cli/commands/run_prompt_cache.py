@@ -23,7 +23,8 @@ def default_dir() -> Path:
 
 def warm(engine, conv, text: str, directory: Path | None, max_mib: int, renderer) -> None:
     """Fill conv's sequence from the cache (and the cache from this prompt) before conv.ask."""
-    from kvchat.runtime.serving.prompt_cache import BLOCK, PromptCache, cache_salt, cacheable, file_sha256, prefill
+    from kvchat.runtime.serving.prompt_cache import PromptCache, prefill
+    from kvchat.runtime.serving.prompt_keys import BLOCK, cache_salt, cacheable, file_sha256
 
     ctx = engine.ctx
     if conv.n_cached or not cacheable(ctx.memory):

@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from kvchat.cli.options import MODEL_HELP, hf_option
+from kvchat.cli.option_params import hf_option
+from kvchat.cli.options import MODEL_HELP
 from kvchat.cli.sources.models import resolve_model
 from kvchat.runtime.gguf.split import open_gguf
 from kvchat.runtime.text.vocab import Vocab

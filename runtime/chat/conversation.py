@@ -91,7 +91,7 @@ class Conversation(CachedSequence):
         self.notify = notify or (lambda event: None)
         self._batch = batch_factory  # None: kvchat.runtime.batch.Batch.one_seq
         if stream_decoder is None:
-            from kvchat.runtime.text.vocab import StreamDecoder as stream_decoder
+            from kvchat.runtime.text.detokenize import StreamDecoder as stream_decoder
         self._stream_decoder = stream_decoder
         # set from a signal handler: stop at the next token (and, via the Context's abort
         # callback, inside a long prompt evaluation)

@@ -80,7 +80,7 @@ class _Slot:
     """A live sequence: what is still to be prefilled, its sampler, decoder and answer."""
 
     def __init__(self, seq_id: int, req: Request, sampling: SamplingParams, vocab, step: int):
-        from kvchat.runtime.text.vocab import StreamDecoder
+        from kvchat.runtime.text.detokenize import StreamDecoder
 
         self.seq_id = seq_id
         self.req = req

@@ -151,7 +151,7 @@ def check_chat_and_run_q8(name: str, tmp_path: Path, capsys, monkeypatch) -> Non
     import io
 
     from kvchat.cli.app import main
-    from tests.gguf_factory import quantized_copy
+    from tests.helpers.gguf_factory import quantized_copy
 
     q8 = quantized_copy(model_path(name), tmp_path / f"{name}-q8_0.gguf")
     m = Model.load(q8)

@@ -1,6 +1,6 @@
 """Tiny random GGUF models for unit tests (any helper may import this).
 
-    from tests.gguf_factory import write_tiny_model
+    from tests.helpers.gguf_factory import write_tiny_model
     path = write_tiny_model(tmp_path / "m.gguf", arch="gemma3", weight_type=GGMLType.Q8_0)
 
 The file is a complete model of the given architecture: every tensor kvchat.runtime.hparams expects

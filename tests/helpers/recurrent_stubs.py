@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from memory_stubs import roped_k, v_rows
 
 from kvchat.kernels.conv import conv_with_state
 from kvchat.kernels.ssm_scan import scan
@@ -19,6 +18,7 @@ from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.hparams import HParams
 from kvchat.runtime.memory.hybrid import MemoryHybrid
 from kvchat.runtime.memory.recurrent import MemoryRecurrent
+from tests.helpers.memory_stubs import roped_k, v_rows
 
 D_CONV, D_INNER, D_STATE = 4, 8, 4
 
