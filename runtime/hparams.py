@@ -1,11 +1,12 @@
 """Hyper-parameters read from GGUF metadata (llama.cpp's llama_hparams), for any architecture.
 
-`HParams.from_gguf(gf)` reads and sanity-checks the keys every decoder has (the common part
-below), hands them to the file's architecture (runtime/arch/<name>.py: `read_hparams`) for its
-own keys and checks, then checks that each weight tensor has the shape the arch's tensor schema
-implies, so a model that loads is one the engine can run. Defaults follow llama.cpp's loader:
-n_head_kv = n_head, head sizes = n_embd / n_head unless key_length / value_length say otherwise,
-n_rot = head size, rope base 10000, no sliding window. This module names no architecture.
+`read_common(gf, arch)` reads and sanity-checks the keys every decoder has; the file's
+architecture adds its own keys and checks on top (runtime/arch/<name>.py: `read_hparams`, an
+`HParams` subclass for its extras) and checks each weight's shape against its tensor schema:
+`kvchat.runtime.arch.read_hparams(gf)` does the whole, as `arch.read_hparams(gf, read_common(gf,
+arch))`. This module is a leaf: it knows no architecture and imports none. Defaults follow
+llama.cpp's loader: n_head_kv = n_head, head sizes = n_embd / n_head unless key_length /
+value_length say otherwise, n_rot = head size, rope base 10000, no sliding window.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvchat.kernels.ggml_types import TYPES, type_name
-from kvchat.runtime.arch import get_arch, is_supported, unsupported_message
+from kvchat.kernels.ggml_types import type_name
 from kvchat.runtime.gguf.file import GGUFFile, GGUFValueType
 
 ROPE_SCALING_TYPES = ("none", "linear")  # the kernels implement no yarn
@@ -130,19 +130,6 @@ class HParams:
     def n_gqa(self) -> int:
         return self.n_head // self.n_head_kv
 
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_gguf(cls, gf: GGUFFile, check_tensors: bool = True) -> "HParams":
-        """Read and validate; ModelFileError (one line: file, key, problem) on any violation.
-        The result is of the architecture's HParams class (this one or a subclass with extras)."""
-        if not is_supported(gf.arch):
-            gf.fail("general.architecture", unsupported_message(gf.arch))
-        arch = get_arch(gf.arch)
-        hp = arch.read_hparams(gf, arch.read_common(gf))
-        if check_tensors:
-            validate_tensors(gf, hp)
-        return hp
-
 
 def read_common(gf: GGUFFile, arch, given: dict | None = None) -> dict:
     """The HParams fields every architecture has, read from `<arch>.*` keys and validated.
@@ -223,27 +210,6 @@ def read_common(gf: GGUFFile, arch, given: dict | None = None) -> dict:
         n_ctx_orig=n_ctx_orig,
         rope_attn_factor=attn_factor,
     )
-
-
-# ---------------------------------------------------------------------- tensor schema
-def expected_tensors(hp: HParams) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """name -> (shape in ggml ne order, required) for every weight the arch may use (its schema)."""
-    return get_arch(hp.arch).tensors(hp).expected()
-
-
-def validate_tensors(gf: GGUFFile, hp: HParams) -> None:
-    """Every required weight present, every known weight of the implied shape and of a format
-    the kernels implement."""
-    for name, (shape, required) in expected_tensors(hp).items():
-        ti = gf.tensors.get(name)
-        if ti is None:
-            if required:
-                gf.fail(f"tensor {name}", f"missing (required for {hp.arch})")
-            continue
-        if tuple(ti.shape) != shape:
-            gf.fail(f"tensor {name}", f"shape {list(ti.shape)} does not match the metadata, expected {list(shape)}")
-        if int(ti.ggml_type) not in TYPES:
-            gf.fail(f"tensor {name}", f"type {type_name(ti.ggml_type)} is not supported by kvchat")
 
 
 def rope_factor_tensor(gf: GGUFFile, name: str, n_rot: int) -> np.ndarray | None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul import QMatrix, release_file_pages
-from kvchat.runtime.arch import get_arch, is_supported, unsupported_message
+from kvchat.runtime.arch import get_arch, is_supported, read_hparams, unsupported_message
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.split import open_gguf
@@ -88,7 +88,7 @@ class Model:
             if not is_supported(gf.arch):
                 raise ModelFileError(f"{gf.path}: {unsupported_message(gf.arch)}")
             arch = get_arch(gf.arch)
-            hp = HParams.from_gguf(gf)
+            hp = read_hparams(gf)
             vocab = Vocab.from_gguf(gf)
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)

@@ -115,8 +115,8 @@ def test_gelu_table_is_ggml_s():
 
 
 def test_factory_gemma2_swa_pattern_and_softcap_keys(tmp_path):
+    from kvchat.runtime.arch import read_hparams
     from kvchat.runtime.gguf.file import GGUFFile
-    from kvchat.runtime.hparams import HParams
     from tests.helpers.gguf_factory import write_tiny_model
 
     p = write_tiny_model(
@@ -126,7 +126,7 @@ def test_factory_gemma2_swa_pattern_and_softcap_keys(tmp_path):
         vocab="spm",
         metadata={"gemma2.attention.sliding_window": 16, "gemma2.attn_logit_softcapping": 20.0},
     )
-    hp = HParams.from_gguf(GGUFFile(p))
+    hp = read_hparams(GGUFFile(p))
     assert hp.swa_layers == [True, False] * 3 and hp.n_swa == 16
     assert hp.attn_logit_softcap == 20.0 and hp.final_logit_softcap == 30.0
     from kvchat.runtime.model import Model

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.runtime.arch import ARCHS, create_memory, get_arch
+from kvchat.runtime.arch import ARCHS, create_memory, expected_tensors, get_arch, read_hparams
 from kvchat.runtime.arch.base import Arch, Schema
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
 from kvchat.runtime.gguf.file import GGUFFile
-from kvchat.runtime.hparams import HParams, expected_tensors
 from kvchat.runtime.model import Model
 from tests.helpers.gguf_factory import write_tiny_model
 
@@ -39,7 +38,7 @@ def test_generic_modules_name_no_architecture():
 
 def test_loaded_layers_hold_what_the_schema_declares(tmp_path):
     gf = GGUFFile(write_tiny_model(tmp_path / "q.gguf", arch="qwen2", n_layer=2))
-    hp = HParams.from_gguf(gf)
+    hp = read_hparams(gf)
     schema = get_arch("qwen2").tensors(hp)
     assert isinstance(schema, Schema) and len(schema.layers) == 2
     assert set(schema.expected()) == set(expected_tensors(hp))

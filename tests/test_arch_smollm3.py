@@ -13,11 +13,11 @@ class TestAgainstLlamaCpp(arch_refs.ReferenceChecks):
 
 
 def test_every_fourth_layer_has_no_rope(tmp_path):
+    from kvchat.runtime.arch import read_hparams
     from kvchat.runtime.gguf.file import GGUFFile
-    from kvchat.runtime.hparams import HParams
     from tests.helpers.gguf_factory import write_tiny_model
 
-    hp = HParams.from_gguf(GGUFFile(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=8)))
+    hp = read_hparams(GGUFFile(write_tiny_model(tmp_path / "s.gguf", arch="smollm3", n_layer=8)))
     assert [il for il in range(8) if not hp.has_rope(il)] == [3, 7]
     assert hp.rope_args(3, 2048)["n_rot"] == 0 and hp.rope_args(2, 2048)["n_rot"] == hp.n_rot
 

@@ -10,9 +10,9 @@ from rich.console import Console
 
 from kvchat.cli.commands.info import kv_bytes_per_token, show_info, weight_types
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import read_hparams
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
-from kvchat.runtime.hparams import HParams
 from tests.helpers.gguf_factory import write_tiny_model
 
 
@@ -33,13 +33,13 @@ def row(text: str, field: str, value: str) -> bool:
 
 @pytest.mark.real_model
 def test_kv_bytes_real_models(smollm2_path, gemma3_path):
-    sm = HParams.from_gguf(GGUFFile(smollm2_path))
+    sm = read_hparams(GGUFFile(smollm2_path))
     # 30 layers x (K 192 + V 192 values)
     assert kv_bytes_per_token(sm, "f16") == 30 * 2 * 192 * 2 == 23040
     assert kv_bytes_per_token(sm, "f32") == 46080
     assert kv_bytes_per_token(sm, "q8_0") == 30 * 2 * (192 // 32 * 34) == 12240
     assert kv_bytes_per_token(sm, "q4_0") == 30 * 2 * (6 * 18)
-    ge = HParams.from_gguf(GGUFFile(gemma3_path))
+    ge = read_hparams(GGUFFile(gemma3_path))
     glob = [il for il in range(18) if not ge.is_swa(il)]
     swa = [il for il in range(18) if ge.is_swa(il)]
     assert kv_bytes_per_token(ge, "f16", glob) == 3 * 2 * 256 * 2 == 3072

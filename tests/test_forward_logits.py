@@ -24,12 +24,11 @@ import numpy as np
 import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.runtime.arch import get_arch
+from kvchat.runtime.arch import get_arch, read_hparams
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
 from kvchat.runtime.gguf.file import GGUFFile
-from kvchat.runtime.hparams import HParams
 from kvchat.runtime.model import Model
 from tests.helpers.gguf_factory import write_tiny_model
 
@@ -78,7 +77,7 @@ def _rope(x, pos, n_rot, base, neox):
 def reference_forward(path, tokens):
     """Logits [n, n_vocab] f64 of one sequence at positions 0..n-1 (causal, SWA as llama.cpp)."""
     gf = GGUFFile(path)
-    hp = HParams.from_gguf(gf)
+    hp = read_hparams(gf)
     n = len(tokens)
     pos = np.arange(n, dtype=np.float64)
     H, KV, D = hp.n_head, hp.n_head_kv, hp.n_embd_head_k

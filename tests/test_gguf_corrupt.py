@@ -12,10 +12,10 @@ import pytest
 from gguf import GGUFValueType as GVT
 
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.runtime.arch import read_hparams
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.file import GGUFValueType as VT
-from kvchat.runtime.hparams import HParams
 from tests.helpers.gguf_factory import write_tiny_model
 
 
@@ -323,7 +323,7 @@ def hparams_error(tmp_path, *words, **factory_kwargs):
     p = write_tiny_model(tmp_path / "m.gguf", **factory_kwargs)
     gf = GGUFFile(p)
     with pytest.raises(ModelFileError) as ei:
-        HParams.from_gguf(gf)
+        read_hparams(gf)
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(str(p) + ": ")
     for w in words:
@@ -397,7 +397,7 @@ def test_unsupported_arch_is_still_readable(tmp_path):
     with pytest.raises(
         ModelFileError, match="architecture 'rwkv6' is not supported; supported: llama, qwen2, qwen3, gemma3"
     ):
-        HParams.from_gguf(gf)
+        read_hparams(gf)
 
 
 def test_vocab_size_mismatch_with_embedding(tmp_path):

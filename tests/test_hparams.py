@@ -8,15 +8,14 @@ import math
 import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.runtime.arch import get_arch
+from kvchat.runtime.arch import expected_tensors, get_arch, read_hparams
 from kvchat.runtime.gguf.file import GGUFFile
-from kvchat.runtime.hparams import HParams, expected_tensors
 from tests.helpers.gguf_factory import write_tiny_model
 
 
 @pytest.mark.real_model
 def test_smollm2(smollm2_path):
-    hp = HParams.from_gguf(GGUFFile(smollm2_path))
+    hp = read_hparams(GGUFFile(smollm2_path))
     assert (hp.arch, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_embd) == ("llama", 30, 9, 3, 576)
     assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_rot, hp.n_ff) == (64, 64, 64, 1536)
     assert (hp.n_vocab, hp.n_ctx_train) == (49152, 8192)
@@ -32,7 +31,7 @@ def test_smollm2(smollm2_path):
 
 @pytest.mark.real_model
 def test_gemma3(gemma3_path):
-    hp = HParams.from_gguf(GGUFFile(gemma3_path))
+    hp = read_hparams(GGUFFile(gemma3_path))
     assert (hp.arch, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_embd) == ("gemma3", 18, 4, 1, 640)
     assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_rot, hp.n_ff) == (256, 256, 256, 2048)
     assert (hp.n_vocab, hp.n_ctx_train) == (262144, 32768)
@@ -64,7 +63,7 @@ def test_tiny_models(tmp_path, arch, rope, qk_norm):
             weight_type=GGMLType.Q8_0,
         )
     )
-    hp = HParams.from_gguf(gf)
+    hp = read_hparams(gf)
     assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff) == (arch, 3, 64, 4, 2, 96)
     assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_rot) == (16, 16, 16)
     assert hp.n_embd_k_gqa(1) == hp.n_embd_v_gqa(2) == 32 and hp.n_gqa == 2
@@ -82,7 +81,7 @@ def test_tiny_models(tmp_path, arch, rope, qk_norm):
 def test_gemma3_swa_pattern_variants(tmp_path):
     def layers(**kw):
         gf = GGUFFile(write_tiny_model(tmp_path / "g.gguf", arch="gemma3", n_layer=8, **kw))
-        return HParams.from_gguf(gf)
+        return read_hparams(gf)
 
     assert layers(swa_pattern=3).swa_layers == [True, True, False, True, True, False, True, True]
     assert layers(swa_pattern=0).swa_layers == [True] * 8
@@ -100,7 +99,7 @@ def test_head_dim_from_key_length_and_untied_output(tmp_path):
     gf = GGUFFile(
         write_tiny_model(tmp_path / "m.gguf", arch="qwen3", n_embd=64, n_head=4, n_head_kv=1, head_dim=32, tied=False)
     )
-    hp = HParams.from_gguf(gf)
+    hp = read_hparams(gf)
     assert hp.n_embd_head_k == hp.n_embd_head_v == hp.n_rot == 32
     assert gf.tensors["blk.0.attn_q.weight"].shape == (64, 128)
     assert gf.tensors["blk.0.attn_output.weight"].shape == (128, 64)
@@ -109,15 +108,15 @@ def test_head_dim_from_key_length_and_untied_output(tmp_path):
 
 def test_rope_scaling_factor(tmp_path):
     gf = GGUFFile(write_tiny_model(tmp_path / "m.gguf", metadata={"llama.rope.scaling.factor": 4.0}))
-    assert HParams.from_gguf(gf).rope_freq_scale == 0.25
+    assert read_hparams(gf).rope_freq_scale == 0.25
     gf = GGUFFile(write_tiny_model(tmp_path / "n.gguf", metadata={"llama.rope.scale_linear": 2.0}))
-    assert HParams.from_gguf(gf).rope_freq_scale == 0.5
+    assert read_hparams(gf).rope_freq_scale == 0.5
 
 
 def test_expected_tensors_cover_every_factory_tensor(tmp_path):
     for arch in ("llama", "qwen2", "qwen3", "gemma3"):
         gf = GGUFFile(write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, tied=False))
-        exp = expected_tensors(HParams.from_gguf(gf))
+        exp = expected_tensors(read_hparams(gf))
         assert set(gf.tensors) <= set(exp)
         assert {n for n, (_, req) in exp.items() if req} <= set(gf.tensors)
 
@@ -126,4 +125,4 @@ def test_expected_tensors_cover_every_factory_tensor(tmp_path):
 def test_real_models_have_only_expected_tensors(smollm2_path, gemma3_path):
     for p in (smollm2_path, gemma3_path):
         gf = GGUFFile(p)
-        assert set(gf.tensors) <= set(expected_tensors(HParams.from_gguf(gf)))
+        assert set(gf.tensors) <= set(expected_tensors(read_hparams(gf)))

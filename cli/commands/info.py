@@ -16,7 +16,7 @@ from rich.table import Table
 from kvchat.cli.option_params import hf_option
 from kvchat.cli.options import MODEL_HELP
 from kvchat.kernels.ggml_types import KV_CACHE_TYPES, row_bytes, type_by_name, type_name
-from kvchat.runtime.arch import get_arch
+from kvchat.runtime.arch import get_arch, read_hparams
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.split import open_gguf
@@ -179,7 +179,7 @@ def show_info(gf: GGUFFile, console: Console) -> None:
     """Print the overview, weights and KV tables; raise the reason if the model cannot run."""
     problem = None
     try:
-        hp = HParams.from_gguf(gf)
+        hp = read_hparams(gf)
     except ModelFileError as e:
         hp, problem = None, e
     overview = Table(title="Model", title_justify="left", show_header=False)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvchat.runtime.arch.layer_plan import LayerSpec, ModelSpec, forward
-from kvchat.runtime.hparams import HParams
+from kvchat.runtime.hparams import HParams, read_common
 from kvchat.runtime.memory.kv_cache import KVCache
 from kvchat.runtime.memory.kv_cache_iswa import KVCacheISWA
 
@@ -88,8 +88,6 @@ class Arch:
     def read_common(self, gf) -> dict:
         """The common fields (kvchat.runtime.hparams.read_common); an architecture whose files lack
         some of those keys passes them in (read_common's `given`)."""
-        from kvchat.runtime.hparams import read_common
-
         return read_common(gf, self)
 
     def read_hparams(self, gf, fields: dict) -> HParams:

@@ -20,7 +20,7 @@ from kvchat.runtime.arch.base import Arch, Tensor
 from kvchat.runtime.arch.layer_plan import LayerSpec, attention_step
 from kvchat.runtime.arch.recurrent_blocks import causal_conv, create_hybrid_memory, dense, without_attention
 from kvchat.runtime.gguf.file import GGUFValueType
-from kvchat.runtime.hparams import HParams, scalar_int
+from kvchat.runtime.hparams import HParams, read_common, scalar_int
 
 
 @dataclass
@@ -69,8 +69,6 @@ class LFM2(Arch):
     qk_norm = True
 
     def read_common(self, gf) -> dict:
-        from kvchat.runtime.hparams import read_common
-
         key = "lfm2.attention.head_count_kv"
         heads = gf.metadata.get(key)
         if gf.value_types.get(key, (None,))[0] != GGUFValueType.ARRAY:

@@ -21,7 +21,7 @@ from kvchat.kernels.ssm_scan import scan
 from kvchat.runtime.arch.base import Arch, Tensor
 from kvchat.runtime.arch.layer_plan import LayerSpec
 from kvchat.runtime.arch.recurrent_blocks import causal_conv, create_recurrent_memory, dense, silu
-from kvchat.runtime.hparams import MAX_DIM, HParams, scalar_int
+from kvchat.runtime.hparams import MAX_DIM, HParams, read_common, scalar_int
 
 
 @dataclass
@@ -82,8 +82,6 @@ class Mamba(Arch):
     fusions = ()
 
     def read_common(self, gf) -> dict:
-        from kvchat.runtime.hparams import read_common
-
         return read_common(gf, self, given={"n_ff": 0, "n_head": 1, "n_head_kv": 1})
 
     def read_hparams(self, gf, fields) -> MambaHParams:

@@ -15,7 +15,7 @@ Layout (GGUF v2/v3, little-endian):
 
 This module checks the *container* (structure, types, bounds, alignment, overlaps, tokenizer
 array shapes). Whether the metadata describes a model we can run (required keys, head counts,
-tensor shapes) is checked by kvchat.runtime.hparams.HParams.from_gguf, so `kvchat info` can still
+tensor shapes) is checked by kvchat.runtime.arch.read_hparams, so `kvchat info` can still
 describe a well-formed file of an architecture we do not support.
 """
 

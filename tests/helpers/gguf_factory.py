@@ -36,8 +36,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.runtime.arch import ARCHS, get_arch
-from kvchat.runtime.hparams import HParams, expected_tensors
+from kvchat.runtime.arch import ARCHS, expected_tensors, get_arch
+from kvchat.runtime.hparams import HParams
 
 CHATML = (
     "{% for message in messages %}"
