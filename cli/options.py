@@ -7,17 +7,18 @@ the range check, and — for what can change mid-chat — where `/set` applies i
   logprobs) and hands the command one `ChatSettings` instead of thirty arguments;
 - the REPL's `/set` (names, parsing, listing) and the `/set` line of `/help` (cli/chat/repl.py).
 A value is refused by the same check whether it comes from a flag (usage error, exit 2) or from
-`/set` (an error line, the chat goes on): `check_value(option, value)`.
+`/set` (an error line, the chat goes on): `check_value(option, value)` (the checks themselves:
+cli/option_checks.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from kvchat.cli.option_checks import above, at_least, seed_value, spec_type_value, within
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
 
@@ -98,76 +99,6 @@ class ChatSettings:
             n_threads=self.threads,
         )
         return ContextParams(**(values | override))
-
-
-# ---- range checks: value -> value (possibly normalised), ValueError with the reason ---------------
-
-
-def at_least(lo, finite: bool = True) -> Callable:
-    def check(v):
-        if v is None:
-            return v
-        if finite and isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"must be a finite number (got {v})")
-        if v < lo:
-            raise ValueError(f"must be >= {lo} (got {v})")
-        return v
-
-    check.text = f"x>={lo}"
-    return check
-
-
-def within(lo, hi) -> Callable:
-    def check(v):
-        if v is None:
-            return v
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"must be a finite number within {lo}..{hi} (got {v})")
-        if not lo <= v <= hi:
-            raise ValueError(f"must be within {lo}..{hi} (got {v})")
-        return v
-
-    check.text = f"{lo}<=x<={hi}"
-    return check
-
-
-def above(lo) -> Callable:
-    def check(v):
-        if v is None:
-            return v
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"must be a finite number (got {v})")
-        if v <= lo:
-            raise ValueError(f"must be > {lo} (got {v})")
-        return v
-
-    check.text = f"x>{lo}"
-    return check
-
-
-def seed_value(v):
-    """-1 means a random seed (llama.cpp's LLAMA_DEFAULT_SEED), as does leaving it out."""
-    if v is None or v == -1:
-        return None
-    if not 0 <= v < 2**64:
-        raise ValueError(f"must be -1 (random) or within 0..2^64-1 (got {v})")
-    return v
-
-
-seed_value.text = "-1 or 0<=x<2^64"
-
-
-def spec_type_value(v):
-    """draft, ngram or self:TYPE (the draft type is checked when the model is loaded)."""
-    if v is None:
-        return v
-    text = v.strip().lower()
-    if text in ("draft", "ngram") or (text.startswith("self:") and len(text) > 5):
-        return text
-    raise ValueError(f"must be draft, ngram or self:TYPE such as self:q4_0 (got {v!r})")
-
-
-spec_type_value.text = "draft|ngram|self:TYPE"
 
 
 # ---- the table ------------------------------------------------------------------------------------

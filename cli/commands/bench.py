@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
         m = Model.load(resolve_model(settings.model))
         if spec is not None:
             from kvchat.cli.commands.bench_spec import bench_spec
-            from kvchat.cli.options import spec_type_value
+            from kvchat.cli.option_checks import spec_type_value
 
             try:
                 kind = spec_type_value(spec)

@@ -17,8 +17,9 @@ from typing import Optional
 
 import typer
 
+from kvchat.cli.option_checks import at_least
 from kvchat.cli.option_params import with_settings
-from kvchat.cli.options import CACHE_FLAGS, ChatSettings, at_least
+from kvchat.cli.options import CACHE_FLAGS, ChatSettings
 from kvchat.runtime.errors import KvchatError
 
 
