@@ -99,8 +99,8 @@ def test_greedy_with_drafts_is_plain_greedy_and_leaves_the_same_memory(model):
         assert toks == plain, source.name
         assert (stop2, n_dec2) == (stop, n_dec)
         assert state2 == state, f"{source.name}: the memory differs from plain decoding's"
-        assert spec.stats.n_drafted > 0 and spec.stats.n_verify > 0
-    assert spec.stats.n_accepted < spec.stats.n_drafted  # ngram drafts on random weights: some rejected
+        if source.name == "oracle":  # every step drafts; every third proposal has a wrong token
+            assert spec.stats.n_verify > 0 and 0 < spec.stats.n_accepted < spec.stats.n_drafted
 
 
 @pytest.mark.parametrize("n", [5, 6, 7, 13])
