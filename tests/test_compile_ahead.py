@@ -31,7 +31,7 @@ def after_progress(text: str) -> str:
 
 def test_the_chat_takes_input_while_compiling_and_answers_as_a_warm_chat(tiny_chat, tmp_path):
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    cold = Chat(tiny_chat, tmp_path, env=env)  # the prompt is up: the workers are compiling
+    cold = Chat(tiny_chat, tmp_path, "-n", "8", env=env)  # the prompt is up: the workers are compiling
     cold.child.timeout = COMPILE_TIMEOUT
     cold.child.sendline("Hello there")
     cold.wait(ACCEPTED)
@@ -48,7 +48,7 @@ def test_the_chat_takes_input_while_compiling_and_answers_as_a_warm_chat(tiny_ch
     assert cold.ctx_used > 0
     assert cold.exit() == 0
 
-    warm = Chat(tiny_chat, tmp_path, env=env)
+    warm = Chat(tiny_chat, tmp_path, "-n", "8", env=env)
     warm_reply = warm.say("Hello there")
     assert not re.search(PROGRESS, warm_reply)  # warm: nothing to wait for
     assert answer_of(warm_reply).strip() == answer
