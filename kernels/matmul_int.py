@@ -370,8 +370,8 @@ def _quantize_rows(x, act, parallel):
     xs = np.empty((n, k // 16), np.int32)
     xm = np.empty((n, k // 32), np.float32)
     if parallel and n >= QUANT_ACT_PAR_MIN_ROWS:
-        for t in prange(n):
-            quantize_row_q8(x, t, act, xq, xd, xs, xm)
+        for t in prange(n):  # an i64 row index, as below: one compiled quantize_row_q8 for both
+            quantize_row_q8(x, np.int64(t), act, xq, xd, xs, xm)
     else:
         for t in range(n):
             quantize_row_q8(x, t, act, xq, xd, xs, xm)
@@ -415,7 +415,7 @@ def matmul_q_serial(isa, fmt, q, d, m, sc, mn, x, y, token_chunk):
         xm,
         y,
         token_chunk,
-        0,
+        np.int64(0),  # not the literal 0: that would type (and compile) _run_items a second time
         q.shape[0] * ((n + token_chunk - 1) // token_chunk),
     )
 

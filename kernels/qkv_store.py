@@ -6,7 +6,7 @@ RoPE (kernels/rope.py: prepare_qkv), then the K and V rows quantized into their 
 the Python call and numba dispatch around them. Here they run as one kernel per layer.
 
 The arithmetic is the unfused one: each token goes through rope._prep_token (the same inlined
-code prepare_qkv runs), then its K row and V row through quants.quant_row_any (what
+code prepare_qkv runs), then its K row and V row through quants.quant_row_of (what
 scatter_rows calls), so the cache bytes and the returned Q are bit-identical to the three
 separate launches and every token's result depends on that token only (batch invariance;
 tests/test_qkv_store.py asserts both). The memory context still decides where the rows go
@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvchat.kernels import parallel
-from kvchat.kernels.quants import quant_row_any
+from kvchat.kernels.quants import quant_row_of
 from kvchat.kernels.rope import _prep_token
 
 
@@ -30,8 +30,8 @@ def _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v):
     """Quantize token t's K row (k_out [n, n_head_kv, dk] f32 -> [n_head_kv * dk]) and V row
     (v_out [n, n_embd_v] f32) into k_dst / v_dst u8 [n_stream, kv_size, row_bytes] at
     (strm[t], cell[t])."""
-    quant_row_any(type_k, k_out[t].reshape(k_out.shape[1] * k_out.shape[2]), k_dst[strm[t], cell[t]])
-    quant_row_any(type_v, v_out[t], v_dst[strm[t], cell[t]])
+    quant_row_of(type_k, k_out[t].reshape(k_out.shape[1] * k_out.shape[2]), k_dst[strm[t], cell[t]])
+    quant_row_of(type_v, v_out[t], v_dst[strm[t], cell[t]])
 
 
 @njit(cache=True, inline="always")
@@ -40,6 +40,63 @@ def _scratch(q_out, k_in, v_in):
     into the cache."""
     n, _, dk = q_out.shape
     return (np.empty((n, k_in.shape[1] // dk, dk), dtype=np.float32), np.empty((n, v_in.shape[1]), dtype=np.float32))
+
+
+@njit(cache=True)
+def _prep_store_tokens(
+    t0,
+    t1,
+    q_in,
+    k_in,
+    v_in,
+    pos,
+    q_norm,
+    k_norm,
+    has_norm,
+    eps,
+    n_rot,
+    theta_scale,
+    fs,
+    ff,
+    mscale,
+    neox,
+    q_out,
+    k_dst,
+    v_dst,
+    strm,
+    cell,
+    type_k,
+    type_v,
+    k_out,
+    v_out,
+):
+    """Tokens t0 .. t1 - 1 prepared and stored, in turn (k_out / v_out: _scratch's rows). One
+    compiled function that the serial and the parallel kernel both call, not inlined into them:
+    the token's code is compiled once, and the parfor passes see a one-call prange body."""
+    cs = np.empty((n_rot // 2, 2), dtype=np.float32)  # [half, (cos, sin)] f32
+    for t in range(t0, t1):
+        _prep_token(
+            t,
+            q_in,
+            k_in,
+            v_in,
+            q_norm,
+            k_norm,
+            has_norm,
+            eps,
+            pos,
+            n_rot,
+            theta_scale,
+            fs,
+            ff,
+            mscale,
+            neox,
+            q_out,
+            k_out,
+            v_out,
+            cs,
+        )
+        _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v)
 
 
 @njit(cache=True)
@@ -71,30 +128,33 @@ def _prep_store_ser(
     rope.rope_plan; q_out [n, n_head, dk] f32; k_dst / v_dst u8 [n_stream, kv_size, row_bytes];
     strm, cell i64 [n]; type_k, type_v ggml ids."""
     k_out, v_out = _scratch(q_out, k_in, v_in)
-    cs = np.empty((n_rot // 2, 2), dtype=np.float32)  # [half, (cos, sin)] f32
-    for t in range(q_out.shape[0]):
-        _prep_token(
-            t,
-            q_in,
-            k_in,
-            v_in,
-            q_norm,
-            k_norm,
-            has_norm,
-            eps,
-            pos,
-            n_rot,
-            theta_scale,
-            fs,
-            ff,
-            mscale,
-            neox,
-            q_out,
-            k_out,
-            v_out,
-            cs,
-        )
-        _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v)
+    _prep_store_tokens(
+        np.int64(0),
+        np.int64(q_out.shape[0]),
+        q_in,
+        k_in,
+        v_in,
+        pos,
+        q_norm,
+        k_norm,
+        has_norm,
+        eps,
+        n_rot,
+        theta_scale,
+        fs,
+        ff,
+        mscale,
+        neox,
+        q_out,
+        k_dst,
+        v_dst,
+        strm,
+        cell,
+        type_k,
+        type_v,
+        k_out,
+        v_out,
+    )
 
 
 @njit(cache=True, parallel=True)
@@ -124,17 +184,17 @@ def _prep_store_par(
     """_prep_store_ser with tokens in parallel (a ubatch's slot cells are distinct)."""
     k_out, v_out = _scratch(q_out, k_in, v_in)
     for t in prange(q_out.shape[0]):
-        cs = np.empty((n_rot // 2, 2), dtype=np.float32)
-        _prep_token(
-            t,
+        _prep_store_tokens(
+            np.int64(t),
+            np.int64(t) + 1,
             q_in,
             k_in,
             v_in,
+            pos,
             q_norm,
             k_norm,
             has_norm,
             eps,
-            pos,
             n_rot,
             theta_scale,
             fs,
@@ -142,11 +202,15 @@ def _prep_store_par(
             mscale,
             neox,
             q_out,
+            k_dst,
+            v_dst,
+            strm,
+            cell,
+            type_k,
+            type_v,
             k_out,
             v_out,
-            cs,
         )
-        _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v)
 
 
 def prepare_qkv_store(q_in, k_in, v_in, pos, rope_args, n_head, n_head_kv, head_dim, dst):

@@ -4,11 +4,16 @@ The per-format njit row functions live in quants_fp (f32, f16, bf16), quants_leg
 blocks) and quants_k (k-quants); they are re-exported here under their contract names
 ``dequant_row_<fmt>(src u8[:], dst f32[:])`` / ``quant_row_<fmt>(src f32[:], dst u8[:])``.
 
-``QUANT_TABLE`` has one entry per format (like gguf-py's type traits). Whole-matrix
-``dequantize`` / ``quantize`` and the njit ``dequant_row_any`` / ``quant_row_any`` dispatch on
-the type id with an if-chain instead: a numba function that takes another jitted function as an
-argument is recompiled in every process (its cache entry is not reused), while an integer id
-keeps one cached compilation for all formats.
+``QUANT_TABLE`` has one entry per format (like gguf-py's type traits). Kernels do not take the
+row functions as arguments (a numba function that takes another jitted function as an argument
+is recompiled in every process: its cache entry is not reused); they take the type id:
+- as a ``TypeArg`` (``type_arg(t)``): numba types it as the literal ``Literal[int](t)``, so
+  ``dequant_row_of`` / ``quant_row_of`` pick that format's row function while the kernel is
+  typed and only it is compiled — a kernel is compiled once per format a run uses, not with the
+  code of all sixteen (a first run compiled ~30 row functions of formats no model of it held);
+- as a plain integer: the if-chains ``dequant_row_any`` / ``quant_row_any`` (every format
+  compiled into one version), kept for callers that need one compiled version for all types.
+Both give the same bytes: the same row function runs.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from . import parallel
 from .ggml_types import GGMLType, row_bytes, type_info
@@ -166,10 +172,75 @@ def quant_row_any(t, src, dst):
     return True
 
 
+class TypeArg:
+    """A ggml type id handed to a kernel as a compile-time constant: numba types it as
+    ``Literal[int](id)`` (``_numba_type_``), so the kernel is specialized for that format and
+    ``dequant_row_of`` / ``quant_row_of`` compile only its row function. Unboxed as the integer
+    (``__index__``). One object per id (``type_arg``), so a call types it by attribute lookup."""
+
+    __slots__ = ("id", "_numba_type_")
+
+    def __init__(self, t: int):
+        self.id = int(t)
+        self._numba_type_ = types.IntegerLiteral(self.id)
+
+    def __index__(self) -> int:
+        return self.id
+
+    __int__ = __index__
+
+    def __repr__(self) -> str:
+        return f"type_arg({self.id})"
+
+
+_TYPE_ARGS: dict[int, TypeArg] = {}
+
+
+def type_arg(t) -> TypeArg:
+    """The TypeArg of ggml type id t (one shared object per id)."""
+    a = _TYPE_ARGS.get(t)
+    if a is None:
+        a = _TYPE_ARGS[int(t)] = _TYPE_ARGS[t] = TypeArg(int(t))
+        _TYPE_ARGS[a] = a  # type_arg(type_arg(t)) is type_arg(t)
+    return a
+
+
+def row_selector(table: dict, fallback):
+    """An njit-callable ``f(t, src, dst) -> bool`` that runs ``table[t](src, dst)``: for a literal
+    t (a TypeArg) the entry is chosen while typing, so only that row function is compiled
+    (False, compiled as a constant, for an id not in the table); a run-time integer t calls
+    ``fallback(t, src, dst)`` (an if-chain over every format)."""
+
+    def select(t, src, dst):
+        raise NotImplementedError("only callable inside njit code")
+
+    @overload(select, inline="always", prefer_literal=True)  # else numba tries the unliteral int first
+    def _select(t, src, dst):
+        if isinstance(t, types.IntegerLiteral):
+            fn = table.get(t.literal_value)
+            if fn is None:
+                return lambda t, src, dst: False
+
+            def one(t, src, dst):
+                fn(src, dst)
+                return True
+
+            return one
+        if isinstance(t, types.Integer):
+            return lambda t, src, dst: fallback(t, src, dst)
+        return None
+
+    return select
+
+
+dequant_row_of = row_selector({t: f.dequant_row for t, f in QUANT_TABLE.items()}, dequant_row_any)
+quant_row_of = row_selector({t: f.quant_row for t, f in QUANT_TABLE.items() if f.quant_row is not None}, quant_row_any)
+
+
 @njit(cache=True, parallel=True)
 def _dequant_rows(raw, t, out):
     for r in prange(raw.shape[0]):  # raw [n_rows, row_bytes] u8 -> out [n_rows, n_cols] f32
-        dequant_row_any(t, raw[r], out[r])
+        dequant_row_of(t, raw[r], out[r])
 
 
 @njit(cache=True)
@@ -177,13 +248,13 @@ def _dequant_rows_ser(raw, t, out):
     """_dequant_rows on the calling thread: a token's embedding row is too little work for a
     parallel launch (kernels/parallel.py); the same row function, so the same values."""
     for r in range(raw.shape[0]):
-        dequant_row_any(t, raw[r], out[r])
+        dequant_row_of(t, raw[r], out[r])
 
 
 @njit(cache=True, parallel=True)
 def _quant_rows(x, t, out):
     for r in prange(x.shape[0]):  # x [n_rows, n_cols] f32 -> out [n_rows, row_bytes] u8
-        quant_row_any(t, x[r], out[r])
+        quant_row_of(t, x[r], out[r])
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -209,7 +280,7 @@ def dequantize(raw: np.ndarray, t: int, n_cols: int) -> np.ndarray:
         raise ValueError(f"{type_info(t).name} rows of {n_cols} values need {rb} bytes, got shape {raw.shape}")
     out = np.empty((raw.shape[0], n_cols), dtype=np.float32)  # [n_rows, n_cols] f32
     fn = _dequant_rows if raw.shape[0] >= parallel.DEQUANT_PAR_MIN_ROWS else _dequant_rows_ser
-    fn(raw, np.int64(t), out)
+    fn(raw, type_arg(t), out)  # compiled for this format only
     return out
 
 
@@ -224,5 +295,5 @@ def quantize(x: np.ndarray, t: int) -> np.ndarray:
     if x.ndim != 2:
         raise ValueError(f"quantize expects [n_rows, n_cols], got shape {x.shape}")
     out = np.empty((x.shape[0], row_bytes(t, x.shape[1])), dtype=np.uint8)  # [n_rows, row_bytes]
-    _quant_rows(x, np.int64(t), out)
+    _quant_rows(x, type_arg(t), out)  # compiled for this format only
     return out
