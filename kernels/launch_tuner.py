@@ -21,7 +21,8 @@ min_macs)`, which every matmul of the step takes as its argument; SERIAL: the co
 `kvchat.kernels.parallel.MATMUL_PAR_MIN_MACS`, PARALLEL: `PARALLEL_ARM_MACS`); nothing global
 changes during a step. Serial and parallel matmul kernels give
 bit-identical rows (tests/test_launch_tuner.py), so the choice changes speed, never tokens.
-Only one-token ubatches are tuned (generation); prompt ubatches keep the configured threshold.
+Only generated tokens are tuned: Context.decode_one runs its step through `forward`; decode()
+(prompts, batches of several sequences) never asks the tuner and keeps the configured threshold.
 A user's KVCHAT_MATMUL_PAR_MIN_MACS turns the tuner off: their threshold holds for every step.
 The first step on each arm is not counted (it may load or compile a kernel).
 """
@@ -77,12 +78,12 @@ class LaunchTuner:
         self.history: deque = deque(maxlen=4096)  # (arm, seconds) of the last counted steps (tests, benchmarks)
         self._start_probe(self.n_probe)
 
-    # ---- the hook: Context.decode calls this for every ubatch -----------------------------
+    # ---- the hook: Context.decode_one runs each generated token's step through it -----------
 
     def forward(self, model, ub, mctx):
-        """model.forward(ub, mctx), given the matmul threshold of the chosen arm for a one-token
-        ubatch (min_macs); prompt ubatches and a disabled tuner keep the configured one."""
-        if not self.enabled or ub.n_tokens != 1:
+        """model.forward(ub, mctx) of a generated token, given the matmul threshold of the chosen
+        arm (min_macs); a disabled tuner keeps the configured one and times nothing."""
+        if not self.enabled:
             return model.forward(ub, mctx)
         arm = self.next_arm()
         t0 = self.clock()

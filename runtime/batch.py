@@ -20,11 +20,12 @@ import numpy as np
 
 _NO_I32 = np.zeros(0, np.int32)  # the empty fields of a cleared allocator (length 0: never written)
 _NO_BOOL = np.zeros(0, bool)
+_POS_MAX = np.iinfo(np.int32).max - 1  # the last position a batch may use
 
 
 def _position_gap(seq: int, p_mem: int, p_batch: int) -> str:
     """init()'s refusal of a batch whose sequence does not continue at memory's last position + 1
-    (both passes, general and one-token, word it alike)."""
+    (BatchAllocator and OneToken word it alike)."""
     return (
         f"the tokens of sequence {seq} in the input batch have inconsistent sequence "
         f"positions: the last position stored in memory for sequence {seq} is X = {p_mem}, "
@@ -119,23 +120,6 @@ class UBatch:
         self.n_seqs_unq = len(unq)
         self.n_outputs = int(np.count_nonzero(output))
 
-    @classmethod
-    def one_token(cls, token, pos, seq, output, batch_idx):
-        """The UBatch of one token in one sequence (what __init__ builds for n = 1, without its
-        general passes): token, pos i32 [1], seq the token's sequence id, output bool [1],
-        batch_idx i32 [1]."""
-        ub = cls.__new__(cls)
-        ub.token, ub.pos, ub.output, ub.batch_idx = token, pos, output, batch_idx
-        ub.seq_id = [[seq]]
-        ub.n_tokens = ub.n_seqs = ub.n_seq_tokens = 1
-        ub.equal_seqs = False
-        ub.seq0 = np.array([seq], dtype=np.int32)
-        ub.multi_seq = False
-        ub.seq_id_unq = [seq]
-        ub.n_seqs_unq = 1
-        ub.n_outputs = int(bool(output[0]))
-        return ub
-
     def __repr__(self) -> str:
         return (
             f"UBatch(n_tokens={self.n_tokens}, n_seqs={self.n_seqs}, "
@@ -179,13 +163,6 @@ class BatchAllocator:
         n = batch.n_tokens
         if n == 0:
             return self._fail("n_tokens == 0")
-        if n == 1 and (batch.seq_ids is None or len(batch.seq_ids[0]) == 1):
-            return self._init_one(batch, n_vocab, n_seq_max, memory, output_all)
-        return self._init_batch(batch, n_vocab, n_seq_max, memory, output_all)
-
-    def _init_batch(self, batch: Batch, n_vocab: int, n_seq_max: int, memory, output_all: bool) -> bool:
-        """init() of any batch (the general pass)."""
-        n = batch.n_tokens
         toks = batch.tokens
         bad = np.flatnonzero((toks < 0) | (toks >= n_vocab))
         if bad.size:
@@ -219,7 +196,7 @@ class BatchAllocator:
                     nxt[s] = p + 1
         else:
             pos = batch.pos
-            if np.any(pos < 0) or np.any(pos > np.iinfo(np.int32).max - 1):
+            if np.any(pos < 0) or np.any(pos > _POS_MAX):
                 return self._fail("batch positions must be in [0, 2^31-1)")
 
         if batch.logits is None:
@@ -303,40 +280,6 @@ class BatchAllocator:
         self.split_reset()
         return True
 
-    def _init_one(self, batch: Batch, n_vocab: int, n_seq_max: int, memory, output_all: bool) -> bool:
-        """init() of a one-token batch in one sequence (a generated token): the same checks in
-        the same order, with the same messages and the same state afterwards, on Python scalars
-        (the general pass spends ~40 numpy calls on sets of one)."""
-        t = int(batch.tokens[0])
-        if t < 0 or t >= n_vocab:
-            return self._fail(f"invalid token[0] = {t} (n_vocab = {n_vocab})")
-        s = 0 if batch.seq_ids is None else batch.seq_ids[0][0]
-        if batch.seq_ids is not None and (s < 0 or s >= n_seq_max):
-            return self._fail(f"invalid seq_id[0] = {s} >= n_seq_max {n_seq_max}")
-        p0 = memory.seq_pos_max(s) if memory is not None else -1
-        if batch.pos is None:
-            p = p0 + 1 if memory is not None else 0
-        else:
-            p = int(batch.pos[0])
-            if p < 0 or p > np.iinfo(np.int32).max - 1:
-                return self._fail("batch positions must be in [0, 2^31-1)")
-        out = True if (batch.logits is None or output_all) else bool(batch.logits[0])
-        self.n_tokens = 1
-        self.token = np.array([t], dtype=np.int32)
-        self.pos = np.array([p], dtype=np.int32)
-        self.seq_id = [[s]]
-        self.output = np.array([out])
-        self.n_outputs = int(out)
-        self._seq_pos[s] = (p, p, 1)
-        st = frozenset((s,))
-        self.seq_set = [st]
-        self.seq_set_map[st] = [0]
-        self.seq_id_unq = [s]
-        if p0 >= 0 and p != p0 + 1:
-            return self._fail(_position_gap(s, p0, p))
-        self.split_reset()
-        return True
-
     # ---- queries ---------------------------------------------------------------------------
 
     def get_n_tokens(self) -> int:
@@ -369,15 +312,6 @@ class BatchAllocator:
 
     def split_simple(self, n_ubatch: int) -> UBatch | None:
         """The next run of up to n_ubatch consecutive unused tokens; None when done."""
-        if self.n_tokens == 1:  # a generated token: no scan, no general UBatch pass
-            if self.used[0]:
-                return None
-            self.used[0] = True
-            self.n_used = 1
-            idxs = np.zeros(1, dtype=np.int32)
-            if self.output[0]:
-                self.out_ids.append(0)
-            return UBatch.one_token(self.token, self.pos, self.seq_id[0][0], self.output, idxs)
         i0 = self._first_unused()
         if i0 >= self.n_tokens:
             return None
@@ -453,3 +387,69 @@ class BatchAllocator:
         self.out_ids.extend(idxs[out].tolist())
         seq_id = [self.seq_id[i] for i in idxs.tolist()]
         return UBatch(self.token[idxs], self.pos[idxs], seq_id, out, idxs, n_seqs, equal_seqs)
+
+
+_OUT1 = np.ones(1, dtype=bool)  # a generated token's output flag (read only)
+_IDX0 = np.zeros(1, dtype=np.int32)  # its batch index
+_OUT1.flags.writeable = False
+_IDX0.flags.writeable = False
+
+
+class OneToken:
+    """The allocator of one generated token in one sequence (Context.decode_one): what
+    BatchAllocator.init checks and leaves for Batch.one_seq([token], pos, seq), checked in the same
+    order with the same messages on Python scalars, and the one ubatch every split hands out once.
+    It answers what a memory asks of an allocator (init_batch: the splits, get_n_tokens,
+    get_n_used, has_cpl); tests/test_batch_one_token.py holds decode_one to decode."""
+
+    n_tokens = n_outputs = 1
+    has_cpl = False
+
+    def __init__(self):
+        self.error = ""
+        self.used = False
+
+    def init(self, token: int, pos: int, seq: int, n_vocab: int, n_seq_max: int, memory) -> bool:
+        """Validate the token at `pos` of sequence `seq`; False (with .error set) if invalid."""
+        if token < 0 or token >= n_vocab:
+            self.error = f"invalid token[0] = {token} (n_vocab = {n_vocab})"
+        elif seq < 0 or seq >= n_seq_max:
+            self.error = f"invalid seq_id[0] = {seq} >= n_seq_max {n_seq_max}"
+        elif pos < 0 or pos > _POS_MAX:
+            self.error = "batch positions must be in [0, 2^31-1)"
+        elif 0 <= memory.seq_pos_max(seq) != pos - 1:
+            self.error = _position_gap(seq, memory.seq_pos_max(seq), pos)
+        else:
+            self.error = ""
+            self.token = np.array([token], dtype=np.int32)
+            self.pos = np.array([pos], dtype=np.int32)
+            self.seq_id = [[seq]]
+            self.used = False
+        return not self.error
+
+    def split_reset(self) -> None:
+        self.used = False
+
+    def get_n_tokens(self) -> int:
+        return 1
+
+    def get_n_outputs(self) -> int:
+        return 1
+
+    def get_n_used(self) -> int:
+        return int(self.used)
+
+    def _take(self, equal_seqs: bool) -> UBatch | None:
+        if self.used:
+            return None
+        self.used = True
+        return UBatch(self.token, self.pos, self.seq_id, _OUT1, _IDX0, 1, equal_seqs)
+
+    def split_simple(self, n_ubatch: int) -> UBatch | None:
+        return self._take(False)
+
+    def split_equal(self, n_ubatch: int, sequential: bool) -> UBatch | None:
+        return self._take(True)
+
+    def split_seq(self, n_ubatch: int) -> UBatch | None:
+        return self._take(True)

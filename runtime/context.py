@@ -6,9 +6,12 @@ decode(batch) either fully succeeds or leaves memory as it was:
   3. memory.init_batch splits it and finds slots in a dry run; on FAILED_PREPARE one retry
      after pending updates                                            (no room -> 1, untouched)
   4. per ubatch: mctx.apply() (the only mutation), abort check, model.forward(ubatch, mctx)
-     (a one-token ubatch's matmul threshold chosen by kernels/launch_tuner.py)
      -> logits rows of the ubatch's outputs, mctx.next()
   5. any failure after an apply() rolls back everything this call placed   (2 / -2 / -3)
+decode_one(token, pos, seq) is the same for one generated token, chosen once by its caller
+(runtime/generate.py; gpt-fast's decode_one_token): step 1 on Python scalars (batch.OneToken,
+whose splits hand the memory its one ubatch) and, in step 4, the matmul threshold the launch
+tuner picks for the step (kernels/launch_tuner.py); steps 2, 3 and 5 are decode's own.
 The model is anything with `.hparams` and `.forward(ubatch, mctx, min_macs=None) -> f32 [n_outputs,
 n_vocab]` (min_macs: the matmul threshold of a one-token step, given by the launch tuner).
 """
@@ -21,17 +24,15 @@ import numpy as np
 
 from kvchat.kernels.launch_tuner import LaunchTuner
 from kvchat.runtime.arch import create_memory
-from kvchat.runtime.batch import Batch, BatchAllocator
+from kvchat.runtime.batch import Batch, BatchAllocator, OneToken
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
 from kvchat.runtime.memory.interface import MemoryStatus
 
 log = logging.getLogger(__name__)
 
 STATE_SEQ_MAGIC = 0xAF143CD8  # llama.cpp's io_magic at the head of a sequence state blob
-_ROW0 = np.zeros(1, dtype=np.int64)  # out_row of a one-token batch with its output (read only)
-_NO_ROW = np.full(1, -1, dtype=np.int64)  # ... and without
+_ROW0 = np.zeros(1, dtype=np.int64)  # out_row of decode_one's token: output row 0 (read only)
 _ROW0.flags.writeable = False
-_NO_ROW.flags.writeable = False
 
 
 class DecodeAborted(Exception):
@@ -49,13 +50,14 @@ class Context:
         self.memory = create_memory(self.hparams, self.cparams)
         self.abort_callback = abort_callback
         self.balloc = BatchAllocator()
+        self.one = OneToken()  # decode_one's allocator
         self.n_vocab = int(self.hparams.n_vocab)
         self.last_error = ""
         self._logits = np.zeros((0, self.n_vocab), dtype=np.float32)  # [n_outputs, n_vocab]
         self._n_outputs = 0
         self._out_row = np.zeros(0, dtype=np.int64)  # batch index -> output row (-1: none)
         self.n_threads = self.cparams.n_threads
-        self.launch = LaunchTuner()  # one-token steps: layer matmuls on one core or all (measured)
+        self.launch = LaunchTuner()  # decode_one's steps: layer matmuls on one core or all (measured)
         if self.n_threads is not None:
             self.set_n_threads(self.n_threads)
 
@@ -113,7 +115,26 @@ class Context:
         balloc = self.balloc
         if not balloc.init(batch, self.n_vocab, self.cparams.n_seq_max, self.memory):
             return self._fail(-1, balloc.error)
+        out_row = np.cumsum(balloc.output) - 1  # batch index -> output row
+        out_row[~balloc.output] = -1
+        return self._decode_split(balloc, out_row, self.model.forward)
 
+    def decode_one(self, token: int, pos: int, seq: int = 0) -> int:
+        """decode(Batch.one_seq([token], pos, seq)) for a generated token: the same return code,
+        error, logits row and memory state (tests/test_batch_one_token.py), without the general
+        allocator's passes, and with the launch tuner's matmul threshold for the step."""
+        self.last_error = ""
+        one = self.one
+        if not one.init(int(token), int(pos), int(seq), self.n_vocab, self.cparams.n_seq_max, self.memory):
+            return self._fail(-1, one.error)
+        return self._decode_split(one, _ROW0, self._tuned_forward)
+
+    def _tuned_forward(self, ub, mctx):
+        return self.launch.forward(self.model, ub, mctx)
+
+    def _decode_split(self, balloc, out_row: np.ndarray, forward) -> int:
+        """Steps 2-5 of decode (module docstring) for a validated allocator: slots, then per
+        ubatch apply, forward(ub, mctx), output rows; out_row: batch index -> output row (-1: none)."""
         self.memory_update(False)
 
         did_optimize = False
@@ -137,11 +158,6 @@ class Context:
         n_out = balloc.get_n_outputs()
         if self._logits.shape[0] < n_out:
             self._logits = np.empty((n_out, self.n_vocab), dtype=np.float32)
-        if balloc.n_tokens == 1:  # a generated token: its row 0, or none
-            out_row = _ROW0 if n_out else _NO_ROW
-        else:
-            out_row = np.cumsum(balloc.output) - 1  # batch index -> output row
-            out_row[~balloc.output] = -1
         self._n_outputs = 0  # outputs are invalid until the call succeeds
 
         code = 0
@@ -151,10 +167,8 @@ class Context:
                 mctx.apply()
                 if self.abort_callback is not None and self.abort_callback():
                     raise DecodeAborted()
-                logits = self.launch.forward(self.model, ub, mctx)
-                if ub.n_tokens == 1 and ub.n_outputs:
-                    self._logits[out_row[ub.batch_idx[0]]] = logits[0]
-                elif ub.n_outputs:
+                logits = forward(ub, mctx)
+                if ub.n_outputs:
                     rows = out_row[ub.batch_idx[ub.output]]
                     self._logits[rows] = logits[: ub.n_outputs]
                 if not mctx.next():

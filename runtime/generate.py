@@ -6,7 +6,8 @@ as llama.cpp's tools do (one `llama_decode` per n_batch slice of the prompt). Ch
 means the same thing everywhere: `Interrupted` (the abort callback fired) or `DecodeError`, each
 saying how many tokens of the run made it into memory.
 
-`generate(ctx, sample, ...)` is the sample → decode loop, modelled on mlx-lm's `generate_step`:
+`generate(ctx, sample, ...)` is the sample → decode loop (each generated token through
+`Context.decode_one`), modelled on mlx-lm's `generate_step`:
 an iterator of `Step`s (the token and, on demand, its log-probability under the model), which
 ends for a reason that is data — `StopReason` — so each caller words it for its own users. What
 to do when the sequence is full is the caller's policy (`make_room`): the chat's context shift,
@@ -159,6 +160,17 @@ def decode_tokens(
     return None
 
 
+def decode_one(ctx, token: int, pos: int, seq: int = 0) -> np.ndarray:
+    """ctx.decode_one (a generated token's step) -> a copy of the token's logits f32 [n_vocab];
+    Interrupted or DecodeError as decode_tokens raises them."""
+    rc = ctx.decode_one(token, pos, seq)
+    if rc == 2:
+        raise Interrupted(0)
+    if rc != 0:
+        raise DecodeError(_decode_failure(ctx, rc, 1, pos), rc, 0)
+    return np.array(ctx.get_logits_ith(-1), dtype=np.float32, copy=True)
+
+
 def _decode_failure(ctx, rc: int, n: int, pos: int) -> str:
     if rc == 1:
         return f"no room in the KV cache for {n} tokens ({pos}/{ctx.n_ctx} used)"
@@ -217,6 +229,13 @@ class Generation:
         n_ctx = int(getattr(self.ctx, "n_ctx_seq", 0) or self.ctx.n_ctx)
         return pos if pos + n <= n_ctx else None
 
+    def _decode(self, token: int) -> np.ndarray:
+        """Decode a generated token (Context.decode_one; a test's batch_factory goes through
+        decode_tokens) -> a copy of its logits f32 [n_vocab]. Raises Interrupted or DecodeError."""
+        if self.batch_factory is not None:
+            return decode_tokens(self.ctx, [token], self.pos, self.seq, batch_factory=self.batch_factory)
+        return decode_one(self.ctx, token, self.pos, self.seq)
+
     def __iter__(self) -> Iterator[Step]:
         t0 = time.perf_counter()
         try:
@@ -242,7 +261,7 @@ class Generation:
             if 0 <= self.max_tokens <= self.n_sampled:
                 return StopReason.LIMIT  # before decoding a token nobody will sample from
             try:
-                self.logits = decode_tokens(self.ctx, [token], self.pos, self.seq, batch_factory=self.batch_factory)
+                self.logits = self._decode(token)
             except Interrupted:
                 return StopReason.INTERRUPTED
             self.pos += 1
@@ -298,7 +317,7 @@ def warm_up(ctx, token: int, seq: int = 0, n_prompt: int = 2) -> None:
     n_prompt = max(1, min(int(n_prompt), ctx.n_ctx_seq - 1))
     try:
         decode_tokens(ctx, [token] * n_prompt, 0, seq, logits="none")
-        decode_tokens(ctx, [token], n_prompt, seq, logits="none")
+        decode_one(ctx, token, n_prompt, seq)  # the generation path
     except (Interrupted, DecodeError):
         pass  # a refused warm-up costs only the compile it would have saved
     finally:

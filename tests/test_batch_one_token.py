@@ -1,83 +1,139 @@
-"""A generated token's one-token batch takes BatchAllocator's and split_simple's short paths
-(runtime/batch.py: _init_one, UBatch.one_token); they must leave exactly the state, the answer
-and the error message the general pass gives, for valid and invalid batches alike."""
+"""Context.decode_one(token, pos, seq), the generated token's path chosen once by its caller, is
+Context.decode(Batch.one_seq([token], pos, seq)) without the general allocator's passes: the same
+return code and error, the same logits (array_equal) and the same memory, cell by cell and byte by
+byte, step after step - on a KV cache, an iSWA pair, a recurrent and a hybrid memory - and for
+every batch the allocator refuses."""
 
 import numpy as np
 import pytest
 
-from kvchat.runtime.batch import Batch, BatchAllocator, UBatch
-from tests.test_batch import FakeMemory
+from kvchat.runtime.batch import Batch
+from kvchat.runtime.context import Context
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.model import Model
+from tests.conftest import REFERENCE_DIR
+from tests.helpers.memory_stubs import StubModel, cells_snapshot, make_hparams
 
-MEM = FakeMemory({0: (0, 9), 1: (3, 5)})
-
-CASES = [  # (batch, memory, output_all)
-    (Batch([7]), MEM, False),
-    (Batch([7]), None, False),
-    (Batch([7], pos=[10]), MEM, False),
-    (Batch([7], pos=[11]), MEM, False),  # gap after position 9: refused
-    (Batch([7], pos=[0]), None, False),
-    (Batch([7], pos=[-1]), MEM, False),
-    (Batch([7], pos=[2**31 - 1]), None, False),
-    (Batch([7], seq_ids=[1]), MEM, False),
-    (Batch([7], seq_ids=[[2]], pos=[0]), MEM, False),
-    (Batch([7], seq_ids=[3], pos=[4]), MEM, False),
-    (Batch([7], seq_ids=[4]), MEM, False),  # seq id out of range
-    (Batch([7], seq_ids=[-1]), MEM, False),
-    (Batch([100]), MEM, False),  # token out of range
-    (Batch([-3]), MEM, False),
-    (Batch([7], logits=[False]), MEM, False),
-    (Batch([7], logits=[False]), MEM, True),
-    (Batch([7], logits=[True]), None, False),
-    (Batch.one_seq([7], 10, 0), MEM, False),
-    (Batch.one_seq([7], 6, 1, all_logits=True), MEM, False),
-    (Batch.one_seq([7], 5, 1), MEM, False),  # position 5 is already stored for seq 1
-]
+PROMPT = [5, 17, 3, 42, 8, 11, 29]
 
 
-def _state(ba):
-    return {k: (v.tolist(), str(v.dtype)) if isinstance(v, np.ndarray) else v for k, v in vars(ba).items()}
+def _memory_of(ctx) -> list:
+    """Every cell of every KV cache, and the whole state as bytes (recurrent states included)."""
+    return [cells_snapshot(kv) for kv in ctx.memory.kv_caches()] + [ctx.state_get_data()]
 
 
-def _ubatch_state(ub):
-    out = {}
-    for k in UBatch.__slots__:
-        v = getattr(ub, k)
-        out[k] = (v.tolist(), str(v.dtype)) if isinstance(v, np.ndarray) else v
-    return out
+def _same_memory(a, b) -> None:
+    ma, mb = _memory_of(a), _memory_of(b)
+    assert ma[-1] == mb[-1]  # the state bytes: every cell, position, K/V row and recurrent state
+    for ca, cb in zip(ma[:-1], mb[:-1]):
+        for x, y in zip(ca, cb):
+            for u, w in zip(x, y):
+                if isinstance(u, np.ndarray):
+                    np.testing.assert_array_equal(u, w)
+                else:
+                    assert u == w
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_one_token_batches_leave_the_general_passes_state(case, monkeypatch):
-    batch, memory, output_all = CASES[case]
-    fast = BatchAllocator()
-    ok_fast = fast.init(batch, 100, 4, memory, output_all)
-    slow = BatchAllocator()
-    monkeypatch.setattr(BatchAllocator, "_init_one", BatchAllocator._init_batch)
-    ok_slow = slow.init(batch, 100, 4, memory, output_all)
-    assert (ok_fast, fast.error) == (ok_slow, slow.error)
-    assert _state(fast) == _state(slow)
-    if not ok_fast:
-        return
-    ub_fast = fast.split_simple(8)
-    slow.split_reset()
-    ub_slow = slow._ubatch_add(np.arange(0, 1, dtype=np.int32), 1, equal_seqs=False)  # the general split
-    assert _ubatch_state(ub_fast) == _ubatch_state(ub_slow)
-    assert _state(fast) == _state(slow)
-    assert fast.split_simple(8) is None and fast.get_n_used() == 1
+def _pair(model, **params):
+    p = dict(n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=2) | params
+    return Context(model, ContextParams(**p)), Context(model, ContextParams(**p))
 
 
-def test_one_seq_batch_is_the_checked_constructors():
-    """Batch.one_seq builds its fields directly; Batch() from the same values gives the same."""
-    for toks, pos0, seq, all_logits in (([5], 3, 0, False), ([5, 6, 7], 0, 2, True), ([], 4, 1, False)):
-        a = Batch.one_seq(toks, pos0, seq, all_logits=all_logits)
-        n = len(toks)
-        b = Batch(
-            toks, pos=np.arange(pos0, pos0 + n), seq_ids=[[seq]] * n, logits=np.ones(n, bool) if all_logits else None
-        )
-        for k in Batch.__slots__:
-            x, y = getattr(a, k), getattr(b, k)
-            if isinstance(y, np.ndarray):
-                assert x.dtype == y.dtype and np.array_equal(x, y), k
-            else:
-                assert x == y, k
-        assert a.seq_ids is None or all(s is not t for s, t in zip(a.seq_ids, a.seq_ids[1:]))  # not one shared list
+def _step_both(general, one, token, pos, seq):
+    rc = general.decode(Batch.one_seq([token], pos, seq))
+    assert one.decode_one(token, pos, seq) == rc
+    assert one.last_error == general.last_error
+    if rc == 0:
+        np.testing.assert_array_equal(one.get_logits(), general.get_logits())
+        np.testing.assert_array_equal(one.get_logits_ith(0), general.get_logits_ith(0))
+        np.testing.assert_array_equal(one.get_logits_ith(-1), general.get_logits_ith(-1))
+    _same_memory(general, one)
+    return rc
+
+
+def _generate_both(general, one, seq=0, n=6):
+    for c in (general, one):
+        assert c.decode(Batch.one_seq(PROMPT, 0, seq)) == 0
+    pos = len(PROMPT)
+    for _ in range(n):
+        token = int(np.argmax(general.get_logits_ith(-1))) % 60 + 3
+        assert _step_both(general, one, token, pos, seq) == 0
+        pos += 1
+    return pos
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny_model):
+    return {arch: Model.load(tiny_model(arch, n_layer=2, n_embd=64, n_head=2, n_head_kv=1)) for arch in ("llama",)} | {
+        "gemma3": Model.load(tiny_model("gemma3", n_layer=3, n_embd=64, n_head=2, n_head_kv=1, n_swa=4))
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("flash", ["on", "off"])
+def test_generated_tokens_give_decodes_logits_and_cells(tiny_models, arch, flash):
+    general, one = _pair(tiny_models[arch], flash_attn=flash)
+    _generate_both(general, one, seq=1)
+    assert _step_both(general, one, 9, 0, 0) == 0  # another sequence, from position 0
+    assert _step_both(general, one, 4, 1, 0) == 0
+
+
+@pytest.mark.parametrize("name", ["mamba_s1", "lfm2_s1"])
+def test_recurrent_and_hybrid_memories_step_alike(name):
+    path = REFERENCE_DIR / "tiny" / f"{name}.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is missing")
+    model = Model.load(path)
+    general, one = _pair(model, type_k="f32", type_v="f32", flash_attn="off")
+    _generate_both(general, one, seq=0, n=5)
+    model.close()
+
+
+def test_refused_tokens_give_decodes_code_error_and_leave_memory_alone():
+    general, one = _pair(StubModel(make_hparams(n_vocab=64)), n_seq_max=4)
+    for c in (general, one):
+        assert c.decode(Batch.one_seq(list(range(10)), 0, 0)) == 0
+        assert c.decode(Batch.one_seq([1, 2, 3], 3, 1)) == 0
+    cases = [  # (token, pos, seq)
+        (70, 10, 0),  # token out of range
+        (-3, 10, 0),
+        (7, 10, 4),  # sequence out of range
+        (7, 10, -1),
+        (7, -1, 0),  # position out of range
+        (7, 2**31 - 1, 0),
+        (7, 11, 0),  # a gap after position 9
+        (7, 9, 0),  # position 9 is already stored
+        (7, 5, 1),
+    ]
+    for token, pos, seq in cases:
+        assert _step_both(general, one, token, pos, seq) == -1, (token, pos, seq)
+        assert one.last_error
+    assert _step_both(general, one, 7, 6, 1) == 0  # a valid one after the refusals
+    assert _step_both(general, one, 7, 0, 2) == 0  # a new sequence
+
+
+def test_a_full_cache_refuses_alike():
+    general, one = _pair(StubModel(make_hparams(n_vocab=64)), n_ctx=256, n_batch=256, n_seq_max=1)
+    for c in (general, one):
+        assert c.decode(Batch.one_seq(np.arange(256) % 60, 0, 0)) == 0
+    assert _step_both(general, one, 7, 256, 0) == 1
+
+
+def test_decode_one_takes_the_launch_tuners_threshold_and_decode_does_not():
+    """The tuner sees decode_one's steps only: prompts and decode() of one token keep the configured
+    threshold and are not timed (kernels/launch_tuner.py)."""
+    seen = []
+
+    class Recording(StubModel):
+        def forward(self, ub, mctx, min_macs=None):
+            seen.append((ub.n_tokens, min_macs))
+            return super().forward(ub, mctx)
+
+    ctx = Context(Recording(make_hparams(n_vocab=64)), ContextParams(n_ctx=256, n_batch=64, n_ubatch=64))
+    ctx.launch.enabled = True
+    assert ctx.decode(Batch.one_seq(PROMPT, 0)) == 0
+    assert ctx.decode(Batch.one_seq([5], len(PROMPT))) == 0
+    assert ctx.launch.warm == [False, False] and not ctx.launch.history  # not asked, nothing timed
+    assert ctx.decode_one(5, len(PROMPT) + 1, 0) == 0
+    assert seen[:2] == [(len(PROMPT), None), (1, None)]
+    assert seen[2][0] == 1 and seen[2][1] is not None

@@ -134,13 +134,7 @@ def test_false_drift_alarms_wait_ever_longer_before_the_next_drift_probe():
     assert p_at == [3, 8, 17, 34] and tuner.drift_gap == 32 and tuner.arm == S
 
 
-def test_prompt_ubatches_keep_the_configured_threshold_and_are_not_timed():
-    fake = FakeStep()
-    tuner = LaunchTuner(fake.clock, enabled=True)
-    seen = []
-    fake.forward = lambda ub, mctx, min_macs=None: seen.append(min_macs)
-    tuner.forward(fake, UB(7), None)
-    assert seen == [None] and not tuner.history and tuner.next_arm() == P  # None: the configured threshold
+# Prompt ubatches never reach the tuner (Context.decode does not ask it): tests/test_batch_one_token.py.
 
 
 def test_the_threshold_is_restored_after_a_step_that_raises():

@@ -96,10 +96,11 @@ class SpecGeneration(Generation):
         return max(0, k)
 
     def _plain(self, token: int):
-        """One-token decode of the sampled token (as Generation does); a StopReason or None."""
+        """One-token decode of the sampled token (as Generation does: Context.decode_one); a
+        StopReason or None."""
         t0 = time.perf_counter()
         try:
-            self.logits = decode_tokens(self.ctx, [token], self.pos, self.seq, batch_factory=self.batch_factory)
+            self.logits = self._decode(token)
         except Interrupted:
             return StopReason.INTERRUPTED
         self.spec.length.record_decode(1, time.perf_counter() - t0)
