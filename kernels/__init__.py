@@ -1,5 +1,29 @@
 """numba CPU kernels: block formats, matmul, attention, RoPE, norms, activations.
 
+The decode hot path, from the caller down to these kernels (a generated token; a prompt takes
+the same path through Context.decode, many tokens per ubatch):
+
+    runtime/context.py       Context.decode_one(token, pos, seq)      | Context.decode(batch)
+      runtime/batch.py         OneToken.init: scalar checks            | BatchAllocator.init
+      runtime/memory/          memory.init_batch(allocator): the ubatches and their slots, found
+                               in a dry run (prepare); per ubatch mctx.apply(), the only mutation
+                               of memory (undone by mctx.rollback() if anything fails)
+      kernels/launch_tuner.py  decode_one only: the step's matmul threshold, from measured times
+      runtime/arch/layer_plan.py  forward(model, ubatch, mctx, min_macs): the one layer loop
+        embed                  TokenRows / QMatrix.get_rows (matmul.py)
+        per layer, from its LayerPlan:
+          attention_step       QMatrix.matmul (matmul.py -> matmul_int.py | matmul_kernels.py)
+                               prepare_qkv_store (qkv_store.py: QK-norm + RoPE + K/V cache write,
+                                 through mctx.attn_io's store) or rope.py + kv_kernels.py
+                               attention_checked (attention.py -> attention_flash.py |
+                                 attention_classic.py, over attention_tiles.py)
+          output_step          QMatrix.matmul
+          residual_norm        fused_norm.py (residual add + RMSNorm of the next norm, norm.py)
+          ffn_step             QMatrix.matmul, act.py (SwiGLU / GeGLU), QMatrix.matmul
+          (recurrent mixers: conv.py, ssm_scan.py, delta_net.py)
+        lm_head                QMatrix.matmul (+ soft-cap)
+      -> the logits rows in the Context's output buffer -> runtime/sampling.py
+
 Set before numba is first imported (a user's environment wins):
 - the threading layer is pinned to OpenMP: a parallel launch costs ~3 µs with omp against
   ~80 µs with the workqueue layer on this machine, and a token needs ~100 launches;

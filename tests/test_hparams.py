@@ -1,4 +1,4 @@
-"""HParams.from_gguf: values of the two real models (as llama.cpp prints them when loading)
+"""read_hparams (kvchat.runtime.arch): values of the two real models (as llama.cpp prints them when loading)
 and of the tiny factory models, incl. gemma3's sliding-window layout and rope bases."""
 
 from __future__ import annotations
