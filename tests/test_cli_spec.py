@@ -30,7 +30,8 @@ def test_run_with_drafts_prints_the_plain_answer(dense, spec):
     rc, out, err = kvchat("run", "-m", dense, *ARGS, *spec, "--show-timings")
     assert rc == 0, err
     assert out == plain and len(out) > 20
-    assert "Drafts:" in err
+    if "ngram" not in spec:  # a model draft always proposes; lookups may find no match
+        assert "Drafts:" in err
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(dense, other_vocab):
