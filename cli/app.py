@@ -156,7 +156,7 @@ def main(argv=None) -> None:
         from kvchat.cli.wording import error_text
 
         print(f"error: {error_text(e)}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(getattr(e, "exit_code", 1))  # 2 for a usage error found after parsing (GrammarError)
     except (EndOfInput, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)
         sys.exit(130)

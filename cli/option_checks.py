@@ -73,3 +73,18 @@ def spec_type_value(v):
 
 
 spec_type_value.text = "draft|ngram|self:TYPE"
+
+
+def one_of(*choices) -> Callable:
+    """A word among `choices` (lower-cased); None passes (the flag's default)."""
+
+    def check(v):
+        if v is None:
+            return v
+        word = str(v).strip().lower()
+        if word not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)} (got {v!r})")
+        return word
+
+    check.text = "|".join(choices)
+    return check

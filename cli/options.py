@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kvchat.cli.option_checks import above, at_least, seed_value, spec_type_value, within
+from kvchat.cli.option_checks import above, at_least, one_of, seed_value, spec_type_value, within
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
 
@@ -28,6 +28,8 @@ PANEL_SAMPLING = "Sampling"
 PANEL_CHAT = "Conversation"
 PANEL_OUTPUT = "Output"
 PANEL_SPEC = "Speculative decoding"
+PANEL_FORMAT = "Structured output"
+PANEL_REASONING = "Reasoning"
 
 
 class FlashAttn(str, Enum):
@@ -72,6 +74,21 @@ class ChatSettings:
     spec_type: Optional[str] = None
     draft_max: int = 8
     draft_min: int = 0
+    json_schema: Optional[str] = None
+    json_schema_file: Optional[Path] = None
+    grammar: Optional[str] = None
+    grammar_file: Optional[Path] = None
+    json: bool = False
+    reasoning: str = "auto"
+    reasoning_budget: int = -1
+    reasoning_effort: Optional[str] = None
+
+    def grammar_spec(self):
+        """The runtime.grammar GrammarSpec the format flags ask for (None: free text), compiled
+        and checked: GrammarError (exit 2) before any model loads."""
+        from kvchat.runtime.grammar.spec import spec_from_flags
+
+        return spec_from_flags(self.json_schema, self.json_schema_file, self.grammar, self.grammar_file, self.json)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -351,6 +368,51 @@ OPTIONS = [
         "fewest draft tokens worth a verify batch (below: plain steps)",
         PANEL_SPEC,
         at_least(0),
+    ),
+    Option(
+        "json_schema",
+        Optional[str],
+        ("-j", "--json-schema"),
+        "the answer is one JSON document valid against this JSON schema",
+        PANEL_FORMAT,
+    ),
+    Option("json_schema_file", Optional[Path], ("--json-schema-file",), "the JSON schema from FILE", PANEL_FORMAT),
+    Option(
+        "grammar",
+        Optional[str],
+        ("--grammar",),
+        "the answer follows this GBNF grammar (llama.cpp's format; Lark too)",
+        PANEL_FORMAT,
+    ),
+    Option("grammar_file", Optional[Path], ("--grammar-file",), "the GBNF grammar from FILE", PANEL_FORMAT),
+    Option("json", bool, ("--json",), "the answer is one JSON object (any)", PANEL_FORMAT),
+    Option(
+        "reasoning",
+        str,
+        ("--reasoning",),
+        "thinking models: think before answering (auto = the chat template's default)",
+        PANEL_REASONING,
+        one_of("on", "off", "auto"),
+        CONVERSATION,
+    ),
+    Option(
+        "reasoning_budget",
+        int,
+        ("--reasoning-budget",),
+        "most thinking tokens per answer, then the end of thinking is forced (-1 = no limit, 0 = no thinking)",
+        PANEL_REASONING,
+        at_least(-1),
+        CONVERSATION,
+    ),
+    Option(
+        "reasoning_effort",
+        Optional[str],
+        ("--reasoning-effort",),
+        "how hard gpt-oss-style templates think",
+        PANEL_REASONING,
+        one_of("low", "medium", "high"),
+        CONVERSATION,
+        {"show_default": "the template's"},
     ),
 ]
 OPTIONS = [replace(o, default=getattr(ChatSettings(), o.name)) for o in OPTIONS]

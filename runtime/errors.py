@@ -28,3 +28,10 @@ class CParamsError(KvchatError, ValueError):
 
 class ModelOutputError(KvchatError):
     """The model computed logits no sampler can use (NaN / +inf): its weights are damaged."""
+
+
+class GrammarError(KvchatError):
+    """A JSON schema or grammar (--json-schema, --grammar, a request's "json_schema") that cannot
+    be compiled: a usage error, refused before the model loads (exit code 2)."""
+
+    exit_code = 2

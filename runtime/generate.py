@@ -206,7 +206,19 @@ class Generation:
     the wall time spent inside the loop, `.pos` the position the next token would take."""
 
     def __init__(
-        self, ctx, sample, logits, pos, seq, max_tokens, is_eog, stop_event, make_room, on_decoded, batch_factory
+        self,
+        ctx,
+        sample,
+        logits,
+        pos,
+        seq,
+        max_tokens,
+        is_eog,
+        stop_event,
+        make_room,
+        on_decoded,
+        batch_factory,
+        is_last=None,
     ):
         self.ctx = ctx
         self.sample = sample
@@ -219,6 +231,7 @@ class Generation:
         self.make_room = make_room or self._fits
         self.on_decoded = on_decoded
         self.batch_factory = batch_factory
+        self.is_last = is_last
         self.stop: Optional[StopReason] = None
         self.n_sampled = 0
         self.n_decoded = 0
@@ -260,6 +273,8 @@ class Generation:
             yield Step(token, self.logits, self.n_sampled - 1)
             if 0 <= self.max_tokens <= self.n_sampled:
                 return StopReason.LIMIT  # before decoding a token nobody will sample from
+            if self.is_last is not None and self.is_last():
+                return StopReason.EOG  # only an end token could follow (a grammar that is complete)
             try:
                 self.logits = self._decode(token)
             except Interrupted:
@@ -284,6 +299,7 @@ def generate(
     make_room: Optional[Callable[[int, int], Optional[int]]] = None,
     on_decoded: Optional[Callable[[int, np.ndarray], None]] = None,
     batch_factory: Optional[Callable] = None,
+    is_last: Optional[Callable[[], bool]] = None,
 ) -> Generation:
     """Generate tokens on sequence `seq`: sample, yield, decode, repeat.
 
@@ -295,6 +311,8 @@ def generate(
     before the next token. make_room(pos, n) -> the position to decode at, or None when the
     sequence cannot take n more tokens (default: stop at n_ctx); a context-shift policy moves
     the sequence down and returns the lower position. on_decoded(token, logits) follows each decode.
+    is_last(): asked after each yielded token; True ends the generation there (StopReason.EOG,
+    the token not decoded): a grammar after which only an end token could come.
     Interrupted while decoding the prompt propagates (nothing was generated); during generation
     it ends the loop with StopReason.INTERRUPTED.
     """
@@ -304,7 +322,7 @@ def generate(
     if logits is None:
         raise ValueError("generate: give a prompt or the logits to start from")
     return Generation(
-        ctx, sample, logits, pos0, seq, max_tokens, is_eog, stop_event, make_room, on_decoded, batch_factory
+        ctx, sample, logits, pos0, seq, max_tokens, is_eog, stop_event, make_room, on_decoded, batch_factory, is_last
     )
 
 

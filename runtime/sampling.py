@@ -1,9 +1,12 @@
 """Token sampling: the sampler chain of llama.cpp's default CLI setup, on numpy.
 
 The chain turns one row of logits into one token id, in this fixed order:
-repetition penalty → top-k → top-p → min-p → temperature → draw. Each step narrows or reshapes a
+repetition penalty → grammar mask → top-k → top-p → min-p → temperature → draw. Each step narrows or reshapes a
 list of candidates (ids sorted by falling logit); the draw at the end is the only random step and
-uses a seeded ``numpy.random.Generator``, so a given seed reproduces a run exactly. A temperature
+uses a seeded ``numpy.random.Generator``, so a given seed reproduces a run exactly. The grammar
+mask (`allowed`, from runtime/grammar/matcher.py) keeps only the tokens a grammar allows before
+any filter runs, so top-k and the rest choose among valid tokens and the draw stays one uniform
+number per token, as llama.cpp places its grammar sampler ahead of the chain's filters. A temperature
 of 0 (or below) keeps only the most likely candidate: greedy decoding, ties going to the lowest id.
 
 The sampler keeps no token history of its own: callers pass the recent tokens (the tail of the
@@ -175,24 +178,34 @@ class Sampler:
             return ()
         return history if n < 0 else history[-n:]
 
-    def candidates(self, logits: np.ndarray, history=None):
+    def candidates(self, logits: np.ndarray, history=None, allowed=None):
         """Run every filter of the chain; return (ids i64 [n], probs f64 [n]) to draw from.
 
-        logits f32 [n_vocab]; history: token ids of the sequence so far (oldest first).
+        logits f32 [n_vocab]; history: token ids of the sequence so far (oldest first);
+        allowed: bool [n_vocab] of the tokens a grammar allows (None: every token).
         """
         check_logits(logits)
         p = self.params
         penalised = apply_repetition_penalty(logits, self._recent(history), p.repeat_penalty)
-        ids = np.arange(penalised.shape[0], dtype=np.int64)  # [n_vocab] i64
+        if allowed is None:
+            ids = np.arange(penalised.shape[0], dtype=np.int64)  # [n_vocab] i64
+        else:
+            ids = np.nonzero(np.asarray(allowed, dtype=bool)[: penalised.shape[0]])[0].astype(np.int64)  # [n] i64
+            ids = ids[np.isfinite(penalised[ids])]  # -inf (--ignore-eos) stays impossible
+            if ids.size == 0:
+                from kvchat.runtime.errors import ModelOutputError
+
+                raise ModelOutputError("the grammar allows no token the model can produce here")
+            penalised = penalised[ids]
         ids, lg = top_k(ids, penalised, p.top_k)
         ids, lg = top_p(ids, lg, p.top_p)
         ids, lg = min_p(ids, lg, p.min_p)
         ids, lg = temperature(ids, lg, p.temp)
         return ids, softmax(lg)
 
-    def sample(self, logits: np.ndarray, history=None) -> int:
-        """Draw one token id from `logits` f32 [n_vocab]."""
-        ids, probs = self.candidates(logits, history)
+    def sample(self, logits: np.ndarray, history=None, allowed=None) -> int:
+        """Draw one token id from `logits` f32 [n_vocab] (among `allowed`, bool [n_vocab], if given)."""
+        ids, probs = self.candidates(logits, history, allowed)
         if ids.shape[0] == 1:
             return int(ids[0])
         u = self.rng.random()  # one uniform draw per token keeps streams reproducible

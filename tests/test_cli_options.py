@@ -128,8 +128,13 @@ def test_help_and_set_list_the_live_options_of_the_table():
         "ignore-eos",
         "show-timings",
         "markdown",
+        "reasoning",
+        "reasoning-budget",
+        "reasoning-effort",
     ]
-    assert COMMANDS["/set"] == f"/set PARAM VALUE ({', '.join(keys)}); /set alone lists"
+    assert COMMANDS["/set"] == (
+        f"/set PARAM VALUE ({', '.join(keys)}); /set format json|schema FILE|grammar FILE|off; /set alone lists"
+    )
     sampling = set(SamplingParams().to_dict())
     for o in LIVE:
         where = {

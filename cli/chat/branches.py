@@ -110,13 +110,16 @@ def save_all(path, branches, identity: dict, cache: dict, force: bool = False) -
         }
         for name, c in branches.items.items()
     ]
+    from kvchat.cli.session.session import reasoning_state
+
     extra = {
+        "reasoning": reasoning_state(conv),
         "branches": {
             "current": branches.current,
             "n_seq_max": branches.n_seq_max,
             "kv_unified": bool(getattr(branches.ctx.cparams, "kv_unified", True)),
             "list": listed,
-        }
+        },
     }
     st = conv.session_state()
     data = SessionData(

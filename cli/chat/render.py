@@ -42,6 +42,7 @@ class Renderer:
         # Writing stops, `on_out_lost` is told once (run stops generating), the caller says so.
         self.out_lost = self.out is None
         self.on_out_lost = None
+        self.thinking_view = None  # cli/chat/thinking.py's ThinkingView when thinking is shown
 
     @property
     def err(self) -> Console:
@@ -100,9 +101,19 @@ class Renderer:
         self._text = []
         self._open_line = False
 
+    def thinking(self, text: str) -> None:
+        """A piece of the model's thinking (shown apart from the answer, or not at all)."""
+        if text and self.thinking_view is not None:
+            self.thinking_view.piece(text)
+
+    def _end_thinking(self) -> None:
+        if self.thinking_view is not None and self.thinking_view.active:
+            self.thinking_view.end()
+
     def piece(self, text: str) -> None:
         if not text:
             return
+        self._end_thinking()
         self._text.append(text)
         if self.out_lost or (self.markdown and not self._out_is_tty()):
             return  # a pipe gets the rendered Markdown once, at the end
@@ -132,6 +143,7 @@ class Renderer:
 
     def end_answer(self) -> None:
         """Finish the answer line (and render Markdown); nothing at all if nothing was streamed."""
+        self._end_thinking()
         text = "".join(self._text)
         self._text = []
         if (not text and self._live is None) or self.out_lost:

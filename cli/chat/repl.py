@@ -35,7 +35,8 @@ COMMANDS = {
     "/regen": "drop the last answer and sample a new one (no prompt re-evaluation)",
     "/undo": "drop the last exchange (your message and its answer)",
     "/system": "/system TEXT sets the system prompt; /system alone shows it; /system - removes it",
-    "/set": f"/set PARAM VALUE ({', '.join(o.key for o in LIVE)}); /set alone lists",
+    "/set": f"/set PARAM VALUE ({', '.join(o.key for o in LIVE)}); /set format json|schema FILE|grammar FILE|off; "
+    "/set alone lists",
     "/save": "/save FILE: save the conversation and its cache state (/save! FILE replaces a "
     "file that is not a session); quote names with spaces",
     "/load": "/load FILE: resume a saved conversation (no tokens re-processed); with --session, "
@@ -45,9 +46,11 @@ COMMANDS = {
     "/kv": "map of the KV cache cells: sequence and position of each cell, empty cells, head",
 }
 from kvchat.cli.chat.branches import BRANCH_COMMANDS, BranchCommands  # noqa: E402
+from kvchat.cli.chat.format_commands import FORMAT_COMMANDS, FormatCommands  # noqa: E402
 
 COMMANDS.update(BRANCH_COMMANDS)
 DECODING_COMMANDS = {"/alts", "/set", "/load"}  # may run kernels: wait for the compile workers
+COMMANDS.update(FORMAT_COMMANDS)
 ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help", "/save!": "/save"}
 LEAVE_HINT = "(Ctrl-D or /exit leaves the chat)"
 
@@ -79,7 +82,7 @@ def _read_stdin_line(prompt: str) -> str:
     return line.rstrip("\n")
 
 
-class Repl(BranchCommands):
+class Repl(BranchCommands, FormatCommands):
     def __init__(self, engine, conv, settings, renderer, session_factory=None, target=None):
         from kvchat.cli.session.file import AutosaveTarget
 
@@ -97,6 +100,11 @@ class Repl(BranchCommands):
         self._session_factory = session_factory
         self._prompt = None
         self.running = True
+        from kvchat.cli.chat.thinking import ThinkingView
+
+        renderer.thinking_view = ThinkingView(
+            renderer, show=False, count=lambda: self.conv.stream.n_thinking if self.conv.stream is not None else 0
+        )
 
     # ---- input ------------------------------------------------------------------------------
 
@@ -253,6 +261,9 @@ class Repl(BranchCommands):
         self._follow()
         if "branches" not in (data.extra or {}):
             apply_saved_sampling(self.conv, data.sampling, self.settings)
+        from kvchat.cli.session.session import apply_saved_reasoning
+
+        apply_saved_reasoning(list(self.branches.items.values()), data.extra, self.settings)
         self.r.notice(
             f"resumed {path}: {self.conv.n_cached} tokens in the cache, "
             f"{len(self.conv.messages)} messages (nothing re-processed)"
@@ -313,8 +324,11 @@ class Repl(BranchCommands):
     def cmd_set(self, arg: str) -> None:
         """/set PARAM VALUE: the flags marked live in cli/options.py, checked as the flags are."""
         if not arg:
-            self.r.notice(" · ".join(f"{o.key} {self._current(o)}" for o in LIVE))
+            fmt = self.conv.constraint.spec.describe() if self.conv.constraint is not None else "off"
+            self.r.notice(" · ".join(f"{o.key} {self._current(o)}" for o in LIVE) + f" · format {fmt}")
             return
+        if arg.split()[0].lower() == "format":
+            return self._set_format(arg.split(None, 1)[1] if len(arg.split()) > 1 else "")
         try:
             key, value = shlex.split(arg)
         except ValueError:
@@ -389,6 +403,9 @@ class Repl(BranchCommands):
             raise
         if "branches" not in (data.extra or {}):
             apply_saved_sampling(self.conv, data.sampling, None)
+        from kvchat.cli.session.session import apply_saved_reasoning
+
+        apply_saved_reasoning(list(self.branches.items.values()), data.extra)
         self.r.notice(
             f"loaded {path}: {len(self.conv.messages)} messages, {self.conv.n_cached} "
             "cached tokens (nothing re-processed)"

@@ -195,8 +195,9 @@ def warm_up_kernels(ctx, model, path, renderer, first_run: bool, skip_if_cached:
 
 
 def make_conversation(
-    engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event, raw: bool = False
+    engine: Engine, settings: ChatSettings, renderer: Renderer, stop_event, raw: bool = False, grammar=None
 ) -> Conversation:
+    """The Conversation from the flags; `grammar` (a checked GrammarSpec) constrains its answers."""
     config = ConversationConfig(
         n_predict=settings.n_predict,
         context_shift=settings.context_shift,
@@ -204,6 +205,9 @@ def make_conversation(
         ignore_eos=settings.ignore_eos,
         raw=raw,
         system_prompt=None if raw else settings.system_prompt,
+        reasoning=settings.reasoning,
+        reasoning_budget=settings.reasoning_budget,
+        reasoning_effort=settings.reasoning_effort,
     )
     try:
         sampler = Sampler(settings.sampling())
@@ -221,6 +225,10 @@ def make_conversation(
     if settings.verbose_prompt:
         conv.on_prompt = lambda ids: renderer.verbose_prompt(engine.vocab, ids)
     conv.speculative = make_speculator(engine, settings, renderer, stop_event)
+    if grammar is not None:
+        from kvchat.runtime.grammar.matcher import Constraint
+
+        conv.constraint = Constraint(grammar, engine.vocab)
     return conv
 
 

@@ -47,12 +47,14 @@ def register(app: typer.Typer) -> None:
         from kvchat.cli.chat.repl import Repl
         from kvchat.cli.session.file import AutosaveTarget
 
+        spec = settings.grammar_spec()  # a bad schema or grammar: exit 2 before the model loads
         target = AutosaveTarget(settings.session)  # locked for the process's life (or refused)
         atexit.register(target.release)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
         engine = open_engine(settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True)
-        conv = make_conversation(engine, settings, renderer, stop)
+        conv = make_conversation(engine, settings, renderer, stop, grammar=spec)
+        conv.on_thinking = renderer.thinking
         repl = Repl(engine, conv, settings, renderer, target=target)
         if should_resume(settings, renderer):
             repl.resume(settings.session)  # SessionError → exit 1, file untouched

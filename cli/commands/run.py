@@ -33,6 +33,14 @@ RUN_OPTIONS = [
     Option("file", Optional[Path], ("-f", "--file"), "read the prompt from FILE", INPUT),
     Option("raw", bool, ("--raw",), "plain completion: no chat template", INPUT, default=False),
     Option(
+        "show_reasoning",
+        bool,
+        ("--show-reasoning",),
+        "a thinking model's thinking goes to stderr (stdout gets only the answer)",
+        "Reasoning",
+        default=False,
+    ),
+    Option(
         "parallel",
         int,
         ("-np", "--parallel"),
@@ -122,6 +130,7 @@ def run_command(
     prompt,
     file,
     raw,
+    show_reasoning=False,
     parallel,
     prompts_file,
     jsonl,
@@ -142,6 +151,7 @@ def run_command(
     if (parallel > 1 or prompts_file is not None or jsonl) and settings.session is not None:
         raise KvchatError("--session works with one answer; drop -np / --prompts-file / --jsonl")
     text = read_prompt(prompt, file) if prompts_file is None else None
+    spec = settings.grammar_spec()  # a bad schema or grammar: exit 2 before the model loads
     lock = hold_session_lock(settings.session)  # noqa: F841 (held until the process ends)
     renderer = Renderer(markdown=settings.markdown)
     stop = threading.Event()
@@ -155,7 +165,12 @@ def run_command(
         skip_cached_warm_up=True,
     )
     raw = raw or not engine.has_template
-    conv = make_conversation(engine, settings, renderer, stop, raw=raw)
+    conv = make_conversation(engine, settings, renderer, stop, raw=raw, grammar=spec)
+    if show_reasoning:
+        from kvchat.cli.chat.thinking import ThinkingView
+
+        renderer.thinking_view = ThinkingView(renderer, stream=sys.stderr)
+        conv.on_thinking = renderer.thinking
     if prompts_file is not None or parallel > 1 or jsonl:
         with sigint_sets(stop):
             if prompts_file is not None:
@@ -169,6 +184,9 @@ def run_command(
 
         data = load_conversation(settings.session, conv, engine.identity, engine.cache, engine.vocab.n_vocab)
         apply_saved_sampling(conv, data.sampling, settings)
+        from kvchat.cli.session.session import apply_saved_reasoning
+
+        apply_saved_reasoning([conv], data.extra, settings)
         renderer.notice(f"resumed {settings.session}: {conv.n_cached} tokens in the cache")
     renderer.begin_answer()
     try:

@@ -21,9 +21,11 @@ from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.serving.parallel import ParallelRunner, Request, Result, alternatives
 
 
-def read_prompts_file(path: Path) -> list[tuple[str | None, list | None, str | None]]:
-    """[(prompt text, chat messages, error)] per request: one prompt per non-empty line of a text
-    file; a .jsonl file has one object per line with "prompt" (text) or "messages" (chat)."""
+def read_prompts_file(path: Path) -> list[tuple[str | None, list | None, str | None, object]]:
+    """[(prompt text, chat messages, error, grammar spec or None)] per request: one prompt per
+    non-empty line of a text file; a .jsonl file has one object per line with "prompt" (text) or
+    "messages" (chat), and may carry a "json_schema" (object or text) its answer must follow. A
+    line that cannot be used (bad JSON, a schema that does not compile) is that request's error."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -34,16 +36,19 @@ def read_prompts_file(path: Path) -> list[tuple[str | None, list | None, str | N
         if not line.strip():
             continue
         if not jsonl:
-            out.append((line, None, None))
+            out.append((line, None, None, None))
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            out.append((None, None, f"{path}:{n}: not JSON ({e.msg})"))
+            out.append((None, None, f"{path}:{n}: not JSON ({e.msg})", None))
             continue
         msgs = obj.get("messages") if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            out.append((obj["prompt"], None, None))
+        spec, err = _request_schema(obj, f"{path}:{n}")
+        if err is not None:
+            out.append((None, None, err, None))
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            out.append((obj["prompt"], None, None, spec))
         elif (
             isinstance(msgs, list)
             and msgs
@@ -52,7 +57,7 @@ def read_prompts_file(path: Path) -> list[tuple[str | None, list | None, str | N
                 for m in msgs
             )
         ):
-            out.append((None, [{"role": m["role"], "content": m["content"]} for m in msgs], None))
+            out.append((None, [{"role": m["role"], "content": m["content"]} for m in msgs], None, spec))
         else:
             out.append(
                 (
@@ -60,11 +65,30 @@ def read_prompts_file(path: Path) -> list[tuple[str | None, list | None, str | N
                     None,
                     f"{path}:{n}: expected {{\"prompt\": text}} or "
                     "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}",
+                    None,
                 )
             )
     if not out:
         raise KvchatError(f"prompts file {path} holds no prompt")
     return out
+
+
+def _request_schema(obj, where: str):
+    """(GrammarSpec or None, error or None) of a request's own "json_schema"."""
+    if not isinstance(obj, dict) or obj.get("json_schema") is None:
+        return None, None
+    from kvchat.runtime.errors import GrammarError
+    from kvchat.runtime.grammar.spec import GrammarSpec
+
+    schema = obj["json_schema"]
+    spec = GrammarSpec(
+        "json_schema", schema if isinstance(schema, str) else json.dumps(schema), f"{where}: json_schema"
+    )
+    try:
+        spec.compile()
+    except GrammarError as e:
+        return None, str(e)
+    return spec, None
 
 
 def render_ids(conv, text: str | None, messages: list | None) -> list[int]:
@@ -98,7 +122,15 @@ def run_alternatives(engine, conv, settings, text: str, n: int, jsonl: bool, sto
     ids = render_ids(conv, text, None) if not conv.config.raw else conv.render([{"role": "user", "content": text}])
     seed = base_seed(settings)
     runner = ParallelRunner(
-        engine.ctx, engine.vocab, settings.sampling(), n, settings.n_predict, settings.ignore_eos, stop_event=stop
+        engine.ctx,
+        engine.vocab,
+        settings.sampling(),
+        n,
+        settings.n_predict,
+        settings.ignore_eos,
+        stop_event=stop,
+        constraint=conv.constraint,
+        reasoning=conv.reasoning_parser if conv.reasoning_parser([]) is not None else None,
     )
     results = alternatives(runner, ids, [seed + i for i in range(n)])
     for r in results:
@@ -117,7 +149,8 @@ def run_prompts_file(engine, conv, settings, path: Path, n: int, jsonl: bool, st
     items = read_prompts_file(path)
     seed = base_seed(settings)
     reqs = []
-    for i, (text, msgs, err) in enumerate(items):
+    constraints = {}  # one compiled Constraint per distinct schema text
+    for i, (text, msgs, err, spec) in enumerate(items):
         label = text if text is not None else (msgs[-1]["content"] if msgs else "")
         ids = None
         if err is None:
@@ -131,9 +164,24 @@ def run_prompts_file(engine, conv, settings, path: Path, n: int, jsonl: bool, st
                 err = str(e)
             except Exception as e:  # a template that rejects these messages
                 err = f"cannot render the prompt: {e}"
-        reqs.append(Request(index=i, ids=ids, seed=seed + i, label=label, error=err))
+        constraint = None
+        if spec is not None and err is None:
+            from kvchat.runtime.grammar.matcher import Constraint
+
+            if spec.text not in constraints:
+                constraints[spec.text] = Constraint(spec, engine.vocab)
+            constraint = constraints[spec.text]
+        reqs.append(Request(index=i, ids=ids, seed=seed + i, label=label, error=err, constraint=constraint))
     runner = ParallelRunner(
-        engine.ctx, engine.vocab, settings.sampling(), n, settings.n_predict, settings.ignore_eos, stop_event=stop
+        engine.ctx,
+        engine.vocab,
+        settings.sampling(),
+        n,
+        settings.n_predict,
+        settings.ignore_eos,
+        stop_event=stop,
+        constraint=conv.constraint,
+        reasoning=conv.reasoning_parser if conv.reasoning_parser([]) is not None else None,
     )
     ok_ids = [r.ids for r in reqs if r.ids and runner.check_fits(r) is None]
     shared = list(commonprefix(ok_ids)) if len(ok_ids) > 1 else []

@@ -274,8 +274,36 @@ def save_conversation(path, conv, model: dict, cache: dict, force: bool = False)
         n_dropped=st["n_dropped"],
         n_keep=st["n_keep"],
         state=st["state"],
+        extra={"reasoning": reasoning_state(conv)},
     )
     return save_session(path, data, force)
+
+
+REASONING_KEYS = ("reasoning", "reasoning_budget", "reasoning_effort")
+
+
+def reasoning_state(conv) -> dict:
+    """The thinking settings a session keeps (the thinking text itself is in its messages)."""
+    return {k: getattr(conv.config, k) for k in REASONING_KEYS}
+
+
+def apply_saved_reasoning(convs, extra: dict | None, settings=None) -> None:
+    """A session's thinking settings onto `convs`, except those given on the command line."""
+    from kvchat.cli.options import BY_NAME, ChatSettings, check_value
+
+    saved = (extra or {}).get("reasoning")
+    if not isinstance(saved, dict):
+        return
+    defaults = ChatSettings()
+    for key in REASONING_KEYS:
+        if key not in saved or (settings is not None and getattr(settings, key) != getattr(defaults, key)):
+            continue
+        try:
+            value = check_value(BY_NAME[key], saved[key])
+        except (ValueError, TypeError):
+            continue  # a value this version cannot use: keep the flag's
+        for conv in convs:
+            setattr(conv.config, key, value)
 
 
 def load_conversation(path, conv, model: dict, cache: dict, n_vocab: int | None = None) -> SessionData:

@@ -208,6 +208,8 @@ class Branches:
             conv.config.n_predict,
             conv.config.ignore_eos,
             stop_event=conv.stop_event,
+            constraint=getattr(conv, "constraint", None),
+            reasoning=conv.reasoning_parser if conv.reasoning_parser([]) is not None else None,
         )
         results = continue_alternatives(
             runner, [conv.seq_id] + extra, conv.cached_tokens(), logits, [seed + i for i in range(n)], free=False
@@ -223,7 +225,9 @@ class Branches:
         start, _ = self.pending
         decoded = res.ids[:-1] if res.stop == "limit" else res.ids
         conv.tokens = conv.tokens[:start] + [int(t) for t in decoded]
-        conv.messages.append({"role": "assistant", "content": res.text})
+        conv.messages.append(
+            {"role": "assistant", "content": res.text} | ({"reasoning_content": res.reasoning} if res.reasoning else {})
+        )
         conv.logits = None if res.logits is None else np.array(res.logits, copy=True)
 
     def pick(self, k: int):

@@ -27,12 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvchat.runtime.chat.answer import AnswerStream
 from kvchat.runtime.chat.cache import CachedSequence
 from kvchat.runtime.chat.checkpoints import SeqCheckpoints
 from kvchat.runtime.chat.events import ContextFull, ContextShifted, FullCause, PromptTooLong, TurnStats
 from kvchat.runtime.chat.refit import common_prefix, refit, refit_plan
 from kvchat.runtime.errors import KvchatError, SessionError
 from kvchat.runtime.generate import DecodeError, Interrupted, StopReason, generate
+from kvchat.runtime.text.reasoning import ReasoningParser, template_switches
 from kvchat.runtime.text.utf8 import clean_text
 
 __all__ = [
@@ -58,6 +60,9 @@ class ConversationConfig:
     ignore_eos: bool = False
     raw: bool = False  # plain completion: no template, the prompt is the text
     system_prompt: str | None = None
+    reasoning: str = "auto"  # on | off | auto (the template's default)
+    reasoning_budget: int = -1  # most thinking tokens per answer (-1: no limit, 0: none)
+    reasoning_effort: str | None = None  # low | medium | high (gpt-oss's templates)
 
 
 class Conversation(CachedSequence):
@@ -111,6 +116,15 @@ class Conversation(CachedSequence):
         self.last_stats = TurnStats()
         self.on_prompt = None  # called with the token ids about to be decoded (--verbose-prompt)
         self.speculative = None  # a Speculator (runtime/speculative/): answers verify its drafts
+        # structured output: a runtime.grammar Constraint every answer must match (None: free text)
+        self.constraint = None
+        self.matcher = None  # the current answer's GrammarMatcher
+        self.stream = None  # the current answer's AnswerStream
+        self.on_thinking = None  # called with thinking text as it streams (None: not shown)
+        from kvchat.runtime.text.reasoning import detect
+
+        # the vocabulary's thinking markers (None: a model that does not think)
+        self.reasoning_format = detect(vocab) if hasattr(vocab, "token_to_id") else None
         eog = sorted(int(t) for t in getattr(vocab, "eog", ()) or ())
         self._eog_ids = np.asarray(eog, dtype=np.int64)
 
@@ -135,7 +149,23 @@ class Conversation(CachedSequence):
     def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
         if self.config.raw or self.template is None:
             return self.tokenize_prompt("".join(m["content"] for m in messages if m["role"] != "system"))
-        return self.tokenize_prompt(self.template.render(messages, add_generation_prompt=add_generation_prompt))
+        return self.tokenize_prompt(self.render_text(messages, add_generation_prompt))
+
+    def render_text(self, messages, add_generation_prompt: bool = True) -> str:
+        """The template's text for `messages` with the reasoning switches the config asks for:
+        enable_thinking (on/off; auto passes nothing: the template's default) and
+        reasoning_effort; an answer's thinking is also given as "thinking" (gpt-oss's name)."""
+        cfg = self.config
+        extra = {}
+        if cfg.reasoning in ("on", "off"):
+            extra["enable_thinking"] = cfg.reasoning == "on"
+        if cfg.reasoning_effort:
+            extra["reasoning_effort"] = cfg.reasoning_effort
+        msgs = [m | {"thinking": m["reasoning_content"]} if m.get("reasoning_content") else m for m in messages]
+        return self.template.render(msgs, add_generation_prompt=add_generation_prompt, **extra)
+
+    def _switches(self) -> dict:
+        return template_switches(getattr(self.template, "source", None))
 
     def n_keep(self) -> int:
         """How many leading tokens a context shift keeps.
@@ -250,14 +280,18 @@ class Conversation(CachedSequence):
         return self._answer(stats, on_text)
 
     def _answer(self, stats: TurnStats, on_text) -> TurnStats:
-        """Generate the answer from self.logits; the message holds whatever was streamed."""
-        on_text = on_text or (lambda s: None)
-        decoder = self._stream_decoder(self.vocab)
-        pieces: list[str] = []
+        """Generate the answer from self.logits; the message holds whatever was streamed (its
+        thinking under "reasoning_content", where templates look for it)."""
         cfg = self.config
-        kw = {}
+        self.matcher = self.constraint.matcher() if self.constraint is not None else None
+        parser = self.reasoning_parser()
+        self.stream = stream = AnswerStream(
+            self.vocab, self.matcher, parser, on_text, self.on_thinking, self._stream_decoder
+        )
+        kw = {"is_last": stream.is_last} if self.matcher is not None else {}
         run = generate
-        if self.speculative is not None:
+        if self.speculative is not None and self.matcher is None and parser is None:
+            # drafts are verified against the plain sampler: not with a grammar or a thinking parser
             from kvchat.runtime.speculative.generate import generate_speculative
 
             run, kw = generate_speculative, {"speculator": self.speculative, "history": list(self.tokens)}
@@ -278,30 +312,40 @@ class Conversation(CachedSequence):
         try:
             for step in gen:
                 stats.n_gen += 1
-                piece = decoder.feed(step.token)
-                if piece:
-                    pieces.append(piece)
-                    on_text(piece)
+                stream.emit(step.token)
         finally:
-            tail = decoder.flush()
-            if tail:
-                pieces.append(tail)
-                on_text(tail)
+            stream.finish()
             stats.t_gen = gen.seconds
             stats.n_gen_decoded = gen.n_decoded
+            stats.n_thinking = stream.n_thinking
             stats.stop = gen.stop or ""
             spec = getattr(gen, "stats", None)
             if spec is not None:
                 stats.n_drafted, stats.n_accepted, stats.n_verify = spec.n_drafted, spec.n_accepted, spec.n_verify
-            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+            message = {"role": "assistant", "content": stream.content}
+            if stream.reasoning:
+                message["reasoning_content"] = stream.reasoning
+            self.messages.append(message)
         return stats
 
+    def reasoning_parser(self, prompt=None):
+        """A ReasoningParser for an answer to `prompt` (default: this conversation's tokens);
+        None in raw mode or for a model without thinking markers."""
+        if self.config.raw or self.template is None or self.reasoning_format is None:
+            return None
+        cfg = self.config
+        budget = cfg.reasoning_budget
+        if cfg.reasoning == "off" and not self._switches()["enable_thinking"]:
+            budget = 0  # the template cannot turn thinking off: end any span at once
+        prompt = self.tokens if prompt is None else prompt
+        return ReasoningParser(self.reasoning_format, prompt[-4096:], budget, allow_start=cfg.reasoning != "off")
+
     def _sample(self, logits: np.ndarray) -> int:
-        """The sampler on the last logits, end-of-turn tokens masked under --ignore-eos."""
+        """The next token (budget, grammar, sampler), end-of-turn tokens masked under --ignore-eos."""
         if self.config.ignore_eos and self._eog_ids.size:
             logits = logits.copy()
             logits[self._eog_ids[self._eog_ids < logits.shape[0]]] = -np.inf
-        return self.sampler.sample(logits, self._recent(self.sampler.params.repeat_last_n))
+        return self.stream.choose(self.sampler, logits, self._recent(self.sampler.params.repeat_last_n))
 
     def _decoded(self, token: int, logits: np.ndarray) -> None:
         self.tokens.append(int(token))

@@ -53,6 +53,7 @@ class TurnStats:
     t_prompt: float = 0.0  # seconds
     n_gen: int = 0  # answer tokens sampled
     n_gen_decoded: int = 0  # answer tokens decoded (the last one usually is not)
+    n_thinking: int = 0  # of n_gen, tokens inside thinking spans
     t_gen: float = 0.0
     n_shifted: int = 0  # tokens dropped by context shifts during this turn
     stop: StopReason | str = ""  # why the answer ended ("" while running or after an exception)

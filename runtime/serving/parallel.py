@@ -13,7 +13,8 @@ Both are llama.cpp programs re-made on the memory's sequence operations:
   prompt is processed and a short newcomer starts producing before a long one has finished. A
   finished sequence frees its cells (`seq_rm`) and the next request takes its place.
 
-Each sequence has its own Sampler seeded per request and its own history (prompt + answer) for
+Each sequence has its own Sampler seeded per request, its own grammar matcher when the answers
+are constrained (runtime/grammar/; a request may bring its own schema), and its own history (prompt + answer) for
 the repetition penalty, and stops exactly where `Conversation` would (end of generation, -n, the
 context), so its text is the one a solo run gives for the same logits. The logits are the same
 bits as a solo run's when the sequence occupies the same cells (one stream per sequence); in a
@@ -41,6 +42,7 @@ class Request:
     seed: int = 0
     label: str = ""  # the input, for per-request report lines
     error: str | None = None
+    constraint: object = None  # a runtime.grammar Constraint of its own (None: the runner's)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Result:
     step_first: int = -1  # decode step whose logits gave its first answer token
     label: str = ""
     logits: object = None  # f32 [n_vocab] after its last decoded token (continue_alternatives)
+    reasoning: str | None = None  # its thinking text (None: the model has no thinking markers)
 
     def json(self) -> dict:
         d = {
@@ -71,6 +74,8 @@ class Result:
             "n_gen": self.n_gen,
             "stop": self.stop,
         }
+        if self.reasoning is not None:
+            d["reasoning"] = self.reasoning
         if self.error:
             d["error"] = self.error
         return d
@@ -79,15 +84,20 @@ class Result:
 class _Slot:
     """A live sequence: what is still to be prefilled, its sampler, decoder and answer."""
 
-    def __init__(self, seq_id: int, req: Request, sampling: SamplingParams, vocab, step: int):
-        from kvchat.runtime.text.detokenize import StreamDecoder
+    def __init__(
+        self, seq_id: int, req: Request, sampling: SamplingParams, vocab, step: int, constraint=None, reasoning=None
+    ):
+        from kvchat.runtime.chat.answer import AnswerStream
 
         self.seq_id = seq_id
         self.req = req
         params = SamplingParams.from_dict(sampling.to_dict())
         params.seed = req.seed
         self.sampler = Sampler(params)
-        self.decoder = StreamDecoder(vocab)
+        constraint = req.constraint if req.constraint is not None else constraint
+        self.matcher = constraint.matcher() if constraint is not None else None  # its own grammar state
+        parser = reasoning(req.ids) if reasoning is not None else None  # its own thinking span
+        self.stream = AnswerStream(vocab, self.matcher, parser)
         self.history: list[int] = []  # tokens of this sequence in the cache, in order
         self.pending: list[int] = []  # prompt tokens still to decode
         self.logits: np.ndarray | None = None
@@ -95,7 +105,6 @@ class _Slot:
         self.res = Result(
             index=req.index, seed=req.seed, n_prompt=len(req.ids), seq_id=seq_id, step_admitted=step, label=req.label
         )
-        self.pieces: list[str] = []
         self.t0 = time.perf_counter()
         self.t_gen0 = 0.0
         self.done = False
@@ -114,6 +123,8 @@ class ParallelRunner:
         ignore_eos: bool = False,
         prefill_budget: int | None = None,
         stop_event=None,
+        constraint=None,
+        reasoning=None,
     ):
         self.ctx = ctx
         self.vocab = vocab
@@ -123,6 +134,8 @@ class ParallelRunner:
         self.ignore_eos = bool(ignore_eos)
         self.prefill_budget = int(prefill_budget or ctx.n_ubatch)
         self.stop_event = stop_event
+        self.constraint = constraint  # every request's grammar unless it brings its own
+        self.reasoning = reasoning  # prompt ids -> a ReasoningParser (None: no thinking markers)
         self.unified = bool(getattr(ctx.cparams, "kv_unified", True))
         eog = sorted(int(t) for t in getattr(vocab, "eog", ()) or ())
         self._eog = np.asarray(eog, dtype=np.int64)
@@ -190,34 +203,34 @@ class ParallelRunner:
             logits[self._eog[self._eog < logits.shape[0]]] = -np.inf
         p = s.sampler.params
         hist = s.history if p.repeat_last_n < 0 else (s.history[-p.repeat_last_n :] if p.repeat_last_n else [])
-        tok = s.sampler.sample(logits, hist)
+        tok = s.stream.choose(s.sampler, logits, hist)
         if s.res.step_first < 0:
             s.res.step_first = self.n_steps
         if not self.ignore_eos and self.vocab.is_eog(tok):
             return self._finish(s, "eog")
         s.res.n_gen += 1
         s.res.ids.append(tok)
-        piece = s.decoder.feed(tok)
-        if piece:
-            s.pieces.append(piece)
+        s.stream.emit(tok)
         if 0 <= self.n_predict <= s.res.n_gen:
             return self._finish(s, "limit")
+        if s.stream.is_last():
+            return self._finish(s, "eog")  # the grammar can only end: as Conversation stops
         s.next_tok = tok
 
     def _finish(self, s: _Slot, stop: str) -> None:
         if s.done:
             return
-        tail = s.decoder.flush()
-        if tail:
-            s.pieces.append(tail)
-        s.res.text = "".join(s.pieces)
+        s.stream.finish()
+        s.res.text = s.stream.content
+        if s.stream.parser is not None:
+            s.res.reasoning = s.stream.reasoning
         s.res.stop = stop
         s.res.t_gen = time.perf_counter() - s.t_gen0 if s.t_gen0 else 0.0
         s.next_tok = None
         s.done = True
 
     def _admit(self, seq_id: int, req: Request) -> _Slot:
-        s = _Slot(seq_id, req, self.sampling, self.vocab, self.n_steps)
+        s = _Slot(seq_id, req, self.sampling, self.vocab, self.n_steps, self.constraint, self.reasoning)
         n_sh = len(self.shared_prefix)
         if n_sh:
             self.ctx.memory.seq_cp(self.n_parallel, seq_id, -1, -1)
@@ -399,7 +412,8 @@ def continue_alternatives(
     now = time.perf_counter()
     live = []
     for i, seq in enumerate(seq_ids):
-        s = _Slot(seq, Request(index=i, ids=list(history), seed=seeds[i]), runner.sampling, runner.vocab, 0)
+        req = Request(index=i, ids=list(history), seed=seeds[i])
+        s = _Slot(seq, req, runner.sampling, runner.vocab, 0, runner.constraint, runner.reasoning)
         s.history = list(history)
         s.logits = logits
         s.res.t_prompt = t_prompt

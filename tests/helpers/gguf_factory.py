@@ -22,7 +22,8 @@ Options beyond the signature's sizes:
   the type), drop_tensors=(names...) to leave tensors out, extra_tensors={name: f32 array}
   written after the schema's (e.g. rope_freqs.weight), optional_tensors=(names...) of the
   schema's optional tensors to write too, output_tokens=(ids...) writes an output.weight that
-  makes the model say only those tokens (write_tiny_chat_model uses it).
+  makes the model say only those tokens (write_tiny_chat_model uses it), added_tokens=((text,
+  type), ...) appends tokens after the natural vocabulary (thinking markers: tests/test_reasoning.py).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def write_tiny_model(
         extra_tensors=None,
         optional_tensors=(),
         output_tokens=None,
+        added_tokens=(),
     )
     unknown = set(overrides) - set(opts)
     if unknown:
@@ -145,6 +147,11 @@ def write_tiny_model(
     rng = np.random.default_rng(seed)
 
     tokens, types, merges, scores, sp = bpe_vocab() if opts["vocab"] == "bpe" else spm_vocab()
+    for text, kind in opts["added_tokens"]:  # (text, token type): marker tokens of a model family
+        tokens.append(text)
+        types.append(kind)
+        if scores is not None:
+            scores.append(-1000.0)
     if n_vocab is not None:
         if n_vocab < len(tokens):
             raise ValueError(f"n_vocab must be at least {len(tokens)} for the {opts['vocab']} vocabulary")
