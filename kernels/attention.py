@@ -28,6 +28,13 @@ operation:
 - classic: the softmax sum and each P·V component are 16 lane chains over the visible tiles.
 Tiles and chunks that a query cannot see contribute nothing (skipped, or exact zeros).
 
+Head sizes: any, for K and V separately. The tiles, the unit's queries and the V accumulators
+are LANES wide per head rounded up, the components past the head size zero (load_tile never
+writes them): a zero component adds exactly nothing to a K·q chain, and a padded P·V component
+is dropped at the end. For the common sizes (64, 80, 96, 128, 256: multiples of LANES) the
+padding is empty and the code is the same; the padding depends on the head size only, so it
+cannot break batch invariance.
+
 Work split (one parallel launch per layer): a unit is (kv head, group of its query heads, block
 of tokens[, chunk]). Each unit dequantizes a tile of KT cache rows of its kv head once, into a
 small f32 buffer, and reuses it for every query of the unit — GQA heads and a block of prompt
@@ -54,7 +61,6 @@ from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser,
 from kvchat.kernels.attention_flash import _NO_PARTIALS, CHUNK, _flash_attn_par, _flash_attn_ser, _partials, flash_plan
 from kvchat.kernels.ggml_types import GGMLType, type_info
 from kvchat.kernels.quants import dequantize, quantize
-from kvchat.kernels.simd import LANES
 
 _F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
 
@@ -71,7 +77,7 @@ def round_q_to_vec_dot_type(q, type_k):
         return q.astype(np.float16).astype(np.float32)
     if type_k == _BF16:
         return dequantize(quantize(q.reshape(-1, q.shape[-1]), _BF16), _BF16, q.shape[-1]).reshape(q.shape)
-    flat = q.reshape(-1, q.shape[-1])  # [n_tokens * n_head, dk]; dk is a multiple of 32
+    flat = q.reshape(-1, q.shape[-1])  # [n_tokens * n_head, dk]; a quantized K's dk is a multiple of 32
     return dequantize(quantize(flat, _Q8_0), _Q8_0, q.shape[-1]).reshape(q.shape)
 
 
@@ -216,8 +222,6 @@ def _launch_plan(flash, n_tokens, n_head, dk, n_head_kv, n_kv, n_stream, type_v,
     heads per group, chunks per unit, units, head size of V, zero start cells i64 [n_tokens]).
     The start cells are shared by every call of the shape (the kernels only read them)."""
     dv = _values_per_bytes(type_v, v_width // n_head_kv) if flash else v_width // n_head_kv
-    if dk % LANES or dv % LANES:
-        raise ValueError(f"attention: head sizes must be multiples of {LANES} (got K {dk}, V {dv})")
     par = n_threads > 1 and n_tokens * n_head * n_kv * dk >= par_min
     start0 = np.zeros(n_tokens, dtype=np.int64)
     if flash:

@@ -63,11 +63,12 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
     nq = (t1 - t0) * hpg  # query qi = token t0 + qi // hpg, head h0 + qi % hpg
     h0 = hk * gq + sg * hpg
     st = tok_stream[t0]
-    qb = np.empty((nq, dk), dtype=np.float32)
+    dkp = (dk + LANES - 1) // LANES * LANES  # head size padded with zero components (load_tile)
+    qb = np.zeros((nq, dkp), dtype=np.float32)
     for qi in range(nq):
         for e in range(dk):
             qb[qi, e] = q[t0 + qi // hpg, h0 + qi % hpg, e]
-    kt = np.empty((KT, dk), dtype=np.float32)
+    kt = np.zeros((KT, dkp), dtype=np.float32)  # columns from dk on stay 0
     mt = np.empty((t1 - t0, KT), dtype=np.float32)
     p = np.empty(nq * n_kvp, dtype=np.float32)  # [nq, n_kvp] scores, then probabilities
     tmax = np.full((nq, n_tiles), NEG_INF, dtype=np.float32)  # per tile max score; -inf: not visible

@@ -23,6 +23,7 @@ from kvchat.kernels.attention_tiles import (
     tile_pv,
     tile_pv1,
 )
+from kvchat.kernels.simd import LANES
 
 PREFETCH = 2  # tiles ahead that _chunk asks the cache rows of
 CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from the call's shape
@@ -171,6 +172,8 @@ def _flash_unit(
     that last part in bm/bs/bacc [n_tokens, n_head(, dv)] for _merge_partials."""
     n_tokens, n_head, dk = q.shape
     dv = out.shape[2]
+    dkp = (dk + LANES - 1) // LANES * LANES  # head sizes padded with zero components (load_tile)
+    dvp = (dv + LANES - 1) // LANES * LANES
     n_kv = mask.shape[1]
     n_ch = (n_kv + CHUNK - 1) // CHUNK
     gq = n_head // n_head_kv
@@ -190,12 +193,12 @@ def _flash_unit(
     h0 = hk * gq
     nq = (t1 - t0) * gq  # queries of the unit: query qi = token t0 + qi // gq, head h0 + qi % gq
     st = tok_stream[t0]
-    qb = np.empty((nq, dk), dtype=np.float32)  # the unit's queries, contiguous
+    qb = np.zeros((nq, dkp), dtype=np.float32)  # the unit's queries, contiguous, zero-padded
     for qi in range(nq):
         for e in range(dk):
             qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
-    kt = np.empty((KT, dk), dtype=np.float32)  # dequantized K tile
-    vt = np.empty((KT, dv), dtype=np.float32)  # dequantized V tile
+    kt = np.zeros((KT, dkp), dtype=np.float32)  # dequantized K tile (columns from dk on stay 0)
+    vt = np.zeros((KT, dvp), dtype=np.float32)  # dequantized V tile (columns from dv on stay 0)
     sc = np.empty(nq * KT, dtype=np.float32)  # scores, then probabilities, of every query
     mt = np.empty((t1 - t0, KT), dtype=np.float32)  # mask tile of the block's tokens
     tm = np.empty(nq, dtype=np.float32)  # tile maxima
@@ -203,10 +206,10 @@ def _flash_unit(
     gr = np.zeros(4, dtype=np.int64)
     cm = np.full(2 * nq, NEG_INF, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v;
     cs = np.zeros(2 * nq, dtype=np.float32)  # rows nq + qi: the start chunk's cells before the start tile
-    ca = np.zeros((2 * nq, dv), dtype=np.float32)
+    ca = np.zeros((2 * nq, dvp), dtype=np.float32)
     rm = np.full(nq, NEG_INF, dtype=np.float32)  # running result over the chunks folded so far
     rs = np.zeros(nq, dtype=np.float32)
-    ra = np.zeros((nq, dv), dtype=np.float32)
+    ra = np.zeros((nq, dvp), dtype=np.float32)
     c_first = 0 if split else start[t0] // CHUNK
     for ci in range(c_lo, c_hi):
         c = ci if split else (c_first + ci) % n_ch

@@ -132,18 +132,43 @@ def _f16_bits(h):
 
 
 @njit(cache=True, inline="always")
+def row_values(t, nb):
+    """How many values nb bytes of a cache row in format t hold (a cache format's block sizes)."""
+    if t == _F32:
+        return nb // 4
+    if t == _F16 or t == _BF16:
+        return nb // 2
+    if t == _Q8_0:
+        return nb // 34 * 32
+    if t == _Q4_0 or t == _IQ4_NL:
+        return nb // 18 * 32
+    if t == _Q4_1:
+        return nb // 20 * 32
+    if t == _Q5_0:
+        return nb // 22 * 32
+    return nb // 24 * 32  # q5_1
+
+
+@njit(cache=True, inline="always")
 def load_tile(t, raw, st, j0, nj, b0, nb, dst):
-    """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st into dst[:nj] (f32 [KT, d]);
-    rows nj..KT become zeros. f16 (one vcvtph2ps per 16 values) and q8_0 (int8 -> f32 times the
-    block scale) are decoded with vectors straight from the cache; other formats per row. Every
-    decode is exact, so how it is compiled cannot change a value."""
-    d = dst.shape[1]
+    """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st — d values each — into
+    dst[:nj, :d] (f32 [KT, dp], dp = d rounded up to LANES); rows nj..KT become zeros. Columns
+    d..dp are never written: the caller allocates dst zeroed, so a head size that is not a
+    multiple of LANES reads as one padded with zero components, which add exactly nothing to a
+    K·q chain or a P·V component that is then dropped. f16 (one vcvtph2ps per 16 values) and
+    q8_0 (int8 -> f32 times the block scale) are decoded with vectors straight from the cache;
+    other formats per row. Every decode is exact, so how it is compiled cannot change a value."""
+    dp = dst.shape[1]
+    d = row_values(t, nb)
     if t == _F16:
         r16 = raw.view(np.uint16)  # [n_stream, n_kv, row_bytes / 2] f16 bits (rows are even)
+        d16 = d - d % LANES
         for j in range(nj):
             o = (st * raw.strides[0] + (j0 + j) * raw.strides[1] + b0) // 2  # flat u16 index
-            for i in range(0, d, LANES):
-                vstore(dst, j * d + i, vload(r16, o + i))
+            for i in range(0, d16, LANES):
+                vstore(dst, j * dp + i, vload(r16, o + i))
+            for i in range(d16, d):  # a head size that is not a multiple of LANES: the tail
+                dst[j, i] = _f16_bits(np.uint32(r16[st, j0 + j, b0 // 2 + i]))
     elif t == _Q8_0:
         r8 = raw.view(np.int8)
         for j in range(nj):
@@ -156,7 +181,7 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
                     )
                 )
                 for h in range(0, 32, LANES):  # int8 * scale is exact in f32
-                    vstore(dst, j * d + b * 32 + h, vfma(vload(r8, o + b * 34 + 2 + h), sc, vzero()))
+                    vstore(dst, j * dp + b * 32 + h, vfma(vload(r8, o + b * 34 + 2 + h), sc, vzero()))
     else:
         tmp = np.empty(d, dtype=np.float32)  # [d] one row (dst itself is never handed to a call)
         for j in range(nj):
@@ -164,7 +189,7 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
             for i in range(d):
                 dst[j, i] = tmp[i]
     for j in range(nj, KT):  # past the last cell: zeros, so a full-width tile stays finite
-        for i in range(d):
+        for i in range(dp):
             dst[j, i] = 0.0
 
 
