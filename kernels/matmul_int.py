@@ -34,7 +34,7 @@ from numba.extending import intrinsic, overload
 
 from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kvchat.kernels.qlayout import ACT_Q8_K, QFormatType, R
-from kvchat.kernels.quant_act import quantize_row_q8
+from kvchat.kernels.quant_act import quantize_row_q8  # NaN-keeping block scales (#24): inlined here
 from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
 from kvchat.kernels.simd_int import (
     bhi,

@@ -13,6 +13,12 @@ Also returned: the sum of every 16 consecutive q (q8_K's bsums; the kernel's off
 Output per row t: ``xq`` i8 [n, k], ``xd`` f32 [n, k / 32 or k / 256] (the d each block's integer
 dot is scaled by), ``xs`` i32 [n, k / 16], ``xm`` f32 [n, k / 32] (q8_1's s, else unused).
 Every row is quantized alone, so the result of a row never depends on the batch.
+
+NaN and infinities: integers cannot hold them, and a NaN would leave max |x| untouched and turn
+into some integer, so a damaged weight (a NaN norm) would give finite, meaningless logits. Each
+block's d gets + z, z the sum of x * 0 over the block: exactly 0 for finite values (d unchanged),
+NaN otherwise, so the block's dot products come out NaN as in ggml (whose d or 1/d then is
+NaN or infinite) and the sampler's check on the logits catches it.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ def quantize_row_q8(x, t, act, xq, xd, xs, xm):
             o = b * 256
             amax = np.float32(0.0)
             mx = np.float32(0.0)
+            z = np.float32(0.0)  # 0, or NaN if the block holds a NaN or an infinity
             for j in range(256):
                 ax = abs(x[t, o + j])
+                z += x[t, o + j] * np.float32(0.0)
                 if ax > amax:
                     amax = ax
                     mx = x[t, o + j]
-            if amax == 0:
-                xd[t, b] = np.float32(0.0)
+            if amax == 0 or z != 0:  # a zero block (d 0), or a NaN / infinity in it (d NaN; no 1 / inf)
+                xd[t, b] = z
                 for j in range(256):
                     xq[t, o + j] = 0
                 for j in range(16):
@@ -59,13 +67,15 @@ def quantize_row_q8(x, t, act, xq, xd, xs, xm):
                     xq[t, o + 16 * g + j] = v
                     s += v
                 xs[t, o // 16 + g] = s
-            xd[t, b] = np.float32(1.0) / iscale
+            xd[t, b] = np.float32(1.0) / iscale + z
         return
     for b in range(k // 32):
         o = b * 32
         amax = np.float32(0.0)
+        z = np.float32(0.0)  # 0, or NaN if the block holds a NaN or an infinity
         for j in range(32):
             amax = max(amax, abs(x[t, o + j]))
+            z += x[t, o + j] * np.float32(0.0)
         d = amax / np.float32(127.0)
         idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
         tot = np.int32(0)
@@ -77,6 +87,6 @@ def quantize_row_q8(x, t, act, xq, xd, xs, xm):
                 s += v
             xs[t, 2 * b + g] = s
             tot += s
-        xd[t, b] = f16_to_f32(f32_to_f16(d))
+        xd[t, b] = f16_to_f32(f32_to_f16(d)) + z
         if act == ACT_Q8_1:
             xm[t, b] = f16_to_f32(f32_to_f16(d * np.float32(tot)))

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.errors import KvchatError, ModelOutputError
 
 
 class StopReason(str, Enum):
@@ -266,7 +266,10 @@ class Generation:
             if pos is None:
                 return StopReason.CTX_FULL
             self.pos = pos
-            token = int(self.sample(self.logits))
+            try:
+                token = int(self.sample(self.logits))
+            except ModelOutputError as e:  # damaged weights: say which model and where
+                raise ModelOutputError(_output_error(self.ctx, e, self.pos)) from None
             if self.is_eog is not None and self.is_eog(token):
                 return StopReason.EOG
             self.n_sampled += 1
@@ -283,6 +286,14 @@ class Generation:
             self.n_decoded += 1
             if self.on_decoded is not None:
                 self.on_decoded(token, self.logits)
+
+
+def _output_error(ctx, e, pos: int) -> str:
+    """The sampler's refusal of unusable logits, with the model's file name and the position
+    whose logits they were (the one the token would take): one line."""
+    path = getattr(getattr(ctx, "model", None), "path", None)
+    where = f"{path.name}: " if path is not None else ""
+    return f"{where}{e} (logits for position {pos})"
 
 
 def generate(

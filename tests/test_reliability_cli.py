@@ -6,6 +6,7 @@ processes."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -59,11 +60,16 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf")
 
 
-@pytest.fixture(scope="module")
-def nan_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["F32", "Q8_0", "Q4_1"])
+def nan_model(tmp_path_factory, request):
+    """A model whose output_norm is NaN, with float weights or integer-path ones (q8_0 / q8_1
+    activations: integers cannot hold a NaN, kernels/quant_act.py keeps it in the block scale)."""
     import gguf
 
-    path = write_tiny_model(tmp_path_factory.mktemp("nan") / "damaged.gguf")
+    from kvchat.kernels.ggml_types import GGMLType
+
+    wt = GGMLType[request.param]
+    path = write_tiny_model(tmp_path_factory.mktemp("nan") / "damaged.gguf", weight_type=wt)
     reader = gguf.GGUFReader(path, "r+")
     for t in reader.tensors:
         if t.name == "output_norm.weight":
@@ -116,13 +122,19 @@ def test_tokenize_replaces_each_invalid_byte_like_llama_cpp(tiny):
 # ---- damaged models, impossible sizes ----------------------------------------------------------------
 
 
-def test_nan_logits_are_one_line_and_exit_1(nan_model):
-    r = kvchat(*RUN, "-m", nan_model, "-p", "hello")
+def test_nan_logits_are_one_line_and_exit_1(nan_model, tmp_path):
+    session = tmp_path / "s.kvs"
+    r = kvchat(*RUN, "-m", nan_model, "-p", "hello", "--session", session)
     assert r.returncode == 1
-    assert err_lines(r) == [
-        "error: the model produced NaN logits: its weights are damaged (re-download or re-convert the model file)"
-    ]
+    (line,) = err_lines(r)
+    assert re.fullmatch(
+        r"error: damaged\.gguf: the model produced NaN logits: its weights are damaged \(re-download or "
+        r"re-convert the model file\) \(logits for position (\d+)\)",
+        line,
+    ), line
+    assert int(line.rsplit(" ", 1)[1][:-1]) > 1  # after the templated prompt: the first answer token's
     assert r.stdout.strip() == b""
+    assert not session.exists()  # nothing saved as if it were an answer
 
 
 def test_context_too_large_for_the_machine_is_refused_up_front(tiny):
