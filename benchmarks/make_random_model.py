@@ -5,7 +5,11 @@ fits") need a file of that shape, and no real 7B file is on the machine. Weights
 (normal * --scale, norms 1.0) so activations stay finite; the tokenizer (every tokenizer.* key)
 is copied from a real GGUF so prompts tokenize as with that model. Tensors are generated and
 written one by one, so peak memory is about one tensor's float32 draw plus its F16 copy (~1.2 GB for a
-49152 x 4096 embedding), not the model. Quantize the result with llama.cpp's `llama-quantize F16FILE OUT Q4_K_M`.
+49152 x 4096 embedding), not the model. Quantize the result with llama.cpp's `llama-quantize F16FILE OUT Q4_K_M`,
+or write K-quants directly with `--ftype q4_k_m` (random valid Q4_K / Q6_K blocks, Q6_K where
+llama-quantize's Q4_K_M puts it: output, and attn_v / ffn_down in its "more bits" layers): the
+values are not a quantization of anything, but every block is well-formed and dequantizes to
+finite values of about --scale, which is all a speed measurement needs (#24).
 
     python benchmarks/make_random_model.py OUT.gguf --tokenizer-from SmolLM2-135M-Instruct.Q4_1.gguf \\
         --n-embd 4096 --n-layer 32 --n-ff 11008 --n-head 32 --n-head-kv 32   # Llama-2-7B's shape
@@ -67,6 +71,42 @@ def make_tensor(shape: tuple[int, ...], index: int, seed: int, scale: float) -> 
     return draw.astype(np.float16)
 
 
+QK = gguf.GGMLQuantizationType
+K_BLOCK = {QK.Q4_K: 144, QK.Q6_K: 210}  # bytes per 256 values
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quantize's use_more_bits: the layers whose attn_v / ffn_down Q4_K_M keeps in Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, n_layer: int) -> "gguf.GGMLQuantizationType":
+    """The type llama-quantize's Q4_K_M gives a matrix of this file (the llama tensor names)."""
+    if name == "output.weight":
+        return QK.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), n_layer):
+        return QK.Q6_K
+    return QK.Q4_K
+
+
+def make_k_blocks(shape: tuple[int, ...], qtype, index: int, seed: int, scale: float) -> np.ndarray:
+    """Random well-formed blocks u8 [rows, cols / 256 * block bytes] of Q4_K or Q6_K whose values
+    are of about `scale`: random quants and sub-block scales, the f16 super-block scales chosen
+    so that d * sub-scale * quant spans about ±3 scale (Q4_K's min term centres it)."""
+    rows, cols = shape
+    nb = cols // 256
+    rng = np.random.default_rng([seed, index])
+    blocks = rng.integers(0, 256, size=(rows, nb, K_BLOCK[qtype]), dtype=np.uint8)
+    if qtype == QK.Q4_K:  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        d = np.float16(scale / 150.0)
+        blocks[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(float(d) * 7.5).tobytes(), dtype=np.uint8)
+    else:  # Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d (f16) last
+        blocks[:, :, 192:208] = rng.integers(1, 32, size=(rows, nb, 16), dtype=np.uint8)
+        blocks[:, :, 208:210] = np.frombuffer(np.float16(scale / 300.0).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, nb * K_BLOCK[qtype])
+
+
 def write_model(a: argparse.Namespace, tok: list[tuple[str, object, VT, VT | None]]) -> None:
     n_vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(a.out, "llama")
@@ -81,18 +121,27 @@ def write_model(a: argparse.Namespace, tok: list[tuple[str, object, VT, VT | Non
     w.add_layer_norm_rms_eps(a.rms_eps)
     w.add_rope_dimension_count(a.n_embd // a.n_head)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    kq = a.ftype == "q4_k_m"
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if kq else gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in tok:
         w.add_key_value(key, value, vtype, sub)
     plan = tensor_plan(a, n_vocab)
     for name, shape in plan:
+        if kq and len(shape) == 2:
+            qt = q4_k_m_type(name, a.n_layer)
+            nbytes = shape[0] * shape[1] // 256 * K_BLOCK[qt]
+            w.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qt)
+            continue
         dtype = np.float32 if len(shape) == 1 else np.float16
         w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for index, (name, shape) in enumerate(plan):
-        w.write_tensor_data(make_tensor(shape, index, a.seed, a.scale))
+        if kq and len(shape) == 2:
+            w.write_tensor_data(make_k_blocks(shape, q4_k_m_type(name, a.n_layer), index, a.seed, a.scale))
+        else:
+            w.write_tensor_data(make_tensor(shape, index, a.seed, a.scale))
     w.close()
 
 
@@ -111,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=0.02, help="std of the random matrix weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="random-llama")
+    ap.add_argument("--ftype", choices=("f16", "q4_k_m"), default="f16", help="matrices in F16, or K-quant blocks")
     a = ap.parse_args(argv)
     if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
         ap.error("--n-embd must divide by --n-head, and --n-head by --n-head-kv")
+    if a.ftype == "q4_k_m" and (a.n_embd % 256 or a.n_ff % 256):
+        ap.error("--ftype q4_k_m needs --n-embd and --n-ff that are multiples of 256 (the K-quant block)")
     if a.out.exists():
         ap.error(f"{a.out} exists; remove it or choose another path")
     try:

@@ -214,3 +214,27 @@ def test_a_tokenizer_source_that_is_not_a_gguf_is_a_one_line_error(gen, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert f"{bad}" in err[-1] and "GGUF" in err[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_q4_k_m_puts_q6_k_where_llama_quantize_does_and_every_block_is_finite(gen, tok_source, tmp_path):
+    """--ftype q4_k_m: output Q6_K, attn_v / ffn_down Q6_K in llama-quantize's "more bits" layers
+    (the first and last eighth, every third between), Q4_K elsewhere; each matrix dequantizes
+    (gguf-py's reference) to finite values whose spread is about --scale."""
+    out = tmp_path / "k.gguf"
+    assert gen.main(argv(out, tok_source, n_embd=256, n_layer=8, n_ff=512) + ["--ftype", "q4_k_m"]) == 0
+    r = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    more = [0, 3, 6, 7]  # n_layer 8: i < 1, i >= 7, (i - 1) % 3 == 2
+    for i in range(8):
+        want = "Q6_K" if i in more else "Q4_K"
+        assert types[f"blk.{i}.attn_v.weight"] == want and types[f"blk.{i}.ffn_down.weight"] == want, i
+        assert types[f"blk.{i}.ffn_up.weight"] == "Q4_K" and types[f"blk.{i}.attn_q.weight"] == "Q4_K"
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert types["output_norm.weight"] == "F32"
+    for t in r.tensors:
+        if t.tensor_type.name in ("Q4_K", "Q6_K"):
+            x = gguf.quants.dequantize(t.data, t.tensor_type)
+            assert np.isfinite(x).all() and 0.005 < float(x.std()) < 0.08, (t.name, float(x.std()))
+    with pytest.raises(SystemExit):  # K-quant blocks need multiples of 256
+        gen.main(argv(tmp_path / "bad.gguf", tok_source) + ["--ftype", "q4_k_m"])
+    assert not (tmp_path / "bad.gguf").exists()
