@@ -310,6 +310,64 @@ _NO_PARTIALS = (
 )
 
 
+@njit(cache=True)
+def _flash_units(
+    u0,
+    u1,
+    q,
+    k,
+    type_k,
+    v,
+    type_v,
+    mask,
+    start,
+    tok_stream,
+    n_head_kv,
+    scale,
+    softcap,
+    tb,
+    split,
+    cpu,
+    pm,
+    ps,
+    pacc,
+    bm,
+    bs,
+    bacc,
+    out,
+):
+    """Work units u0 .. u1 - 1 of the flash path, in turn. One compiled function that the
+    parallel and the serial kernel both call (not inlined into them): the unit's body (_chunk and
+    its tiles) is the bulk of the attention code, so it is compiled once instead of twice, and
+    numba's parfor passes see a prange body of one call rather than the whole unit (they are
+    slow on big bodies). A call per unit (or per run of units) costs nothing next to a unit."""
+    for u in range(u0, u1):
+        _flash_unit(
+            u,
+            q,
+            k,
+            type_k,
+            v,
+            type_v,
+            mask,
+            start,
+            tok_stream,
+            n_head_kv,
+            scale,
+            softcap,
+            tb,
+            split,
+            cpu,
+            pm,
+            ps,
+            pacc,
+            bm,
+            bs,
+            bacc,
+            out,
+        )
+
+
 @njit(cache=True, parallel=True)
 def _flash_attn_par(
     q,
@@ -339,8 +397,9 @@ def _flash_attn_par(
     mask: [n_tokens, n_kv] f32 (0 / -inf); start: [n_tokens] i64; tok_stream: [n_tokens] i32;
     out: [n_tokens, n_head, dv] f32. One parallel launch over the n_units units, then (split) the serial merge."""
     for u in prange(n_units):
-        _flash_unit(
-            u,
+        _flash_units(  # i64 bounds: the serial kernel's types, so both use one compiled version
+            np.int64(u),
+            np.int64(u) + 1,
             q,
             k,
             type_k,
@@ -392,31 +451,31 @@ def _flash_attn_ser(
     bacc,
     out,
 ):
-    for u in range(n_units):
-        _flash_unit(
-            u,
-            q,
-            k,
-            type_k,
-            v,
-            type_v,
-            mask,
-            start,
-            tok_stream,
-            n_head_kv,
-            scale,
-            softcap,
-            tb,
-            split,
-            cpu,
-            pm,
-            ps,
-            pacc,
-            bm,
-            bs,
-            bacc,
-            out,
-        )
+    _flash_units(
+        0,
+        n_units,
+        q,
+        k,
+        type_k,
+        v,
+        type_v,
+        mask,
+        start,
+        tok_stream,
+        n_head_kv,
+        scale,
+        softcap,
+        tb,
+        split,
+        cpu,
+        pm,
+        ps,
+        pacc,
+        bm,
+        bs,
+        bacc,
+        out,
+    )
     if split:
         _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
