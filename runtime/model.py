@@ -18,6 +18,7 @@ import numpy as np
 
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul import QMatrix, release_file_pages
+from kvchat.kernels.matmul_id import ExpertMatrix
 from kvchat.runtime.arch import get_arch, is_supported, read_hparams, unsupported_message
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
@@ -232,10 +233,38 @@ def _fused(infos: list, packs=None) -> QMatrix | None:
 
 
 def _load_one(gf: GGUFFile, spec, packs=None):
-    """A schema entry: QMatrix for a matrix, f32 vector for a 1-D weight, None if absent."""
+    """A schema entry: QMatrix for a matrix, ExpertMatrix for a stack of expert matrices (3-D),
+    an f32 array for a 1-D weight (or a 2-D one of a float type the schema marks as per-expert
+    biases), None if absent."""
     if spec.name not in gf.tensors:
         return None
+    if len(spec.shape) == 3:
+        return _experts([gf.tensors[spec.name]], spec.shape[2], packs)
+    if len(spec.shape) == 2 and spec.name.endswith(".bias"):  # per-expert biases [n, n_expert]
+        v = _vector(gf, spec.name)
+        return v.reshape(spec.shape[1], spec.shape[0])  # [n_expert, n] f32
     return _qmatrix(gf, spec.name, packs) if len(spec.shape) == 2 else _vector(gf, spec.name)
+
+
+def _experts(infos: list, n_expert: int, packs=None) -> ExpertMatrix | None:
+    """One ExpertMatrix over the stacked expert tensors `infos` (rows of each expert concatenated
+    across the parts), or None when the parts differ in format or row length. Each expert's
+    packing is cached under the parts' names joined by "+" and "#<expert>"."""
+    t0, k0 = int(infos[0].ggml_type), int(infos[0].shape[0])
+    if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
+        return None
+    name = "+".join(i.name for i in infos)
+    ms = [int(i.data.shape[0]) // n_expert for i in infos]
+    m = sum(ms)
+    hits = [packs.get(f"{name}#{e}", t0, k0, m) for e in range(n_expert)] if packs is not None else [None]
+    if all(h is not None for h in hits):
+        em = ExpertMatrix([], t0, k0, n_expert, packed=hits, ms=ms)
+    else:
+        em = ExpertMatrix([i.data for i in infos], t0, k0, n_expert)
+    if packs is not None:
+        for e, packing in enumerate(em.packings()):
+            packs.put(f"{name}#{e}", t0, k0, m, packing)
+    return em
 
 
 def load_group(gf: GGUFFile, specs: dict, fusions=(), packs=None) -> dict:
@@ -259,7 +288,8 @@ def load_group(gf: GGUFFile, specs: dict, fusions=(), packs=None) -> dict:
         infos = [gf.tensors.get(specs[p].name) for p in f.parts]
         fused = None
         if all(i is not None for i in infos) and (f.bias_into is not None or not has_bias):
-            fused = _fused(infos, packs)
+            shape = specs[f.parts[0]].shape
+            fused = _experts(infos, shape[2], packs) if len(shape) == 3 else _fused(infos, packs)
         if fused is not None:
             out[f.into] = fused
             out.update({p: None for p in f.parts})

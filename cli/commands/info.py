@@ -93,6 +93,9 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
             ("q/k norm", "yes" if hp.use_qk_norm else "no"),
             ("output", "tied to token embeddings" if hp.tied_output else "own output.weight"),
         ]
+        if getattr(hp, "n_expert", 0):
+            rows.append(("experts", experts_text(hp)))
+        rows.append(("bytes a token reads", bytes_read_text(gf, hp)))
         ends = get_arch(hp.arch).model_spec(hp)  # the arch's embedding scale and logit soft-cap
         if ends.embed_scale != 1.0:
             rows.append(("embedding scale", f"{ends.embed_scale:.4g} (sqrt n_embd)"))
@@ -107,6 +110,23 @@ def model_rows(gf: GGUFFile, hp: HParams | None) -> list[tuple[str, str]]:
         ("chat template", "yes" if gf.get("tokenizer.chat_template") else "no (ChatML fallback)"),
     ]
     return rows
+
+
+def experts_text(hp: HParams) -> str:
+    """A mixture of experts: how many, how many a token uses, the shared expert, the FFN sizes."""
+    shared = f"shared expert FFN {hp.n_ff_shexp}" if hp.n_ff_shexp else "no shared expert"
+    gating = hp.expert_gating + (", weights normalized" if hp.expert_weights_norm else "")
+    return f"{hp.n_expert} ({hp.n_expert_used} used a token, {shared}), expert FFN {hp.n_ff_exp}, gating {gating}"
+
+
+def bytes_read_text(gf: GGUFFile, hp: HParams) -> str:
+    """Weight bytes a decoded token reads (runtime/arch/moe.py: token_read_bytes) and its share of
+    the weights."""
+    from kvchat.runtime.arch.moe import token_read_bytes
+
+    n = token_read_bytes(gf, hp)
+    total = sum(t.nbytes for t in gf.tensors.values())
+    return f"{human_bytes(n)} of {human_bytes(total)} weights ({100.0 * n / max(total, 1):.0f}%)"
 
 
 def memory_text(hp: HParams) -> str:

@@ -84,6 +84,30 @@ def _granite() -> Arch:
     return granite.ARCH
 
 
+def _qwen3moe() -> Arch:
+    from kvchat.runtime.arch import qwen3moe
+
+    return qwen3moe.ARCH
+
+
+def _olmoe() -> Arch:
+    from kvchat.runtime.arch import olmoe
+
+    return olmoe.ARCH
+
+
+def _granitemoe() -> Arch:
+    from kvchat.runtime.arch import granitemoe
+
+    return granitemoe.ARCH
+
+
+def _qwen35moe() -> Arch:
+    from kvchat.runtime.arch import qwen35moe
+
+    return qwen35moe.ARCH
+
+
 ARCHS = {  # general.architecture -> the loader of its Arch (the module's ARCH)
     "llama": _llama,
     "qwen2": _qwen2,
@@ -96,6 +120,10 @@ ARCHS = {  # general.architecture -> the loader of its Arch (the module's ARCH)
     "phi3": _phi3,
     "gemma2": _gemma2,
     "granite": _granite,
+    "qwen3moe": _qwen3moe,
+    "olmoe": _olmoe,
+    "granitemoe": _granitemoe,
+    "qwen35moe": _qwen35moe,
 }
 _LOADED: dict[str, Arch] = {}
 

@@ -83,6 +83,7 @@ class Arch:
     full_rotary = False  # rope.dimension_count must equal the head size
     rope_scaling_types: tuple[str, ...] = ()  # accepted beyond "none" / "linear"
     fusions: tuple[Fuse, ...] = (QKV_FUSION, GATE_UP_FUSION)
+    moe_act = "silu"  # activation of a mixture-of-experts FFN (runtime/arch/moe.py): "silu" | "swiglu_oai"
 
     # ---- hyper-parameters
     def read_common(self, gf) -> dict:

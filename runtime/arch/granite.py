@@ -30,7 +30,7 @@ class Granite(Llama):
     name = "granite"
 
     def read_hparams(self, gf, fields):
-        k = lambda name: f"granite.{name}"  # noqa: E731
+        k = lambda name: f"{self.name}.{name}"  # noqa: E731
         logit_scale = gf.get_float(k("logit_scale"))
         if not logit_scale > 0:
             gf.fail(k("logit_scale"), f"{logit_scale} must be positive")

@@ -144,6 +144,8 @@ class LayerPlan:
         "w_down",
         "b_down",
         "n_ff",
+        "moe",
+        "qk_norm_full",
     )
 
     def __init__(self, model, il: int, L, n_ctx_seq: int, spec: LayerSpec | None = None):
@@ -186,6 +188,13 @@ class LayerPlan:
         self.w_gate_up, self.w_gate, self.w_up = g("w_gate_up"), g("w_gate"), g("w_up")
         self.b_gate, self.b_up, self.w_down, self.b_down = g("b_gate"), g("b_up"), g("w_down"), g("b_down")
         self.n_ff = int(hp.n_ff)
+        q_full, k_full = g("q_norm_full"), g("k_norm_full")
+        self.qk_norm_full = (q_full, k_full) if q_full is not None else None  # olmoe: RMSNorm over all heads
+        self.moe = None  # the layer's mixture of experts (runtime/arch/moe.py), when it has a router
+        if g("w_gate_inp") is not None:
+            from kvchat.runtime.arch.moe import MoEPlan
+
+            self.moe = MoEPlan(hp, L, model.arch.moe_act)
 
 
 def layer_plan(model, il: int, n_ctx_seq: int) -> LayerPlan:
@@ -302,7 +311,16 @@ def ctx_size(mctx) -> int:
 
 def qkv_of(p: LayerPlan, h: np.ndarray, min_macs: int | None = None):
     """Q, K, V rows of h ([n, n_embd] f32) -> three [n, width] f32 arrays (column views of the
-    fused product when the layer has a fused QKV matrix), biases added."""
+    fused product when the layer has a fused QKV matrix), biases added, and Q and K each
+    RMS-normalized over the whole row when the layer has such norms (olmoe)."""
+    q, k, v = _qkv_rows(p, h, min_macs)
+    if p.qk_norm_full is not None:
+        q = rms_norm(np.ascontiguousarray(q), p.qk_norm_full[0], p.eps)
+        k = rms_norm(np.ascontiguousarray(k), p.qk_norm_full[1], p.eps)
+    return q, k, v
+
+
+def _qkv_rows(p: LayerPlan, h: np.ndarray, min_macs):
     if p.wqkv is not None:
         qkv = p.wqkv.matmul(h, min_macs)  # [n, q + k + v] f32
         if p.bqkv is not None:

@@ -127,7 +127,7 @@ class Qwen35(Arch):
     qk_norm = True
 
     def read_hparams(self, gf, fields) -> Qwen35HParams:
-        k = lambda name: f"qwen35.{name}"  # noqa: E731
+        k = lambda name: f"{self.name}.{name}"  # noqa: E731
         n_layer = fields["n_layer"]
         if gf.get_int(k("nextn_predict_layers"), 0) != 0:
             gf.fail(k("nextn_predict_layers"), "multi-token-prediction layers are not supported")

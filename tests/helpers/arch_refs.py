@@ -29,10 +29,18 @@ MARGIN = 1e-3  # top-1 is compared where llama.cpp's 1st-2nd margin exceeds this
 
 
 def load_ref(name: str) -> dict:
+    from tests.helpers import moe_models
+
+    if name in moe_models.MODELS:  # tests/moe_refs (the model is written by the factory)
+        return moe_models.load_refs(name)
     return json.loads((TINY / f"refs_{name}.json").read_text())
 
 
 def model_path(name: str) -> Path:
+    from tests.helpers import moe_models
+
+    if name in moe_models.MODELS or name in moe_models.CHAT_MODELS:
+        return moe_models.model_file(name)
     return TINY / f"{name}.gguf"
 
 
@@ -201,6 +209,7 @@ class ReferenceChecks:
     name: str
     tol = 1e-3
     n_greedy = None
+    chat_name = None  # the model the chat/run check quantizes, when not `name`
 
     def test_logprobs_match_llama_cpp_on_every_reference_prompt(self, tmp_path):
         assert check_logprobs(self.name, tmp_path, tol=self.tol) < self.tol
@@ -212,4 +221,4 @@ class ReferenceChecks:
         check_greedy(self.name, n_equal=self.n_greedy)
 
     def test_a_q8_0_copy_runs_through_chat_and_run(self, tmp_path, capsys, monkeypatch):
-        check_chat_and_run_q8(self.name, tmp_path, capsys, monkeypatch)
+        check_chat_and_run_q8(self.chat_name or self.name, tmp_path, capsys, monkeypatch)

@@ -46,6 +46,7 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+MOE_ARCHS = ("qwen3moe", "olmoe", "granitemoe", "gpt-oss", "qwen35moe")  # write_tiny_model adds expert keys
 WORDS = ("the", " the", "hello", " hello", " world", " and", "ing", " chat")
 
 # llama.cpp token types
@@ -136,6 +137,10 @@ def write_tiny_model(
         optional_tensors=(),
         output_tokens=None,
         added_tokens=(),
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=None,
+        n_ff_shexp=0,
     )
     unknown = set(overrides) - set(opts)
     if unknown:
@@ -181,6 +186,13 @@ def write_tiny_model(
         "tokenizer.ggml.eos_token_id": sp["eos"],
         "tokenizer.ggml.padding_token_id": sp["pad"],
     }
+    moe = arch in MOE_ARCHS
+    if moe:
+        kv[f"{arch}.expert_count"] = opts["n_expert"]
+        kv[f"{arch}.expert_used_count"] = opts["n_expert_used"]
+        kv[f"{arch}.expert_feed_forward_length"] = opts["n_ff_exp"] or n_ff
+        if opts["n_ff_shexp"]:
+            kv[f"{arch}.expert_shared_feed_forward_length"] = opts["n_ff_shexp"]
     if opts["head_dim"]:
         kv[f"{arch}.attention.key_length"] = head
         kv[f"{arch}.attention.value_length"] = head
@@ -209,6 +221,16 @@ def write_tiny_model(
         _add_kv(w, key, value)
 
     hp = _hparams_for_shapes(arch, n_layer, n_embd, n_head, n_head_kv, head, n_ff, len(tokens))
+    if moe:
+        from kvchat.runtime.arch.moe import MoEHParams
+
+        hp = MoEHParams(
+            **vars(hp),
+            n_expert=opts["n_expert"],
+            n_expert_used=opts["n_expert_used"],
+            n_ff_exp=opts["n_ff_exp"] or n_ff,
+            n_ff_shexp=opts["n_ff_shexp"],
+        )
     for name, (shape, required) in expected_tensors(hp).items():
         if name in opts["drop_tensors"]:
             continue
@@ -289,13 +311,14 @@ def _hparams_for_shapes(arch, n_layer, n_embd, n_head, n_head_kv, head, n_ff, n_
 
 def _add_weight(w: gguf.GGUFWriter, name: str, shape: tuple, weight_type: int, rng) -> None:
     """A random tensor of ggml shape `shape`: vectors are F32 norms (≈1) or biases (≈0);
-    matrices are N(0, 1/fan_in) in `weight_type`."""
-    if len(shape) == 1:
+    matrices (and stacks of expert matrices, ne [k, m, n_expert]) are N(0, 1/fan_in) in
+    `weight_type`; a 2-D bias (per-expert biases) is F32 ≈ 0."""
+    if len(shape) == 1 or name.endswith(".bias"):
         base = 1.0 if name.endswith("norm.weight") else 0.0
-        w.add_tensor(name, (base + 0.1 * rng.standard_normal(shape[0])).astype(np.float32))
+        w.add_tensor(name, (base + 0.1 * rng.standard_normal(shape[::-1])).astype(np.float32))
         return
-    k, m = shape
-    x = (rng.standard_normal((m, k)) / math.sqrt(k)).astype(np.float32)  # [m, k] f32
+    k = shape[0]
+    x = (rng.standard_normal(shape[::-1]) / math.sqrt(k)).astype(np.float32)  # [(n_expert,) m, k] f32
     qt = QT(int(weight_type))
     if qt == QT.F32:
         w.add_tensor(name, x)
@@ -374,7 +397,7 @@ def split_gguf_file(src, out_prefix, n_split: int) -> list[Path]:
 
 
 def quantized_copy(src, dst, weight_type: int = GGMLType.Q8_0) -> Path:
-    """Copy the GGUF model `src` to `dst` with every 2-D F32/F16 weight quantized to
+    """Copy the GGUF model `src` to `dst` with every 2-D (and 3-D expert) F32/F16 weight quantized to
     `weight_type` (gguf's reference quantizer; rows whose length is not a multiple of the block
     stay as they are) and all metadata, 1-D tensors and other tensors unchanged."""
     reader = gguf.GGUFReader(str(src))
@@ -393,8 +416,9 @@ def quantized_copy(src, dst, weight_type: int = GGMLType.Q8_0) -> Path:
     block = gguf.GGML_QUANT_SIZES[qt][0]
     for t in reader.tensors:
         data = np.asarray(t.data)
-        if len(t.shape) == 2 and t.tensor_type in (QT.F32, QT.F16) and int(t.shape[0]) % block == 0:
-            x = data.astype(np.float32).reshape(int(t.shape[1]), int(t.shape[0]))  # [m, k]
+        quantize = len(t.shape) in (2, 3) and not t.name.endswith(".bias")
+        if quantize and t.tensor_type in (QT.F32, QT.F16) and int(t.shape[0]) % block == 0:
+            x = data.astype(np.float32).reshape([int(d) for d in t.shape[::-1]])  # [(n_expert,) m, k]
             w.add_tensor(t.name, gguf.quants.quantize(x, qt), raw_dtype=qt)
         else:
             w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
