@@ -62,5 +62,6 @@ for name, spec, text in cases:
         free.append((time.perf_counter() - t1) / len(ids))
     print(
         f"{name}: {len(ids)} tokens, grammar (mask+unpack+follow) {statistics.median(per) * 1e3:.3f} ms/token, "
-        f"sampler with mask {statistics.median(samp) * 1e3:.3f} ms/token vs without {statistics.median(free) * 1e3:.3f} ms/token"
+        f"sampler with mask {statistics.median(samp) * 1e3:.3f} ms/token "
+        f"vs without {statistics.median(free) * 1e3:.3f} ms/token"
     )
