@@ -45,6 +45,7 @@ from kvchat.kernels.norm import rms_norm
 from kvchat.kernels.qkv_store import prepare_qkv_store
 from kvchat.kernels.rope import _ONE, prepare_qkv_planned, rope_plan
 from kvchat.runtime.memory.attn_rotation import rotate
+from kvchat.runtime.memory.kv_view import gather_k, gather_v_trans
 
 _Q_AS_IS = (int(GGMLType.F32), int(GGMLType.F16))  # K types whose K·Q takes Q in f32 (blocks.round_q_like_ggml)
 
@@ -368,15 +369,19 @@ def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None) -> np.ndarray:
     """Attention of q [n, n_head, dk] f32 over the layer's cache views in io (mctx.attn_io),
     K/V of this ubatch already stored; [n, n_head * dv] f32 (rotated back for a rotated V)."""
     type_k = io.type_k
+    k_cache, v_cache = io.k, io.v
+    if io.view is not None:  # a unified cache shared with other sequences: each in its own stream
+        k_cache = gather_k(k_cache, io.view)
+        v_cache = gather_k(v_cache, io.view) if io.flash else gather_v_trans(v_cache, io.view)
     if type_k not in _Q_AS_IS:  # Q in K's vec-dot type, as ggml (blocks.round_q_like_ggml)
         q = round_q_to_vec_dot_type(q, type_k)
     if not q.flags.c_contiguous:
         q = np.ascontiguousarray(q)
     out = attention_checked(
         q,
-        io.k,
+        k_cache,
         type_k,
-        io.v,
+        v_cache,
         io.type_v,
         io.mask,
         io.tok_stream,

@@ -98,6 +98,9 @@ class AttnIO(NamedTuple):
     start: np.ndarray | None  # kq_start: i64 [n_tokens], or None for cell 0
     rot_k: int  # get_rot: Hadamard chunk sizes (0 = none)
     rot_v: int
+    # None, or the ubatch's position view (runtime/memory/kv_view.py): then mask and tok_stream
+    # are the view's, start is None, and the reader gathers k and v into it after the store
+    view: object = None
 
 
 @runtime_checkable

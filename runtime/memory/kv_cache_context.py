@@ -19,6 +19,7 @@ from kvchat.kernels.kv_kernels import (
     scatter_rows_trans,
 )
 from kvchat.runtime.memory.interface import AttnIO, KVStore, MemoryContext, MemoryOpError, MemoryStatus
+from kvchat.runtime.memory.kv_view import plan_view
 
 PAR_MASK_MIN = 1 << 18  # mask entries above which building it in parallel pays off
 PAR_ROWS_MIN = 64  # rows above which quantize-scatter runs in parallel
@@ -42,6 +43,7 @@ class KVCacheContext(MemoryContext):
         self.n_rot_k, self.n_rot_v = kv.n_rot_k, kv.n_rot_v
         self._mask = None
         self._start = None
+        self._view = False  # position view of the current ubatch: False = not planned yet
         self._dst_strm = None
         self._dst_cell = None
 
@@ -51,6 +53,7 @@ class KVCacheContext(MemoryContext):
         self.i_cur += 1
         self._mask = None
         self._start = None
+        self._view = False
         return self.i_cur < len(self.ubatches)
 
     def apply(self) -> bool:
@@ -73,6 +76,7 @@ class KVCacheContext(MemoryContext):
             self._dst_cell = np.concatenate(sinfo.idxs)
         self._mask = None
         self._start = None
+        self._view = False
         return True
 
     def rollback(self) -> None:
@@ -138,10 +142,16 @@ class KVCacheContext(MemoryContext):
         get_k, get_v, not v_trans, kq_mask, kq_start and get_rot of this layer, and the store
         (KVStore: the layer's K and V arrays and this ubatch's slot cells) where a kernel may
         quantize the fresh rows itself, None when V is stored transposed or K/V are rotated
-        first (then use cpy_k / cpy_v)."""
+        first (then use cpy_k / cpy_v). When other sequences' cells share the cache, mask,
+        tok_stream and start are those of the ubatch's position view, which the reader gathers
+        k and v into (AttnIO.view, runtime/memory/kv_view.py)."""
         layer = self.kv.layer_of[il]
-        mask, tok_strm = self.kq_mask(il)
-        start = self.kq_start(il)
+        view = self.position_view()
+        if view is None:
+            mask, tok_strm = self.kq_mask(il)
+            start = self.kq_start(il)
+        else:
+            mask, tok_strm, start = view.mask, view.tok_stream, None
         n_kv = self.n_kv
         if self.v_trans:
             return AttnIO(
@@ -156,6 +166,7 @@ class KVCacheContext(MemoryContext):
                 start,
                 self.n_rot_k,
                 self.n_rot_v,
+                view,
             )
         store = None
         if not (self.n_rot_k or self.n_rot_v):
@@ -172,7 +183,16 @@ class KVCacheContext(MemoryContext):
             start,
             self.n_rot_k,
             self.n_rot_v,
+            view,
         )
+
+    def position_view(self):
+        """The ubatch's position view (runtime/memory/kv_view.py), planned once per ubatch; None
+        when the cells are read as they are (one-sequence contexts always)."""
+        if self._view is False:
+            ub = self.ubatches[self.i_cur]
+            self._view = None if self.kv.n_seq_max <= 1 else plan_view(self.kv, self.n_kv, ub, self.kq_mask()[0])
+        return self._view
 
     def kq_mask(self, il: int | None = None):
         """(mask f32 [n_tokens, n_kv] of 0 / -inf, tok_stream i32 [n_tokens]) for this ubatch;

@@ -17,9 +17,9 @@ Each sequence has its own Sampler seeded per request, its own grammar matcher wh
 are constrained (runtime/grammar/; a request may bring its own schema), and its own history (prompt + answer) for
 the repetition penalty, and stops exactly where `Conversation` would (end of generation, -n, the
 context), so its text is the one a solo run gives for the same logits. The logits are the same
-bits as a solo run's when the sequence occupies the same cells (one stream per sequence); in a
-unified cache its cells are interleaved with the others', and the attention's fixed 32-cell tiles
-then group its sums differently (float rounding: ~1e-5 on the logits, see docs/parallel.md).
+bits as a solo run's: with one stream per sequence it occupies a solo run's cells; in a unified
+cache, where its cells are interleaved with the others', attention reads them through a position
+view (runtime/memory/kv_view.py, docs/parallel.md).
 """
 
 from __future__ import annotations
