@@ -221,10 +221,13 @@ class Renderer:
                 yield show
             return
 
+        from rich.text import Text
+
         def show(line):
             if line is not None and line != shown[0]:
                 shown[0] = line
-                self.notice(f"{text} {line}")
+                self._break_line()  # one unwrapped line each: a log or a pipe reader sees `text line` whole
+                self.err.print(Text(f"{text} {line}", style="dim"), soft_wrap=True)
 
         yield show
 
