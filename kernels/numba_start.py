@@ -58,11 +58,13 @@ def _warm_set() -> bool:
 
 
 def pieces() -> list:
-    """(name, function) in the order install() applies them."""
+    """(name, function) in the order install() applies them. lean_cache_loads replaces numba's
+    load_overload and warm_set wraps whatever is there, so warm_set comes after it (the other
+    order drops warm_set's notes: no warm set is ever recorded and every warm run warms up)."""
     return [
         ("cache_writes", _cache_writes),
-        ("warm_set", _warm_set),
         ("lean_cache_loads", _lean_cache_loads),
+        ("warm_set", _warm_set),
         ("cheap_extension_scan", cheap_extension_scan),
         ("arrays_typed_without_numpy_ma", arrays_typed_without_numpy_ma),
         ("dispatchers_made_cheaply", dispatchers_made_cheaply),

@@ -188,7 +188,10 @@ class Context:
             raise
         if code != 0:
             mctx.rollback()
-            log.warning("decode: %s - removed this call's entries from memory", self.last_error)
+            # an abort is the caller's own request (Ctrl-C, a reader gone): nothing to warn about
+            (log.debug if code == 2 else log.warning)(
+                "decode: %s - removed this call's entries from memory", self.last_error
+            )
             return code
 
         self._n_outputs = n_out

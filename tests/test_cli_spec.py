@@ -3,7 +3,13 @@ drafts is the plain answer, byte for byte; what cannot work is one line and exit
 
 import pytest
 
-from tests.helpers.cli_inproc import kvchat
+from tests.helpers.cli_inproc import kvchat as kvchat_call
+
+
+def kvchat(*args):
+    """(returncode, stdout, stderr) of an in-process `kvchat ARGS`."""
+    r = kvchat_call(*args)
+    return r.returncode, r.stdout, r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_damaged_model_in_the_chat_is_one_line_and_exit_1(tmp_path):
         out = flat(c.rest())
     finally:
         c.close()
-    assert "error: the model produced NaN logits: its weights are damaged" in out
+    assert "error: damaged.gguf: the model produced NaN logits: its weights are damaged" in out
     assert "Traceback" not in out and c.child.exitstatus == 1
 
 

@@ -226,4 +226,6 @@ def test_self_q4_0_drafts_give_the_plain_answer(model):
     assert spec_conv.tokens == plain.tokens
     assert spec_conv.session_state() == plain.session_state()
     st = spec_conv.speculative.stats
-    assert st.n_drafted > 0 and st.n_accepted > 0  # a 4-bit copy agrees with its model often
+    # drafts were made and checked; how many a random-weight model accepts is chance (CI once saw 0
+    # of 6 where this machine sees more), so acceptance is measured on SmolLM2 (`kvchat bench --spec`)
+    assert st.n_drafted > 0 and st.n_verify > 0

@@ -5,6 +5,7 @@ of row dequantization (embedding lookups)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,13 +230,18 @@ def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(ti
     calls = []
     import kvchat.runtime.generate as gen
 
-    real = gen.decode_tokens
+    real, real_one = gen.decode_tokens, gen.decode_one
 
     def spy(ctx_, ids, pos0, seq=0, **kw):
         calls.append((len(ids), pos0))
         return real(ctx_, ids, pos0, seq, **kw)
 
+    def spy_one(ctx_, token, pos, seq=0):
+        calls.append((1, pos))
+        return real_one(ctx_, token, pos, seq)
+
     monkeypatch.setattr(gen, "decode_tokens", spy)
+    monkeypatch.setattr(gen, "decode_one", spy_one)
     warm_up(ctx, 1, n_prompt=64)
     monkeypatch.undo()
     n = min(64, ctx.n_ctx_seq - 1)
@@ -246,7 +252,8 @@ def test_a_first_run_warm_up_covers_a_long_prompt_and_leaves_the_memory_empty(ti
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, compiled):
-    """open_engine words its spinners by the cache probe and warms up 64 tokens on a first run."""
+    """open_engine words its spinners by the cache probe and warms up 64 tokens on a first run
+    (in-process: KVCHAT_COMPILE_WORKERS=0; the workers' progress line is tests/test_compile_ahead's)."""
     import contextlib
     import io
     import threading
@@ -266,6 +273,7 @@ def test_the_cli_says_it_compiles_only_on_a_first_run(tiny_chat, monkeypatch, co
 
     warmed = []
     real_warm_up = kvchat.runtime.generate.warm_up
+    monkeypatch.setenv("KVCHAT_COMPILE_WORKERS", "0")
     monkeypatch.setattr(kvchat.kernels.jit_cache, "kernels_compiled", lambda: compiled)
     monkeypatch.setattr(kvchat.kernels.warm_set, "covered", lambda name: False)  # no warm-up recorded yet
     monkeypatch.setattr(
@@ -445,55 +453,83 @@ def test_a_kernel_sets_up_its_cache_when_first_called_and_loads_from_it_in_the_n
 # ---- the warm-up skipped when it could only load kernels (kernels/warm_set.py) --------------------
 
 
+COUNTED_RUN = (
+    "import pathlib, sys\n"
+    "import kvchat.kernels.warm_set as ws\n"
+    "ws._path = lambda name: pathlib.Path(sys.argv[1]) / f'{name}.pkl'\n"
+    "import kvchat.runtime.generate as g\n"
+    "real = g.warm_up\n"
+    "g.warm_up = lambda *a, **k: (sys.stderr.write('WARM-UP\\n'), real(*a, **k))[1]\n"
+    "from kvchat.cli.app import main\n"
+    "main(sys.argv[2:])\n"
+)  # `kvchat ARGS` in a fresh process (a warm set notes what its process loaded), its warm-ups on stderr
+
+
+def counted_run(folder, *args):
+    """(stdout, warm-ups) of a fresh `kvchat ARGS` whose warm sets live in `folder`."""
+    r = subprocess.run([sys.executable, "-c", COUNTED_RUN, str(folder), *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, r.stderr.count("WARM-UP")
+
+
 def test_a_warm_run_skips_the_warm_up_once_its_kernels_are_recorded_and_still_cached(tiny_chat, tmp_path, monkeypatch):
     """First `run`: the warm-up runs and its kernels are recorded; the next skips it and answers
     the same bytes (the chat keeps it); a recorded kernel without a cache entry brings it back."""
+    import io
     import pickle
+    import threading
 
     import kvchat.kernels.warm_set as warm_set
     import kvchat.runtime.generate
-    from tests.helpers.cli_inproc import kvchat
-
-    monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
-    warmed = []
-    real_warm_up = kvchat.runtime.generate.warm_up
-    monkeypatch.setattr(kvchat.runtime.generate, "warm_up", lambda *a, **k: warmed.append(1) or real_warm_up(*a, **k))
-    args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "-c", "256", "--seed", "5", "--temp", "0.8"]
-    first, second = kvchat(*args), kvchat(*args)
-    assert warmed == [1] and first.returncode == second.returncode == 0
-    assert first.stdout == second.stdout and len(first.stdout.strip()) > 0
-    import io
-    import threading
-
     from kvchat.cli.chat.render import Renderer
     from kvchat.cli.chat.setup import open_engine
     from kvchat.cli.options import ChatSettings
 
+    args = ["run", "-m", str(tiny_chat), "-p", "hi", "-n", "6", "-c", "256", "--seed", "5", "--temp", "0.8"]
+    (first, warm1), (second, warm2) = counted_run(tmp_path, *args), counted_run(tmp_path, *args)
+    assert (warm1, warm2) == (1, 0)
+    assert first == second and len(first.strip()) > 0
+    monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
+    warmed = []
+    real_warm_up = kvchat.runtime.generate.warm_up
+    monkeypatch.setattr(kvchat.runtime.generate, "warm_up", lambda *a, **k: warmed.append(1) or real_warm_up(*a, **k))
     open_engine(ChatSettings(model=str(tiny_chat), ctx_size=256), Renderer(out=io.StringIO()), threading.Event())
-    assert warmed == [1, 1]  # the chat warms up while its user reads the prompt, cached or not
-    warmed.clear()
-    warmed.append(1)
+    assert warmed == [1]  # the chat warms up while its user reads the prompt, cached or not
     (recorded,) = tmp_path.glob("*.pkl")
     fmt, entries = pickle.loads(recorded.read_bytes())
     kernels_recorded = {(m, q) for m, q, _ in entries}
     assert ("kvchat.kernels.matmul_int", "matmul_q_serial") in kernels_recorded and len(entries) >= 8
     module, qualname, sig = entries[0]
     recorded.write_bytes(pickle.dumps((fmt, entries + [(module, qualname, sig[:-1])])))  # never compiled
-    third = kvchat(*args)
-    assert warmed == [1, 1] and third.stdout == first.stdout
+    third, warm3 = counted_run(tmp_path, *args)
+    assert warm3 == 1 and third == first
     assert warm_set.covered(recorded.stem)  # the warm-up recorded the set as it is now
+
+
+PROBE_RECORD = (
+    "import pathlib, sys\n"
+    "import numpy as np\n"
+    "from kvchat.kernels.numba_start import install\n"
+    "install()\n"
+    "import kvchat.kernels.warm_set as ws\n"
+    "ws._path = lambda name: pathlib.Path(sys.argv[1]) / f'{name}.pkl'\n"
+    "from kvchat.kernels.ggml_types import GGMLType\n"
+    "from kvchat.kernels.matmul import QMatrix\n"
+    "from tests.test_matmul import random_raw\n"
+    "QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))\n"
+    "print(ws.record('probe'))\n"
+)  # one matmul in a fresh process, its kernels recorded as set "probe"
 
 
 def test_a_recorded_warm_up_is_not_trusted_when_a_kernels_index_is_stale(tmp_path, monkeypatch):
     """numba's own index lookup decides: an index for other source (another stamp) holds nothing."""
-    import numpy as np
-
     import kvchat.kernels.warm_set as warm_set
-    from kvchat.kernels.matmul import QMatrix
 
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", PROBE_RECORD, str(tmp_path)], capture_output=True, text=True, cwd=root)
+    assert r.stdout.strip() == "True", r.stderr
     monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{name}.pkl")
-    QMatrix(random_raw(GGMLType.Q4_0, 32, 64), GGMLType.Q4_0, 64).matmul(np.ones((1, 64), np.float32))
-    assert warm_set.record("probe") and warm_set.covered("probe")
+    assert warm_set.covered("probe")
     from kvchat.kernels.matmul_int import matmul_q_serial
 
     cache_file = matmul_q_serial._cache._cache_file

@@ -204,7 +204,7 @@ def show_info(gf: GGUFFile, console: Console) -> None:
         hp, problem = None, e
     overview = Table(title="Model", title_justify="left", show_header=False)
     overview.add_column(style="bold")
-    overview.add_column()
+    overview.add_column(overflow="fold")  # a path is shown whole, folded, never cut with an ellipsis
     for field, value in model_rows(gf, hp):
         overview.add_row(field, value)
     console.print(overview)

@@ -20,8 +20,9 @@ def _stream(data=b"", errors="surrogateescape") -> io.TextIOWrapper:
 
 
 def kvchat(*args, input=None, env=None, cwd=None, text=True, stdin_errors="surrogateescape"):
-    """(returncode, stdout, stderr) of `kvchat ARGS`. Arguments may be bytes (decoded the way
-    Python decodes argv); `input` (str or bytes) is stdin, whose text layer decodes with
+    """The result of `kvchat ARGS` as subprocess.run gives it (.returncode, .stdout, .stderr).
+    Arguments may be bytes (decoded the way Python decodes argv); `input` (str or bytes) is stdin,
+    whose text layer decodes with
     stdin_errors ("strict" is what PYTHONIOENCODING=utf-8:strict gives a process); `env` entries
     are set for the call; text=False gives stdout/stderr as bytes, as subprocess.run does."""
     from kvchat.cli.app import main
