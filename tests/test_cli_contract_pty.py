@@ -61,9 +61,6 @@ def test_turns_regen_sessions_and_refused_loads(chat_factory, tmp_path):
     assert saved.messages[-2]["content"] == "Say my name once more."
 
 
-@pytest.mark.xfail(
-    strict=False, reason="rewritten deterministic in session 9 (-n 260 bound), first run here pending (#24)"
-)
 def test_ctrl_c_context_shift_and_its_absence(chat_factory):
     # The turns whose assertions depend on the cache's size follow an answer bounded by -n, not by
     # a timed Ctrl-C: 260 tokens pass -c 256 once (a shift makes room) and end at the same cache
