@@ -29,7 +29,7 @@ PREFETCH = 2  # tiles ahead that _chunk asks the cache rows of
 CHUNK = 256  # cells per flash chunk: a fixed multiple of KT, never derived from the call's shape
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _chunk(
     qb,
     gq,
@@ -138,7 +138,7 @@ def _finish(m, s, a, o):
         o[e] = a[e] * inv
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _flash_unit(
     u,
     q,
@@ -451,9 +451,9 @@ def _flash_attn_ser(
     bacc,
     out,
 ):
-    _flash_units(
-        0,
-        n_units,
+    _flash_units(  # i64 bounds, as the parallel kernel's: a literal 0 would compile a second version
+        np.int64(0),
+        np.int64(n_units),
         q,
         k,
         type_k,
