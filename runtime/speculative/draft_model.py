@@ -5,7 +5,9 @@ The draft model has its own Context and memory. It is kept in step with the targ
 llama.cpp's common_speculative does: each proposal receives the sequence so far, keeps the
 longest prefix its cache already holds (seq_rm of the rest: the drafts the target rejected, or
 what a context shift of the target changed), decodes the new tokens in one batch, then drafts
-greedily, one token at a time. A sequence longer than the draft's context is windowed: the draft
+greedily, one token at a time. A recurrent or hybrid draft cannot cut its drafts off: it keeps a
+checkpoint of its state before drafting and restores it (llama.cpp's speculative-simple does the
+same with its draft context). A sequence longer than the draft's context is windowed: the draft
 sees its tail from a start that moves in steps of half its context, so the prefix stays reusable
 between proposals.
 """
@@ -16,7 +18,7 @@ import numpy as np
 
 from kvchat.runtime.chat.refit import common_prefix
 from kvchat.runtime.errors import KvchatError
-from kvchat.runtime.generate import decode_tokens
+from kvchat.runtime.generate import decode_one, decode_tokens
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE (padded vocabularies)
 
@@ -52,6 +54,7 @@ class ModelDraft:
         self.name = name
         self.cached: list[int] = []  # the tokens the draft's cache holds, at positions 0, 1, ...
         self.offset = 0  # history index of the draft's position 0 (the window's start)
+        self._ckpt = None  # recurrent/hybrid draft: (checkpoint, tokens it holds, logits after them)
 
     def _window(self, history, n_max: int) -> int:
         """Where the draft's window of history starts (a multiple of half its context)."""
@@ -73,16 +76,7 @@ class ModelDraft:
         if start != self.offset:
             self._forget()
             self.offset = start
-        p = common_prefix(self.cached, h)
-        if p >= len(h):
-            p = len(h) - 1  # re-decode the last token: its logits start the draft
-        mem = self.ctx.memory
-        if not mem.seq_rm(0, p, -1):  # a recurrent draft cannot cut a tail: start over
-            self._forget()
-            p = 0
-        self.cached = h[:p]
-        logits = decode_tokens(self.ctx, h[p:], p, 0)
-        self.cached = h
+        logits = self._catch_up(h)
         out: list[int] = []
         while True:
             t = int(np.argmax(logits))  # greedy; ties to the lowest id, as the sampler's greedy
@@ -91,12 +85,47 @@ class ModelDraft:
             out.append(t)
             if len(out) >= n_max:
                 return out
-            logits = decode_tokens(self.ctx, [t], len(self.cached), 0)
+            logits = decode_one(self.ctx, t, len(self.cached), 0)
             self.cached.append(t)
+
+    def _catch_up(self, h: list[int]) -> np.ndarray:
+        """Make the draft's memory hold h (a window of the history) and return the logits after
+        its last token, decoding only what it does not hold yet."""
+        mem = self.ctx.memory
+        if not mem.get_can_trim():
+            return self._catch_up_from_checkpoint(h)
+        p = common_prefix(self.cached, h)
+        if p >= len(h):
+            p = len(h) - 1  # re-decode the last token: its logits start the draft
+        mem.seq_rm(0, p, -1)
+        self.cached = h[:p]
+        logits = decode_tokens(self.ctx, h[p:], p, 0)
+        self.cached = h
+        return logits
+
+    def _catch_up_from_checkpoint(self, h: list[int]) -> np.ndarray:
+        """_catch_up for a recurrent or hybrid draft, which cannot cut its own drafts off: the
+        state saved before the last drafts (with the logits after it) is restored, the tokens
+        since are decoded, and a new checkpoint is taken before drafting again (llama.cpp's
+        speculative-simple restores its draft context from a checkpoint the same way)."""
+        ck = self._ckpt
+        mem = self.ctx.memory
+        if ck is not None and len(ck[1]) <= len(h) and h[: len(ck[1])] == ck[1] and mem.seq_restore(0, ck[0]):
+            base, logits = ck[1], ck[2]
+        else:
+            mem.seq_rm(0, -1, -1)
+            base, logits = [], None
+        self.cached = list(base)
+        if len(h) > len(base):
+            logits = decode_tokens(self.ctx, h[len(base) :], len(base), 0)
+        self.cached = list(h)  # grows with the drafts; the checkpoint's tokens stay h
+        self._ckpt = (mem.seq_checkpoint(0), h, logits)
+        return logits
 
     def _forget(self) -> None:
         self.ctx.memory.seq_rm(0, -1, -1)
         self.cached = []
+        self._ckpt = None
 
     def close(self) -> None:
         self._forget()

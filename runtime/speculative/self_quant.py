@@ -111,10 +111,15 @@ def quantized_copy(model, type_name: str):
         w.tok_embd = tw.tok_embd
     if getattr(w, "output", None) is None:
         w.output = w.tok_embd
-    for layer in w.layers:  # only the embedding is ever looked up: the layers keep packed rows only
-        for v in vars(layer).values():
-            if hasattr(v, "raw") and hasattr(v, "matmul"):
-                v.raw = None
-    if w.output is not w.tok_embd and hasattr(w.output, "raw"):
-        w.output.raw = None
+    # only the embedding is looked up among the requantized matrices: the others keep packed rows
+    # only. Matrices left as they are (a recurrent layer's conv kernel and A, read as dense rows by
+    # recurrent_blocks.dense) keep their rows, which are the file's (mapped, not copied).
+    requantized = {id(m._data) for m in view.tensors.values() if isinstance(m, _Matrix) and m._data is not None}
+    loaded = [v for layer in w.layers for v in vars(layer).values()]
+    if w.output is not w.tok_embd:
+        loaded.append(w.output)
+    for v in loaded:
+        raw = getattr(v, "raw", None)
+        if raw is not None and hasattr(v, "matmul") and (id(raw) in requantized or id(raw.base) in requantized):
+            v.raw = None
     return Model(gf, model.hparams, model.vocab, w, model.arch)
