@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-from kvchat.kernels.launch_tuner import LaunchTuner
+from kvchat.kernels.launch_tuner import SERIAL, LaunchTuner
 from kvchat.runtime.arch import create_memory
 from kvchat.runtime.batch import Batch, BatchAllocator, OneToken
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
@@ -31,6 +31,7 @@ from kvchat.runtime.memory.interface import MemoryStatus
 log = logging.getLogger(__name__)
 
 STATE_SEQ_MAGIC = 0xAF143CD8  # llama.cpp's io_magic at the head of a sequence state blob
+SERIAL_STEP_MACS = 1 << 62  # decode_tuned on the SERIAL arm: every matmul on its serial twin
 _ROW0 = np.zeros(1, dtype=np.int64)  # out_row of decode_one's token: output row 0 (read only)
 _ROW0.flags.writeable = False
 
@@ -107,6 +108,9 @@ class Context:
     def decode(self, batch: Batch) -> int:
         """0 ok; 1 no memory slot (memory untouched); 2 aborted; -1 invalid batch;
         -2 allocation / memory failure; -3 compute failure. 2/-2/-3 leave memory as before."""
+        return self._decode_checked(batch, self.model.forward)
+
+    def _decode_checked(self, batch: Batch, forward) -> int:
         self.last_error = ""
         if batch.n_tokens == 0:
             return self._fail(-1, "n_tokens == 0")
@@ -117,7 +121,29 @@ class Context:
             return self._fail(-1, balloc.error)
         out_row = np.cumsum(balloc.output) - 1  # batch index -> output row
         out_row[~balloc.output] = -1
-        return self._decode_split(balloc, out_row, self.model.forward)
+        return self._decode_split(balloc, out_row, forward)
+
+    def decode_tuned(self, batch: Batch) -> int:
+        """decode(batch) for a small batch generated one sequence at a time (a speculative
+        verify: the sampled token and its drafts), on the arm the launch tuner chose for the
+        one-token steps around it (kernels/launch_tuner.py): on SERIAL every kernel of the step
+        runs on this thread (numba's thread count 1 for the call, matmuls on their serial twins);
+        a few rows are too little work for a parallel launch, which under load waits for a
+        descheduled worker (SmolLM2 Q8_0, 8 rows, loaded machine: 165 -> 90 ms). Same bits either
+        way (every kernel's serial and parallel twins are array_equal)."""
+        if not self.launch.enabled or self.launch.arm != SERIAL:
+            return self.decode(batch)
+        import numba
+
+        n_threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return self._decode_checked(batch, self._serial_forward)
+        finally:
+            numba.set_num_threads(n_threads)
+
+    def _serial_forward(self, ub, mctx):
+        return self.model.forward(ub, mctx, min_macs=SERIAL_STEP_MACS)
 
     def decode_one(self, token: int, pos: int, seq: int = 0) -> int:
         """decode(Batch.one_seq([token], pos, seq)) for a generated token: the same return code,

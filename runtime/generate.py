@@ -69,7 +69,14 @@ def n_batch_of(ctx) -> int:
 
 
 def decode_pieces(
-    ctx, ids: Sequence[int], pos0: int, seq: int = 0, *, outputs="last", batch_factory: Optional[Callable] = None
+    ctx,
+    ids: Sequence[int],
+    pos0: int,
+    seq: int = 0,
+    *,
+    outputs="last",
+    batch_factory: Optional[Callable] = None,
+    tuned: bool = False,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call;
     after each call yield (idx i64 [m], rows f32 [m, n_vocab]): the indices into `ids` of that
@@ -114,7 +121,7 @@ def decode_pieces(
         else:
             idx = np.array([i + piece.size - 1], dtype=np.int64)
             batch = make(piece, pos0 + i, seq)
-        rc = ctx.decode(batch)
+        rc = ctx.decode_tuned(batch) if tuned else ctx.decode(batch)
         if rc == 2:
             raise Interrupted(i)
         if rc != 0:
@@ -132,6 +139,7 @@ def decode_tokens(
     logits: str = "last",
     on_logits: Optional[Callable[[int, np.ndarray], None]] = None,
     batch_factory: Optional[Callable] = None,
+    tuned: bool = False,
 ) -> Optional[np.ndarray]:
     """Decode `ids` at positions pos0, pos0+1, ... of sequence `seq`, n_batch tokens per call
     (decode_pieces, consumed).
@@ -141,13 +149,15 @@ def decode_tokens(
     of each piece is computed as an output. on_logits(i, rows) with "all": called after each
     piece with its first index in ids and its rows f32 [n_piece, n_vocab] (valid until the next
     decode) instead of keeping them — a long text never holds all its logits.
+    tuned: a few tokens generated for one sequence (a speculative verify), decoded on the launch
+    tuner's arm (Context.decode_tuned).
     Raises Interrupted or DecodeError; the pieces before a failed one stay decoded.
     """
     if logits not in ("last", "all", "none"):
         raise ValueError(f"decode_tokens: logits must be 'last', 'all' or 'none', not {logits!r}")
     rows = []
     for idx, r in decode_pieces(
-        ctx, ids, pos0, seq, outputs="all" if logits == "all" else "last", batch_factory=batch_factory
+        ctx, ids, pos0, seq, outputs="all" if logits == "all" else "last", batch_factory=batch_factory, tuned=tuned
     ):
         if logits == "all" and on_logits is not None:
             on_logits(int(idx[0]), r)

@@ -6,9 +6,11 @@ verified run (token limit, end of generation, Ctrl-C) and across context shifts.
 
 import threading
 
+import numba
 import numpy as np
 import pytest
 
+from kvchat.kernels.launch_tuner import SERIAL
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
@@ -79,12 +81,20 @@ def run(model, source=None, n=40, is_eog=None, stop_at=None, draft_max=5):
 
 def test_verify_batch_rows_are_bit_identical_to_one_token_decodes(model):
     ctx = context(model)
+    n_threads = numba.get_num_threads()
     decode_tokens(ctx, PROMPT, 0)
     toks = [321, 4000, 77, 9000, 15, 2222, 31]
     p0 = len(PROMPT)
     ckpt = ctx.memory.seq_checkpoint(0)
     assert ctx.decode(Batch.one_seq(np.array(toks, np.int32), p0, 0, all_logits=True)) == 0
     rows = ctx.get_logits().copy()  # [7, n_vocab]
+    state = ctx.state_seq_get_data(0)
+    assert ctx.memory.seq_restore(0, ckpt)
+    # the verify's own path: on the tuner's SERIAL arm every kernel runs on one thread
+    ctx.launch.enabled, ctx.launch.arm = True, SERIAL
+    assert ctx.decode_tuned(Batch.one_seq(np.array(toks, np.int32), p0, 0, all_logits=True)) == 0
+    assert np.array_equal(ctx.get_logits(), rows) and ctx.state_seq_get_data(0) == state
+    assert numba.get_num_threads() == n_threads  # restored after the call
     assert ctx.memory.seq_restore(0, ckpt)
     for i, t in enumerate(toks):
         one = decode_tokens(ctx, [t], p0 + i)

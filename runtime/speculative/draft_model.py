@@ -20,6 +20,7 @@ from kvchat.runtime.chat.refit import common_prefix
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.generate import decode_one, decode_tokens
 
+SMALL_BATCH = 16  # catch-up decodes up to this many tokens (accepted drafts) run on the launch tuner's arm
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE (padded vocabularies)
 
 
@@ -99,7 +100,7 @@ class ModelDraft:
             p = len(h) - 1  # re-decode the last token: its logits start the draft
         mem.seq_rm(0, p, -1)
         self.cached = h[:p]
-        logits = decode_tokens(self.ctx, h[p:], p, 0)
+        logits = decode_tokens(self.ctx, h[p:], p, 0, tuned=len(h) - p <= SMALL_BATCH)
         self.cached = h
         return logits
 
@@ -117,7 +118,7 @@ class ModelDraft:
             base, logits = [], None
         self.cached = list(base)
         if len(h) > len(base):
-            logits = decode_tokens(self.ctx, h[len(base) :], len(base), 0)
+            logits = decode_tokens(self.ctx, h[len(base) :], len(base), 0, tuned=len(h) - len(base) <= SMALL_BATCH)
         self.cached = list(h)  # grows with the drafts; the checkpoint's tokens stay h
         self._ckpt = (mem.seq_checkpoint(0), h, logits)
         return logits

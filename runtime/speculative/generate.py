@@ -119,7 +119,7 @@ class SpecGeneration(Generation):
         t0 = time.perf_counter()
         try:
             rows = decode_tokens(
-                self.ctx, batch, self.pos, self.seq, logits="all", batch_factory=self.batch_factory
+                self.ctx, batch, self.pos, self.seq, logits="all", batch_factory=self.batch_factory, tuned=True
             )  # [k + 1, n_vocab], a copy
         except Interrupted:
             return StopReason.INTERRUPTED  # the Context rolled the batch back: token not decoded
@@ -193,7 +193,9 @@ class SpecGeneration(Generation):
             raise RuntimeError("speculative decoding: the memory refused its checkpoint")
         abort, self.ctx.abort_callback = self.ctx.abort_callback, None  # short, and must complete
         try:
-            decode_tokens(self.ctx, batch[:kept], self.pos, self.seq, logits="none", batch_factory=self.batch_factory)
+            decode_tokens(
+                self.ctx, batch[:kept], self.pos, self.seq, logits="none", batch_factory=self.batch_factory, tuned=True
+            )
         finally:
             self.ctx.abort_callback = abort
 
