@@ -14,6 +14,8 @@ between proposals.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kvchat.runtime.chat.refit import common_prefix
@@ -56,6 +58,7 @@ class ModelDraft:
         self.cached: list[int] = []  # the tokens the draft's cache holds, at positions 0, 1, ...
         self.offset = 0  # history index of the draft's position 0 (the window's start)
         self._ckpt = None  # recurrent/hybrid draft: (checkpoint, tokens it holds, logits after them)
+        self.backlog_seconds = 0.0  # of the last proposal: catching up on more than one new token
 
     def _window(self, history, n_max: int) -> int:
         """Where the draft's window of history starts (a multiple of half its context)."""
@@ -77,7 +80,12 @@ class ModelDraft:
         if start != self.offset:
             self._forget()
             self.offset = start
+        n_new = len(h) - min(common_prefix(self.cached, h), len(h) - 1)  # tokens to decode
+        t0 = time.perf_counter()
         logits = self._catch_up(h)
+        # a steady step decodes one new token here (the draft's cache holds its accepted drafts);
+        # a backlog (the prompt, the tokens of plain steps) is not a cost of this draft's tokens
+        self.backlog_seconds = (time.perf_counter() - t0) * (n_new - 1) / n_new
         out: list[int] = []
         while True:
             t = int(np.argmax(logits))  # greedy; ties to the lowest id, as the sampler's greedy

@@ -74,7 +74,7 @@ class SpecGeneration(Generation):
                     drafts = [int(d) for d in self.spec.source.propose(self.history, k)][:k]
                 except Interrupted:  # Ctrl-C inside the draft model's decode: the plain step stops too
                     drafts = []
-                t_draft = time.perf_counter() - t0
+                t_draft = time.perf_counter() - t0 - getattr(self.spec.source, "backlog_seconds", 0.0)
             if not drafts:
                 stop = self._plain(token)
                 if stop is not None:

@@ -5,7 +5,8 @@ The draft length follows a cost model, so that bad drafts cost (almost) nothing:
 per-token acceptance probability p, a verify of the sampled token and k drafts yields
 1 + p + ... + p^k tokens on average and costs t(k + 1) + k·t_draft, where t(n) is the target's
 time for an n-token batch (measured: t(1) + (n - 1)·t_row, fitted from the batches seen) and
-t_draft the draft source's time per token (measured; ~0 for n-gram lookups). k is the value in
+t_draft the draft source's time per token (measured; ~0 for n-gram lookups; a draft model's catch-up
+on a backlog — the prompt, the tokens of plain steps — is not counted in it). k is the value in
 0..draft_max with the most tokens per second; below draft_min it is 0 (a plain one-token step),
 and every PROBE_EVERY plain steps a draft of draft_min (at least 1) is tried again, so that the
 estimates can recover. p is counted with decay (recent drafts weigh most).
@@ -13,10 +14,13 @@ estimates can recover. p is counted with decay (recent drafts weigh most).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 PROBE_EVERY = 16  # plain steps between two probing drafts when drafting does not pay
-DECAY = 0.9  # weight of the past in the acceptance counts and time averages (per verify)
+DECAY = 0.9  # weight of the past in the acceptance counts and draft time average (per verify)
+N_TIMES = 9  # target decode times kept per batch size (their median is the estimate)
 
 
 @dataclass
@@ -45,7 +49,8 @@ class DraftLength:
             raise ValueError(f"draft lengths: need 0 <= draft-min ({draft_min}) <= draft-max ({draft_max})")
         self.draft_max, self.draft_min = int(draft_max), int(draft_min)
         self.acc, self.trials = 1.0, 2.0  # prior p = 0.5 (pseudo-counts)
-        self.t_size: dict[int, float] = {}  # batch size n -> mean seconds of a target decode of n tokens
+        self.t_size: dict[int, float] = {}  # batch size n -> median seconds of a target decode of n tokens
+        self._times: dict[int, deque] = {}  # batch size n -> its last N_TIMES decode times
         self.t_draft = 0.0  # mean seconds per drafted token
         self.n_plain = 0  # plain steps since the last draft
 
@@ -90,9 +95,12 @@ class DraftLength:
         return best
 
     def record_decode(self, n: int, seconds: float) -> None:
-        """A target decode of n tokens took `seconds`."""
-        old = self.t_size.get(n)
-        self.t_size[n] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        """A target decode of n tokens took `seconds`. t_size[n] is the median of the last
+        N_TIMES: a step that waited for a descheduled worker (the launch tuner probing its
+        parallel arm under load costs 3x) must not move the estimate."""
+        last = self._times.setdefault(n, deque(maxlen=N_TIMES))
+        last.append(seconds)
+        self.t_size[n] = statistics.median(last)
 
     def record_draft(self, n_drafted: int, n_accepted: int, rejected: bool, seconds: float) -> None:
         """A proposal of n_drafted tokens (taking `seconds`), of which the first n_accepted were
