@@ -58,7 +58,7 @@ import numpy as np
 
 from kvchat.kernels import parallel
 from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
-from kvchat.kernels.attention_flash import _NO_PARTIALS, CHUNK, _flash_attn_par, _flash_attn_ser, _partials, flash_plan
+from kvchat.kernels.attention_flash import _NO_PARTIALS, CHUNK, _flash_attn_par, _partials, flash_attn_ser, flash_plan
 from kvchat.kernels.ggml_types import GGMLType, type_info
 from kvchat.kernels.quants import dequantize, quantize
 
@@ -228,7 +228,7 @@ def _launch_plan(flash, n_tokens, n_head, dk, n_head_kv, n_kv, n_stream, type_v,
         tb, split, cpu = flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads if par else 1)
         n_ch = -(-n_kv // CHUNK)
         n_units = n_head_kv * -(-n_tokens // tb) * (-(-n_ch // cpu) if split else 1)
-        return (_flash_attn_par if par else _flash_attn_ser, int(tb), bool(split), int(cpu), int(n_units), dv, start0)
+        return (_flash_attn_par if par else flash_attn_ser, int(tb), bool(split), int(cpu), int(n_units), dv, start0)
     tb, hpg = classic_plan(n_tokens, n_head, n_head_kv, n_stream, n_threads if par else 1)
     n_units = classic_n_units(np.empty((n_tokens, n_head, 0), dtype=np.float32), n_head_kv, tb, hpg)
     return classic_attn_par if par else classic_attn_ser, int(tb), int(hpg), 0, int(n_units), dv, start0

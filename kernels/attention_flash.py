@@ -85,7 +85,7 @@ def _chunk(
         mask_tile(mask, t0, t1, j0, nj, mt)
         for qi in range(nq):
             tm[qi] = query_scores(qb, qi, kt, mt, qi // gq, scale, softcap, sc, qi * KT)
-        n = 0
+        n = np.int64(0)  # i64 throughout (no literal): tile_pv is compiled once, not per constant
         for qi in range(nq):
             if tm[qi] == NEG_INF:
                 continue
@@ -98,13 +98,13 @@ def _chunk(
             gr[n] = r
             n += 1
             if n == 4:
-                tile_pv(4, sc, gs[0], gs[1], gs[2], gs[3], vt, acc, gr[0], gr[1], gr[2], gr[3])
-                n = 0
+                tile_pv(n, sc, gs[0], gs[1], gs[2], gs[3], vt, acc, gr[0], gr[1], gr[2], gr[3])
+                n = np.int64(0)
         if n:
             tile_pv(n, sc, gs[0], gs[1], gs[2], gs[3], vt, acc, gr[0], gr[1], gr[2], gr[3])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _fold(m, s, a, m_c, s_c, acc_c):
     """Fold one chunk's partial softmax (m_c, s_c, acc_c [dv]) into a query's running result
     (m, s, a [dv], a updated in place); returns the new (m, s). Chunks are always folded in
@@ -126,7 +126,7 @@ def _fold(m, s, a, m_c, s_c, acc_c):
     return m, s + w * s_c
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _finish(m, s, a, o):
     """o [dv] <- a / s; zeros for a query that saw no cell (as ggml)."""
     if m == NEG_INF:
@@ -139,8 +139,9 @@ def _finish(m, s, a, o):
 
 
 @njit(cache=True)
-def _flash_unit(
-    u,
+def _flash_units(
+    u0,
+    u1,
     q,
     k,
     type_k,
@@ -163,106 +164,111 @@ def _flash_unit(
     bacc,
     out,
 ):
-    """One work unit of the flash path: (kv head, token block), or with split (kv head, token
-    block, group of cpu chunks). Every query head of the kv head's group and every token of the
-    block is computed against each dequantized tile, so a K/V row is decoded once per unit.
+    """Work units u0 .. u1 - 1 of the flash path, in turn. A unit is (kv head, token block), or
+    with split (kv head, token block, group of cpu chunks). Every query head of the kv head's
+    group and every token of the block is computed against each dequantized tile, so a K/V row is decoded once per unit.
     Without split the unit folds all chunks, from the start chunk of its first token on
     (cyclically), then the part of the start chunk before the start tile, and writes out; with
     split it stores each chunk's partial softmax in pm/ps/pacc [n_ch, n_tokens, n_head(, dv)] and
-    that last part in bm/bs/bacc [n_tokens, n_head(, dv)] for _merge_partials."""
-    n_tokens, n_head, dk = q.shape
-    dv = out.shape[2]
-    dkp = (dk + LANES - 1) // LANES * LANES  # head sizes padded with zero components (load_tile)
-    dvp = (dv + LANES - 1) // LANES * LANES
-    n_kv = mask.shape[1]
-    n_ch = (n_kv + CHUNK - 1) // CHUNK
-    gq = n_head // n_head_kv
-    n_tb = (n_tokens + tb - 1) // tb
-    kb = k.shape[2] // n_head_kv  # bytes of one kv head in a K row
-    vb = v.shape[2] // n_head_kv
-    ui = np.int64(u)  # (a prange index may be unsigned; mixed with signed it would turn float)
-    n_grp = (n_ch + cpu - 1) // cpu if split else 1
-    c_lo = (ui % n_grp) * cpu if split else 0
-    c_hi = min(c_lo + cpu, n_ch) if split else n_ch
-    rest = ui // n_grp
-    i = rest % n_tb  # token blocks in zig-zag: each thread's range gets light and heavy causal blocks
-    tbi = i // 2 if i % 2 == 0 else n_tb - 1 - i // 2
-    hk = rest // n_tb
-    t0 = tbi * tb
-    t1 = min(t0 + tb, n_tokens)
-    h0 = hk * gq
-    nq = (t1 - t0) * gq  # queries of the unit: query qi = token t0 + qi // gq, head h0 + qi % gq
-    st = tok_stream[t0]
-    qb = np.zeros((nq, dkp), dtype=np.float32)  # the unit's queries, contiguous, zero-padded
-    for qi in range(nq):
-        for e in range(dk):
-            qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
-    kt = np.zeros((KT, dkp), dtype=np.float32)  # dequantized K tile (columns from dk on stay 0)
-    vt = np.zeros((KT, dvp), dtype=np.float32)  # dequantized V tile (columns from dv on stay 0)
-    sc = np.empty(nq * KT, dtype=np.float32)  # scores, then probabilities, of every query
-    mt = np.empty((t1 - t0, KT), dtype=np.float32)  # mask tile of the block's tokens
-    tm = np.empty(nq, dtype=np.float32)  # tile maxima
-    gs = np.zeros(4, dtype=np.int64)  # a P·V group: sc offsets, state rows
-    gr = np.zeros(4, dtype=np.int64)
-    cm = np.full(2 * nq, NEG_INF, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v;
-    cs = np.zeros(2 * nq, dtype=np.float32)  # rows nq + qi: the start chunk's cells before the start tile
-    ca = np.zeros((2 * nq, dvp), dtype=np.float32)
-    rm = np.full(nq, NEG_INF, dtype=np.float32)  # running result over the chunks folded so far
-    rs = np.zeros(nq, dtype=np.float32)
-    ra = np.zeros((nq, dvp), dtype=np.float32)
-    c_first = 0 if split else start[t0] // CHUNK
-    for ci in range(c_lo, c_hi):
-        c = ci if split else (c_first + ci) % n_ch
-        _chunk(
-            qb,
-            gq,
-            t0,
-            t1,
-            mask,
-            start,
-            k,
-            type_k,
-            v,
-            type_v,
-            st,
-            hk * kb,
-            kb,
-            hk * vb,
-            vb,
-            scale,
-            softcap,
-            c * CHUNK,
-            min((c + 1) * CHUNK, n_kv),
-            kt,
-            vt,
-            sc,
-            mt,
-            tm,
-            gs,
-            gr,
-            cm,
-            cs,
-            ca,
-        )
+    that last part in bm/bs/bacc [n_tokens, n_head(, dv)] for _merge_partials.
+    The serial path calls this from Python (then _merge_partials) and the parallel kernel calls
+    it per unit from its prange: one compiled body, and no kernel level in between — numba links
+    every callee's code into its caller's module and LLVM optimizes and emits it again there, so
+    each level of a call chain costs another compile of everything below it."""
+    for u in range(u0, u1):
+        n_tokens, n_head, dk = q.shape
+        dv = out.shape[2]
+        dkp = (dk + LANES - 1) // LANES * LANES  # head sizes padded with zero components (load_tile)
+        dvp = (dv + LANES - 1) // LANES * LANES
+        n_kv = mask.shape[1]
+        n_ch = (n_kv + CHUNK - 1) // CHUNK
+        gq = n_head // n_head_kv
+        n_tb = (n_tokens + tb - 1) // tb
+        kb = k.shape[2] // n_head_kv  # bytes of one kv head in a K row
+        vb = v.shape[2] // n_head_kv
+        ui = np.int64(u)  # (a prange index may be unsigned; mixed with signed it would turn float)
+        n_grp = (n_ch + cpu - 1) // cpu if split else 1
+        c_lo = (ui % n_grp) * cpu if split else 0
+        c_hi = min(c_lo + cpu, n_ch) if split else n_ch
+        rest = ui // n_grp
+        i = rest % n_tb  # token blocks in zig-zag: each thread's range gets light and heavy causal blocks
+        tbi = i // 2 if i % 2 == 0 else n_tb - 1 - i // 2
+        hk = rest // n_tb
+        t0 = tbi * tb
+        t1 = min(t0 + tb, n_tokens)
+        h0 = hk * gq
+        nq = (t1 - t0) * gq  # queries of the unit: query qi = token t0 + qi // gq, head h0 + qi % gq
+        st = tok_stream[t0]
+        qb = np.zeros((nq, dkp), dtype=np.float32)  # the unit's queries, contiguous, zero-padded
         for qi in range(nq):
-            if split:
-                t = t0 + qi // gq
-                h = h0 + qi % gq
-                pm[c, t, h] = cm[qi]
-                ps[c, t, h] = cs[qi]
-                for e in range(dv):
-                    pacc[c, t, h, e] = ca[qi, e]
-                if start[t] // CHUNK == c:
-                    bm[t, h] = cm[nq + qi]
-                    bs[t, h] = cs[nq + qi]
+            for e in range(dk):
+                qb[qi, e] = q[t0 + qi // gq, h0 + qi % gq, e]
+        kt = np.zeros((KT, dkp), dtype=np.float32)  # dequantized K tile (columns from dk on stay 0)
+        vt = np.zeros((KT, dvp), dtype=np.float32)  # dequantized V tile (columns from dv on stay 0)
+        sc = np.empty(nq * KT, dtype=np.float32)  # scores, then probabilities, of every query
+        mt = np.empty((t1 - t0, KT), dtype=np.float32)  # mask tile of the block's tokens
+        tm = np.empty(nq, dtype=np.float32)  # tile maxima
+        gs = np.zeros(4, dtype=np.int64)  # a P·V group: sc offsets, state rows
+        gr = np.zeros(4, dtype=np.int64)
+        cm = np.full(2 * nq, NEG_INF, dtype=np.float32)  # chunk partials: max, sum of p, sum of p * v;
+        cs = np.zeros(2 * nq, dtype=np.float32)  # rows nq + qi: the start chunk's cells before the start tile
+        ca = np.zeros((2 * nq, dvp), dtype=np.float32)
+        rm = np.full(nq, NEG_INF, dtype=np.float32)  # running result over the chunks folded so far
+        rs = np.zeros(nq, dtype=np.float32)
+        ra = np.zeros((nq, dvp), dtype=np.float32)
+        c_first = 0 if split else start[t0] // CHUNK
+        for ci in range(c_lo, c_hi):
+            c = ci if split else (c_first + ci) % n_ch
+            _chunk(
+                qb,
+                gq,
+                t0,
+                t1,
+                mask,
+                start,
+                k,
+                type_k,
+                v,
+                type_v,
+                st,
+                hk * kb,
+                kb,
+                hk * vb,
+                vb,
+                scale,
+                softcap,
+                c * CHUNK,
+                min((c + 1) * CHUNK, n_kv),
+                kt,
+                vt,
+                sc,
+                mt,
+                tm,
+                gs,
+                gr,
+                cm,
+                cs,
+                ca,
+            )
+            for qi in range(nq):
+                if split:
+                    t = t0 + qi // gq
+                    h = h0 + qi % gq
+                    pm[c, t, h] = cm[qi]
+                    ps[c, t, h] = cs[qi]
                     for e in range(dv):
-                        bacc[t, h, e] = ca[nq + qi, e]
-            else:
-                rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[qi], cs[qi], ca[qi])
-    if not split:
-        for qi in range(nq):
-            rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[nq + qi], cs[nq + qi], ca[nq + qi])
-            _finish(rm[qi], rs[qi], ra[qi], out[t0 + qi // gq, h0 + qi % gq])
+                        pacc[c, t, h, e] = ca[qi, e]
+                    if start[t] // CHUNK == c:
+                        bm[t, h] = cm[nq + qi]
+                        bs[t, h] = cs[nq + qi]
+                        for e in range(dv):
+                            bacc[t, h, e] = ca[nq + qi, e]
+                else:
+                    rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[qi], cs[qi], ca[qi])
+        if not split:
+            for qi in range(nq):
+                rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[nq + qi], cs[nq + qi], ca[nq + qi])
+                _finish(rm[qi], rs[qi], ra[qi], out[t0 + qi // gq, h0 + qi % gq])
 
 
 @njit(cache=True)
@@ -308,64 +314,6 @@ _NO_PARTIALS = (
     np.empty((0, 0), dtype=np.float32),
     np.empty((0, 0, 0), dtype=np.float32),
 )
-
-
-@njit(cache=True)
-def _flash_units(
-    u0,
-    u1,
-    q,
-    k,
-    type_k,
-    v,
-    type_v,
-    mask,
-    start,
-    tok_stream,
-    n_head_kv,
-    scale,
-    softcap,
-    tb,
-    split,
-    cpu,
-    pm,
-    ps,
-    pacc,
-    bm,
-    bs,
-    bacc,
-    out,
-):
-    """Work units u0 .. u1 - 1 of the flash path, in turn. One compiled function that the
-    parallel and the serial kernel both call (not inlined into them): the unit's body (_chunk and
-    its tiles) is the bulk of the attention code, so it is compiled once instead of twice, and
-    numba's parfor passes see a prange body of one call rather than the whole unit (they are
-    slow on big bodies). A call per unit (or per run of units) costs nothing next to a unit."""
-    for u in range(u0, u1):
-        _flash_unit(
-            u,
-            q,
-            k,
-            type_k,
-            v,
-            type_v,
-            mask,
-            start,
-            tok_stream,
-            n_head_kv,
-            scale,
-            softcap,
-            tb,
-            split,
-            cpu,
-            pm,
-            ps,
-            pacc,
-            bm,
-            bs,
-            bacc,
-            out,
-        )
 
 
 @njit(cache=True, parallel=True)
@@ -426,32 +374,14 @@ def _flash_attn_par(
         _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
 
 
-@njit(cache=True)
-def _flash_attn_ser(
-    q,
-    k,
-    type_k,
-    v,
-    type_v,
-    mask,
-    start,
-    tok_stream,
-    n_head_kv,
-    scale,
-    softcap,
-    tb,
-    split,
-    cpu,
-    n_units,
-    pm,
-    ps,
-    pacc,
-    bm,
-    bs,
-    bacc,
-    out,
+def flash_attn_ser(
+    q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, split, cpu, n_units, *rest
 ):
-    _flash_units(  # i64 bounds, as the parallel kernel's: a literal 0 would compile a second version
+    """_flash_attn_par's serial twin, with its arguments (rest: pm, ps, pacc, bm, bs, bacc, out):
+    the units in turn, then (split) the merge. Plain Python over two kernels, so that no kernel
+    level sits above _flash_units (its docstring says why)."""
+    pm, ps, pacc, bm, bs, bacc, out = rest
+    _flash_units(  # i64 bounds, as the parallel kernel's: one compiled version for both
         np.int64(0),
         np.int64(n_units),
         q,

@@ -75,7 +75,7 @@ def scale_by_pow2(typingctx, j, z):
     return types.float32(j, z), codegen
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def expf_ggml(x):
     """e^x of a float32 as ggml_v_expf (AVX-512 form) computes it, lane by lane. Branch-free
     (the saturation is a select), so loops over it vectorize."""
@@ -89,7 +89,7 @@ def expf_ggml(x):
     return alt if abs(n) > np.float32(192.0) else res
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def silu_ggml(x):
     """ggml_v_silu: x / (1 + e^(0 - x)) with expf_ggml."""
     return x / (_ONE + expf_ggml(np.float32(0.0) - x))

@@ -19,7 +19,7 @@ slice's end are written as zeros. One specialization serves every format (t is a
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from kvchat.kernels.ggml_types import GGMLType
 
@@ -44,7 +44,7 @@ _IQ4_NL_BYTES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 )
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _u16(b, i):
     return np.uint16(b[i]) | (np.uint16(b[i + 1]) << np.uint16(8))
 
@@ -142,7 +142,7 @@ def _decode(t, b, o, vals, scs, mns):
     return d, m
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _put_nibbles(dst, vals, base, half, r):
     """Sub-block values at vals[base:] -> row r's nibble bytes: low half | high half << 4."""
     for st in range(half // 4):
@@ -151,7 +151,7 @@ def _put_nibbles(dst, vals, base, half, r):
             dst[o + i] = (vals[base + 4 * st + i] & 15) | ((vals[base + half + 4 * st + i] & 15) << 4)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _put_planes(dst, vals, base, half, r, planes, nib_bytes):
     """OR row r's bits 4 + p of the sub-block's values into plane p's words: value i of step st
     is bit 4 (r % 16) + i of word r // 16 (low half) or 2 + r // 16 (high half)."""
@@ -168,7 +168,7 @@ def _put_planes(dst, vals, base, half, r, planes, nib_bytes):
             dst[w + 16] |= hi << sh
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def _put_bytes(dst, vals, base, s_vals, r):
     for st in range(s_vals // 4):
         o = (st * R + r) * 4
@@ -176,10 +176,12 @@ def _put_bytes(dst, vals, base, s_vals, r):
             dst[o + i] = vals[base + 4 * st + i]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def pack_rows(raw, t, layout, g0, q, d, mm, sc, mn):
     """Module docstring. raw u8 [rows, row_bytes]; q u8 [G, n_sub, sub-block bytes]; d, mm u16
-    [G, n_super, R]; sc, mn i8 [G, n_sub, R] (mm, sc, mn may be empty)."""
+    [G, n_super, R]; sc, mn i8 [G, n_sub, R] (mm, sc, mn may be empty).
+    Serial: a model is repacked once (the result is cached, kvchat.runtime.weights), and a
+    parallel kernel (a numba parfor) would cost a first run more compile time than it saves."""
     s_vals, subs, planes, nib, bsize = layout
     rows = raw.shape[0]
     n_blocks = raw.shape[1] // bsize
@@ -189,8 +191,7 @@ def pack_rows(raw, t, layout, g0, q, d, mm, sc, mn):
     copy_nib = t == _Q4_0 or t == _Q4_1  # the file's qs bytes are the nibble bytes already
     copy_bytes = t == _Q8_0
     copy_q5 = t == _Q5_0 or t == _Q5_1  # q4_0's nibble bytes + one plane straight from qh
-    n_groups = (rows + R - 1) // R
-    for gl in prange(n_groups):
+    for gl in range((rows + R - 1) // R):
         g = g0 + gl
         vals = np.zeros(256, np.uint8)
         scs = np.zeros(16, np.uint8)

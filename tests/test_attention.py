@@ -197,7 +197,7 @@ def test_fast_f16_row_is_exact_for_every_half():
 def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1):
     """Run the flash kernel with groups of cpu chunks as units (split) or each unit walking all chunks."""
     from kvchat.kernels.attention import _values_per_bytes
-    from kvchat.kernels.attention_flash import _NO_PARTIALS, _flash_attn_par, _flash_attn_ser, _partials
+    from kvchat.kernels.attention_flash import _NO_PARTIALS, _flash_attn_par, _partials, flash_attn_ser
 
     n_tokens, n_head = q.shape[:2]
     dv = _values_per_bytes(int(tv), v.shape[2] // n_head_kv)
@@ -205,7 +205,7 @@ def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True
     tb = 1 if k.shape[0] > 1 else min(32, n_tokens)
     pm, ps, pacc, bm, bs, bacc = _partials(mask.shape[1], n_tokens, n_head, dv) if split else _NO_PARTIALS
     n_units = n_head_kv * -(-n_tokens // tb) * (-(-pm.shape[0] // cpu) if split else 1)
-    fn = _flash_attn_par if parallel else _flash_attn_ser
+    fn = _flash_attn_par if parallel else flash_attn_ser
     start = np.zeros(n_tokens, dtype=np.int64)
     fn(
         np.ascontiguousarray(q),
