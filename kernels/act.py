@@ -1,7 +1,10 @@
 """Feed-forward activations and the row softmax.
 
 - SwiGLU: silu(gate) * up, silu(x) = x / (1 + e^-x)        (llama, qwen2, qwen3: LLM_FFN_SILU, PAR)
-  with ggml's vectorized exp (kernels/ggml_math.py), so the values are llama.cpp's bits
+  with ggml's vectorized exp in the form llama.cpp runs on this CPU (AVX2 or AVX-512: they round
+  differently; kernels/ggml_math.py), so the values are llama.cpp's bits (a width that is not a
+  multiple of ggml's vector, 8 or 16, is not mirrored in its last values: ggml's scalar tail uses
+  libm's expf there)
 - GeGLU:  gelu(gate) * up with ggml's tanh approximation  (gemma2, gemma3: LLM_FFN_GELU, PAR)
   gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))), read as ggml's CPU build reads it:
   from its f16 table, 0 / x beyond |x| >= 10 (kernels/gelu_table.py), so the values are
@@ -29,8 +32,8 @@ _NO_TABLE = np.zeros(1, dtype=np.float32)  # the table argument of the SiLU loop
 
 @njit(cache=True, forceinline=True)
 def silu_f32(x):
-    """x * sigmoid(x) of one f32 value, bit for bit as ggml's x86 build (ggml_v_silu with its
-    own exp: kernels/ggml_math.py)."""
+    """x * sigmoid(x) of one f32 value, bit for bit as ggml's x86 build on this CPU (ggml_v_silu
+    with its own exp: kernels/ggml_math.py)."""
     return silu_ggml(x)
 
 

@@ -1,11 +1,18 @@
-"""Scalar float32 math in the exact operation order of ggml-cpu's x86 (AVX-512) build.
+"""Scalar float32 math in the exact operation order of ggml-cpu's x86 build, for the form of it
+that llama.cpp runs on this CPU.
 
 llama.cpp computes SiLU (and the softmax of its attention) with its own vectorized exp,
 ``ggml_v_expf`` (vec.h): a range reduction by 2^n with n = round(x / ln 2), a degree-5
-polynomial in fused multiply-adds, and an exact scaling by 2^n (``_mm512_scalef_ps``); libm's
-expf differs from it in the last bit for a good share of inputs. ``expf_ggml`` is that sequence
-on one value; ``fma32`` is LLVM's ``llvm.fma.f32`` (one rounding; an FMA instruction on this
-CPU, libm's fmaf elsewhere), so the result is the same on every CPU path.
+polynomial in fused multiply-adds, and a scaling by 2^n; libm's expf differs from it in the last
+bit for a good share of inputs. vec.h has one form per instruction set, and they round
+differently (about one value in eight in the last bit, #24):
+- AVX-512 (``_mm512_scalef_ps``): j = 1 + poly(b), rounded, then j * 2^n (``expf_ggml_avx512``);
+- AVX2 + FMA: j = poly(b) without the 1, then one fma(j, 2^n, 2^n); past |n| > 126 a two-step
+  scaling (``expf_ggml_avx2``).
+``expf_ggml`` is the form of this host (AVX512F + AVX512DQ: the AVX-512 one, else the AVX2 one;
+ggml's SSE2-only form is not mirrored), fixed when the kernels compile: numba keys its cache on
+the host CPU's features, so a cache never carries one machine's form to another. ``fma32`` is
+LLVM's ``llvm.fma.f32`` (one rounding; an FMA instruction on this CPU, libm's fmaf elsewhere).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from kvchat.kernels.cpu import host_features
 
 
 @intrinsic
@@ -76,8 +85,8 @@ def scale_by_pow2(typingctx, j, z):
 
 
 @njit(cache=True, forceinline=True)
-def expf_ggml(x):
-    """e^x of a float32 as ggml_v_expf (AVX-512 form) computes it, lane by lane. Branch-free
+def expf_ggml_avx512(x):
+    """e^x of a float32 as ggml_v_expf's AVX-512 form computes it, lane by lane. Branch-free
     (the saturation is a select), so loops over it vectorize."""
     z = fma32(x, _LOG2E, _R)
     n = z - _R
@@ -87,6 +96,56 @@ def expf_ggml(x):
     res = scale_by_pow2(j, z)  # scalef(j, n)
     alt = np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
     return alt if abs(n) > np.float32(192.0) else res
+
+
+@intrinsic
+def _shl23_add(typingctx, z, c):
+    """The float32 whose bits are (bits(z) << 23) + c in 32-bit integer arithmetic (wrapping), as
+    vec.h's _mm256_slli_epi32 / _mm256_add_epi32 on z's bits: 32-bit lanes only, so a loop over
+    it vectorizes at full width (numba's own integer promotion would widen to 64 bits)."""
+    if not (z == types.float32 and c == types.uint32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        e = builder.shl(builder.bitcast(args[0], i32), ir.Constant(i32, 23))
+        return builder.bitcast(builder.add(e, args[1]), ir.FloatType())
+
+    return types.float32(z, c), codegen
+
+
+_TWO_127 = np.float32(2.0**127)  # bits 0x7f000000: vec.h's s1 for n > 0
+_TWO_M125 = np.float32(2.0**-125)  # bits 0x01000000 (0x82000000 + 0x7f000000): s1 for n <= 0
+
+
+@njit(cache=True, forceinline=True)
+def expf_ggml_avx2(x):
+    """e^x of a float32 as ggml_v_expf's AVX2 form computes it, lane by lane: k = 2^n from z's
+    bits, j = poly(b) (no 1 added), fma(j, k, k); where |n| > 126 (2^n is no normal float) it
+    is fma(s2, j, s2) * s1 with 2^n = s1 * s2, s1 = 2^127 (n > 0) or 2^-125, and s1 * s1 (inf or
+    0) past |n| > 192, as vec.h selects them. Branch-free (selects), so loops over it vectorize."""
+    z = fma32(x, _LOG2E, _R)
+    n = z - _R
+    b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
+    k = _shl23_add(z, np.uint32(0x3F800000))  # e + bits(1.0f)
+    u = b * b
+    j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, _C1 * b)
+    neg = n <= np.float32(0.0)
+    s1 = _TWO_M125 if neg else _TWO_127
+    s2 = _shl23_add(z, np.uint32(0x7E000000) if neg else np.uint32(0))  # e - g, g = 0x82000000 or 0
+    big = s1 * s1 if abs(n) > np.float32(192.0) else fma32(s2, j, s2) * s1
+    return big if abs(n) > np.float32(126.0) else fma32(j, k, k)
+
+
+EXPF_AVX512 = {"avx512f", "avx512dq"} <= host_features()  # ggml's AVX-512 exp (else its AVX2 one)
+
+
+@njit(cache=True, forceinline=True)
+def expf_ggml(x):
+    """e^x of a float32 as llama.cpp's ggml_v_expf computes it on this CPU (module docstring)."""
+    if EXPF_AVX512:
+        return expf_ggml_avx512(x)
+    return expf_ggml_avx2(x)
 
 
 @njit(cache=True, forceinline=True)

@@ -2,7 +2,7 @@
 in the operation order of llama.cpp's build_moe_ffn (src/llama-graph.cpp) on ggml's CPU backend.
 
 Per token (one row of logits, f32 [n_expert]):
-1. gating: probs = softmax(logits) (ggml_soft_max: max, e = ggml's vector exp of x - max, sum
+1. gating: probs = softmax(logits) (ggml_soft_max: max, e = ggml's vector exp (this CPU's form of it) of x - max, sum
    in double of 8-wide f32 partial sums as ggml's AVX2 loop adds them, e * f32(1/sum)); or
    sigmoid (1 / (1 + expf(-x))); or, for gpt-oss (SOFTMAX_WEIGHT), the logits themselves;
 2. selection: the k largest of probs (+ the expert-selection bias when given: DeepSeek-V3's

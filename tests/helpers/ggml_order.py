@@ -40,7 +40,7 @@ def _f32(v):
     return np.float32(float.fromhex(v))
 
 
-def expf_reference(x: np.ndarray) -> np.ndarray:
+def expf_reference_avx512(x: np.ndarray) -> np.ndarray:
     """ggml_v_expf, AVX-512 form (vec.h), on float32 values: n = round(x log2 e) by the 1.5 * 2^23
     trick, b = x - n ln2 (two fused steps), a degree-5 polynomial in fused steps, then j * 2^n."""
     x = np.asarray(x, np.float32)
@@ -56,6 +56,38 @@ def expf_reference(x: np.ndarray) -> np.ndarray:
         res = (j.astype(np.float64) * np.exp2(np.clip(n, -300, 300).astype(np.float64))).astype(np.float32)
     alt = np.where(n <= 0, np.float32(0.0), np.float32(np.inf)).astype(np.float32)
     return np.where(np.abs(n) > 192, alt, res).astype(np.float32)
+
+
+def expf_reference_avx2(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf, AVX2 + FMA form (vec.h): the same n and b, then k = 2^n from the bits of
+    z << 23, j = the polynomial without its 1 (last step c1 * b, not fma(c1, b, 1)),
+    result fma(j, k, k); lanes with |n| > 126: fma(s2, j, s2) * s1 (s1 = bits(g + 0x7f000000),
+    s2 = bits(e - g), g = 0x82000000 where n <= 0), or s1 * s1 past |n| > 192."""
+    x = np.asarray(x, np.float32)
+    r = _f32("0x1.8p23")
+    z = fma32(x, _f32("0x1.715476p+0"), r)
+    with np.errstate(invalid="ignore"):
+        n = (z - r).astype(np.float32)
+    b = fma32(-n, _f32("0x1.7f7d1cp-20"), fma32(-n, _f32("0x1.62e4p-1"), x))
+    e = (z.view(np.uint32).astype(np.uint64) << 23).astype(np.uint32)  # 32-bit shift: high bits drop
+    k = (e.astype(np.uint64) + 0x3F800000).astype(np.uint32).view(np.float32)
+    u = (b * b).astype(np.float32)
+    p1 = fma32(_f32("0x1.0e4020p-7"), b, _f32("0x1.573e2ep-5"))
+    p2 = fma32(_f32("0x1.555e66p-3"), b, _f32("0x1.fffdb6p-2"))
+    j = fma32(fma32(p1, u, p2), u, (_f32("0x1.ffffecp-1") * b).astype(np.float32))
+    g = np.where(n <= 0, np.uint64(0x82000000), np.uint64(0))
+    s1 = ((g + 0x7F000000) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    s2 = ((e.astype(np.uint64) - g) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        big = np.where(np.abs(n) > 192, s1 * s1, (fma32(s2, j, s2) * s1).astype(np.float32))
+    return np.where(np.abs(n) > 126, big, fma32(j, k, k)).astype(np.float32)
+
+
+def expf_reference(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf in the form llama.cpp runs on this host (kernels/ggml_math.EXPF_AVX512)."""
+    from kvchat.kernels.ggml_math import EXPF_AVX512
+
+    return expf_reference_avx512(x) if EXPF_AVX512 else expf_reference_avx2(x)
 
 
 def silu_reference(x: np.ndarray) -> np.ndarray:
