@@ -47,7 +47,7 @@ _C5, _C4, _C3, _C2, _C1 = (
 _R = np.float32(12582912.0)  # 0x1.8p23
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def fma32(a, b, c):
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
