@@ -35,12 +35,15 @@ import struct
 
 
 def kernels_compiled() -> bool:
-    """True when numba's cache holds a compiled version of the hot-path kernels for this source."""
+    """True when numba's cache holds a compiled version of a hot-path kernel for this source: the
+    integer matmul's serial twin (quantized weights) or the serial RMS norm (every model, float
+    weights too: a tiny F32 model never calls the integer matmul)."""
     try:
         from kvchat.kernels.matmul_int import matmul_q_serial
+        from kvchat.kernels.norm import _rms_norm_ser
 
-        cache_file = matmul_q_serial._cache._cache_file  # numba's IndexDataCacheFile
-        return bool(cache_file._load_index())
+        # numba's IndexDataCacheFile of each
+        return any(bool(k._cache._cache_file._load_index()) for k in (matmul_q_serial, _rms_norm_ser))
     except Exception:  # another numba layout, an unreadable cache dir: assume warm, stay quiet
         return True
 

@@ -21,3 +21,38 @@ RMS_NORM_PAR_MIN_ROWS = 16
 GLU_PAR_MIN_ROWS = 8
 ROPE_PAR_MIN_TOKENS = 16  # prepare_qkv (split + QK-norm + RoPE)
 DEQUANT_PAR_MIN_ROWS = 8  # rows dequantized at once (get_rows: embedding lookups)
+
+
+# ---- serial only, for a while -------------------------------------------------------------------
+# A first run's answer need not wait for the parallel twins: its compile workers build the serial
+# kernels first (kvchat.runtime.compile_ahead), the answer runs on them with every threshold out
+# of reach, and the thresholds come back once the parallel twins are cached too. The twins give the
+# same bits (batch invariance), so when the switch happens — even inside a forward — changes nothing
+# but speed. Kernels without a serial twin (always parallel) are in the serial set as they are.
+
+_HELD = ("MATMUL_PAR_MIN_MACS", "ATTN_PAR_MIN_MACS", "RMS_NORM_PAR_MIN_ROWS", "GLU_PAR_MIN_ROWS")
+_HELD += ("ROPE_PAR_MIN_TOKENS", "DEQUANT_PAR_MIN_ROWS")
+_OUT_OF_REACH = 1 << 62
+_saved: dict = {}
+
+
+def hold_serial() -> None:
+    """Every kernel with a serial twin runs it until release() (the forward also passes one thread
+    to attention and ignores the launch tuner's matmul threshold: runtime/arch/layer_plan.py)."""
+    g = globals()
+    for name in _HELD:
+        if name not in _saved:
+            _saved[name] = g[name]
+            g[name] = _OUT_OF_REACH
+
+
+def release() -> None:
+    """The thresholds as they were before hold_serial() (idempotent)."""
+    g = globals()
+    for name, value in list(_saved.items()):
+        g[name] = value
+        del _saved[name]
+
+
+def serial_held() -> bool:
+    return bool(_saved)

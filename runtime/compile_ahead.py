@@ -100,8 +100,10 @@ class CompileAhead:
         self.cparams = cparams
         self.n_workers = worker_count() if n_workers is None else n_workers
         self.n_prompt = n_prompt
-        self.entries: list | None = None  # the plan's pairs not yet cached
+        self.entries: list | None = None  # the plan's pairs not yet cached: the serial set first
+        self.n_serial = 0  # how many of them a first answer needs (kernels.parallel.hold_serial)
         self.done = 0
+        self.serial_done = 0
         self.seconds: dict = {}  # entry -> (wall, CPU) seconds of its compile in a worker
         self.plan_seconds = None  # wall seconds until the plan was known
         self.errors: list[str] = []
@@ -109,6 +111,7 @@ class CompileAhead:
         self.finished_at = None
         self._jobs: queue.Queue = queue.Queue()
         self._planned = threading.Event()
+        self._serial_ready = threading.Event()
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
@@ -143,20 +146,32 @@ class CompileAhead:
         return self.done, None if self.entries is None else len(self.entries)
 
     @property
+    def serial_progress(self) -> tuple[int, int | None]:
+        """(serial-set kernels compiled, serial-set kernels); the total is None while planning."""
+        return self.serial_done, None if self.entries is None else self.n_serial
+
+    @property
     def finished(self) -> bool:
         return self._finished.is_set()
 
-    def wait(self, on_progress=None, poll: float = 0.1) -> None:
-        """Block until every worker is done; on_progress(done, total) whenever that changes.
-        A KeyboardInterrupt (Ctrl-C) leaves the workers compiling."""
+    @property
+    def serial_ready(self) -> bool:
+        """The kernels a first answer needs are cached (or the workers are done)."""
+        return self._serial_ready.is_set()
+
+    def wait(self, on_progress=None, poll: float = 0.1, serial: bool = False) -> None:
+        """Block until every worker is done (serial: until the serial set is cached);
+        on_progress(done, total) whenever that changes. A KeyboardInterrupt (Ctrl-C) leaves the
+        workers compiling."""
+        event = self._serial_ready if serial else self._finished
+        now = (lambda: self.serial_progress) if serial else (lambda: self.progress)
         last = None
-        while not self._finished.wait(poll):
-            now = self.progress
-            if on_progress is not None and now != last:
-                on_progress(*now)
-                last = now
-        if on_progress is not None and self.progress != last:
-            on_progress(*self.progress)
+        while not event.wait(poll):
+            if on_progress is not None and now() != last:
+                last = now()
+                on_progress(*last)
+        if on_progress is not None and now() != last:
+            on_progress(*now())
 
     def close(self, kill: bool = False) -> None:
         """No more jobs; each worker ends after the kernel it is compiling (kill: at once)."""
@@ -187,6 +202,10 @@ class CompileAhead:
                     answer = worker.ask(("compile", i, entry))
                     with self._lock:
                         self.done += 1
+                        if i < self.n_serial:
+                            self.serial_done += 1
+                            if self.serial_done == self.n_serial:
+                                self._serial_ready.set()
                         self.seconds[entry] = (answer[2], answer[3])
                         if answer[4]:
                             self.errors.append(answer[4])
@@ -223,9 +242,14 @@ class CompileAhead:
             answer = worker.ask(("plan", self.model_path, self.cparams, self.n_prompt))
             self.plan_seconds = time.perf_counter() - self.started_at
             if answer[0] == "planned":
-                self.entries = answer[1]
-                for job in jobs_of(self.entries if not self._closed else []):
-                    self._jobs.put(job)
+                serial, rest = answer[1]
+                self.n_serial = len(serial)
+                self.entries = serial + rest
+                if not serial:
+                    self._serial_ready.set()
+                if not self._closed:  # the serial set's jobs first: a first answer waits for them only
+                    for job in jobs_of(serial) + [[(len(serial) + i, e) for i, e in j] for j in jobs_of(rest)]:
+                        self._jobs.put(job)
             else:
                 self.entries = []
                 self.errors.append(answer[1])
@@ -236,4 +260,5 @@ class CompileAhead:
         if self.entries is None:
             self.entries = []
         self.finished_at = time.perf_counter()
+        self._serial_ready.set()
         self._finished.set()

@@ -4,9 +4,10 @@ kvchat.runtime.compile_ahead over its stdin/stdout: pickled messages, one at a t
 Requests, answered in order:
 - ("plan", model_path, cparams, n_prompt): load the model, make a Context with those
   parameters and run a warm-up decode (n_prompt tokens, then one) under
-  kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", entries) — the
+  kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", (serial, parallel)) — the
   (kernel, signature) pairs the run calls that numba's cache does not hold yet, in call
-  order — or ("failed", text).
+  order: first those it calls with every kernel held to its serial twin, then the rest — or
+  ("failed", text).
   The dry run leaves garbage in the model's outputs, so this process plans once and then only
   compiles; the model and context are dropped before the answer.
 - ("compile", i, entry): compile_plan.compile_entry(entry), which writes numba's cache; the
@@ -27,8 +28,11 @@ import time
 import traceback
 
 
-def plan(model_path: str, cparams, n_prompt: int) -> list:
-    """The entries a warm-up decode of this model and context calls (module docstring)."""
+def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
+    """The entries a warm-up decode of this model and context calls (module docstring), as
+    (serial, parallel): those it calls with every kernel held to its serial twin
+    (kernels.parallel.hold_serial), which a first answer needs, then the rest."""
+    from kvchat.kernels import parallel
     from kvchat.kernels.compile_plan import dry_run, is_cached
     from kvchat.runtime.context import Context
     from kvchat.runtime.generate import warm_up
@@ -37,9 +41,17 @@ def plan(model_path: str, cparams, n_prompt: int) -> list:
     model = Model.load(model_path)  # its own kernels (GGUF strings, vocabulary) compile for real
     ctx = Context(model, cparams)
     bos = getattr(model.vocab, "bos", None)
-    with dry_run() as entries:
-        warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=n_prompt)
-    return [e for e in entries if not is_cached(e)]
+    bos = bos if bos is not None and bos >= 0 else 0
+    parallel.hold_serial()
+    try:
+        with dry_run() as serial:
+            warm_up(ctx, bos, n_prompt=n_prompt)
+    finally:
+        parallel.release()
+    with dry_run() as both:
+        warm_up(ctx, bos, n_prompt=n_prompt)
+    serial = [e for e in serial if not is_cached(e)]
+    return serial, [e for e in both if e not in serial and not is_cached(e)]
 
 
 def resident_bytes() -> int:

@@ -164,6 +164,7 @@ class Renderer:
                 self._lose_out()
         else:
             self._write("\n")
+        self._open_line = False  # a notice after the answer (the rest of a first run's compile) adds no blank line
 
     # ---- diagnostics ------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +38,14 @@ class Engine:
     def kernels_ready(self, renderer) -> None:
         """Wait for kernels compiling behind the chat (if any), with a progress line; Ctrl-C
         raises KeyboardInterrupt with nothing changed (a later call waits again)."""
-        if self.compiling is not None:
+        if self.compiling is not None and not self.compiling.waited:
             self.compiling.wait(renderer)
-            self.compiling = None
+
+    def kernels_finished(self, renderer) -> None:
+        """After an answer: wait for the kernels still compiling (`run`, `pull`), so that the
+        next start finds every kernel cached."""
+        if self.compiling is not None:
+            self.compiling.finish(renderer)
 
     @property
     def vocab(self):
@@ -57,6 +63,7 @@ class KernelsBehind:
 
     def __init__(self, ahead, ctx, model, path, first_run: bool):
         self.ahead, self.ctx, self.model, self.path, self.first_run = ahead, ctx, model, path, first_run
+        self.waited = False  # the serial set is in: answers may run
 
     @classmethod
     def start_if_needed(cls, ctx, model, path, first_run: bool):
@@ -73,14 +80,45 @@ class KernelsBehind:
         return cls(CompileAhead(path, ctx.params).start(), ctx, model, path, first_run)
 
     def wait(self, renderer) -> None:
-        """Block until the workers are done (progress `kernels 37/52` on stderr), then load."""
+        """Block until the kernels a first answer needs are cached — the serial twins, which the
+        workers compile first (progress `kernels 12/20` on stderr) — then hold every kernel to
+        its serial twin (kernels.parallel.hold_serial) until the workers have the parallel twins
+        cached too, when a thread gives the thresholds back: the answer starts a parallel
+        compile's time sooner, on one core, with the same bits."""
         with renderer.progress(FIRST_RUN if self.first_run else "compiling kernels…") as show, sigint_raises():
-            self.ahead.wait(lambda done, total: show(KERNELS.format(done, total) if total else None))
-            self.ahead.close()
-            warm_up_kernels(self.ctx, self.model, self.path, _Quiet(renderer), self.first_run)
+            self.ahead.wait(lambda done, total: show(KERNELS.format(done, total) if total else None), serial=True)
+        self.waited = True
+        if self.ahead.finished:
+            self._done()
+            return
+        from kvchat.kernels import parallel
+
+        parallel.hold_serial()
+        threading.Thread(target=self._release_when_finished, daemon=True, name="compile-release").start()
+
+    def _release_when_finished(self) -> None:
+        self.ahead.wait()
+        self._done()
+
+    def _done(self) -> None:
+        from kvchat.kernels import parallel
         from kvchat.runtime.weights.os_memory import release_library_pages
 
+        self.ahead.close()
+        parallel.release()
         release_library_pages()
+
+    def finish(self, renderer) -> None:
+        """Wait for the rest of the kernels (the parallel twins) after an answer that did not
+        need them, so that the next start is warm (`run`, `pull`); Ctrl-C stops the workers."""
+        if self.ahead.finished:
+            return
+        try:
+            with renderer.progress(REST) as show, sigint_raises():
+                self.ahead.wait(lambda done, total: show(KERNELS.format(done, total) if total else None))
+        except KeyboardInterrupt:
+            self.ahead.close(kill=True)
+        self._done()
 
     def close(self) -> None:
         """The chat ends before its kernels were needed: the workers stop now (the kernels they
@@ -89,6 +127,7 @@ class KernelsBehind:
 
 
 KERNELS = "kernels {}/{}"  # the progress line while a run waits for its compile workers
+REST = "compiling the rest of the kernels, first run only…"  # after an answer: the parallel twins
 
 
 class _Quiet:
@@ -151,8 +190,7 @@ def open_engine(
 
         release_library_pages()  # the kernels are linked: LLVM's pages leave the resident set
     elif not compile_behind:
-        behind.wait(renderer)
-        behind = None
+        behind.wait(renderer)  # the serial set; the rest compiles on (Engine.kernels_finished)
     if settings.chat_template_file is not None:
         template, has = ChatTemplate.from_file(settings.chat_template_file, model.vocab), True
     else:

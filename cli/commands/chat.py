@@ -61,5 +61,7 @@ def register(app: typer.Typer) -> None:
         try:
             repl.run()
         finally:
-            if engine.compiling is not None:  # left before the kernels were needed
+            if engine.compiling is not None and engine.compiling.waited:
+                engine.kernels_finished(renderer)  # the parallel twins, so the next chat starts warm
+            elif engine.compiling is not None:  # left before the kernels were needed
                 engine.compiling.close()

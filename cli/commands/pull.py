@@ -55,4 +55,7 @@ def compile_kernels(path) -> None:
     from kvchat.cli.options import ChatSettings
 
     for n_seq_max in (0, 1):  # the chat's default (0: auto), run's
-        open_engine(ChatSettings(model=str(path)), Renderer(), threading.Event(), n_seq_max=n_seq_max)
+        renderer = Renderer()
+        open_engine(ChatSettings(model=str(path)), renderer, threading.Event(), n_seq_max=n_seq_max).kernels_finished(
+            renderer
+        )

@@ -177,6 +177,7 @@ def run_command(
                 run_parallel.run_prompts_file(engine, conv, settings, prompts_file, parallel, jsonl, stop, renderer)
             else:
                 run_parallel.run_alternatives(engine, conv, settings, text, parallel, jsonl, stop, renderer)
+        engine.kernels_finished(renderer)
         return
     if should_resume(settings, renderer):
         # a follow-up in a saved conversation: SessionError -> exit 1, file untouched
@@ -205,6 +206,8 @@ def run_command(
         from kvchat.cli.session.session import save_conversation
 
         save_conversation(settings.session, conv, engine.identity, engine.cache, force=settings.force)
+    if not renderer.out_lost and stats.stop != StopReason.INTERRUPTED:
+        engine.kernels_finished(renderer)  # a first run: the parallel twins, so the next run is warm
     if settings.show_timings:
         renderer.timings(stats)
     if renderer.out_lost:

@@ -243,7 +243,10 @@ def forward(model, ubatch, mctx, min_macs: int | None = None) -> np.ndarray:
     x = embed(model, ubatch.token, top.embed_scale)  # [n_tokens, n_embd] f32, the residual stream
     out_ids = output_ids(ubatch)
     last = len(plans) - 1
-    run = Launch(numba.get_num_threads(), parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
+    if parallel.serial_held():  # a first run's answer before its parallel kernels are compiled
+        run = Launch(1, parallel.MATMUL_PAR_MIN_MACS)
+    else:
+        run = Launch(numba.get_num_threads(), parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
     h = rms_norm(x, plans[0].attn_norm, eps)
     for p in plans:
         cur = p.mixer(p, h, pos, mctx, run)
