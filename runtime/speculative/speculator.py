@@ -8,8 +8,9 @@ time for an n-token batch (measured: t(1) + (n - 1)·t_row, fitted from the batc
 t_draft the draft source's time per token (measured; ~0 for n-gram lookups; a draft model's catch-up
 on a backlog — the prompt, the tokens of plain steps — is not counted in it). k is the value in
 0..draft_max with the most tokens per second; below draft_min it is 0 (a plain one-token step),
-and every PROBE_EVERY plain steps a draft of draft_min (at least 1) is tried again, so that the
-estimates can recover. p is counted with decay (recent drafts weigh most).
+and after PROBE_EVERY plain steps a draft of draft_min (at least 1) is tried again, so that the
+estimates can recover (the wait doubles after each probe that does not pay, up to PROBE_MAX).
+p is counted with decay (recent drafts weigh most).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-PROBE_EVERY = 16  # plain steps between two probing drafts when drafting does not pay
+PROBE_EVERY = 16  # plain steps before a probing draft when drafting does not pay (doubles per probe)
+PROBE_MAX = 256  # ... up to this many: a model draft's probe first catches up on every skipped token
 DECAY = 0.9  # weight of the past in the acceptance counts and draft time average (per verify)
 N_TIMES = 9  # target decode times kept per batch size (their median is the estimate)
 
@@ -53,6 +55,7 @@ class DraftLength:
         self._times: dict[int, deque] = {}  # batch size n -> its last N_TIMES decode times
         self.t_draft = 0.0  # mean seconds per drafted token
         self.n_plain = 0  # plain steps since the last draft
+        self.probe_every = PROBE_EVERY  # plain steps before the next probe
 
     @property
     def p(self) -> float:
@@ -87,11 +90,13 @@ class DraftLength:
                 best, best_rate = k, rate
         if best < max(1, self.draft_min):
             self.n_plain += 1
-            if self.n_plain >= PROBE_EVERY:
+            if self.n_plain >= self.probe_every:
                 self.n_plain = 0
+                self.probe_every = min(PROBE_MAX, 2 * self.probe_every)  # each probe that fails waits longer
                 return max(1, self.draft_min)
             return 0
         self.n_plain = 0
+        self.probe_every = PROBE_EVERY
         return best
 
     def record_decode(self, n: int, seconds: float) -> None:
