@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from kvchat.kernels import parallel
 from kvchat.kernels.quants import quant_row_of
-from kvchat.kernels.rope import _prep_token
+from kvchat.kernels.rope import _prep_token, c_order
 
 
 @njit(cache=True, forceinline=True)
@@ -220,6 +220,7 @@ def prepare_qkv_store(q_in, k_in, v_in, pos, rope_args, n_head, n_head_kv, head_
     freq_scale, factors, attn_factor, neox), the layer's constants (runtime/arch/blocks.py)."""
     n = q_in.shape[0]
     q = np.empty((n, n_head, head_dim), dtype=np.float32)
+    q_in, k_in, v_in = c_order(q_in), c_order(k_in), c_order(v_in)
     fn = _prep_store_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_store_ser
     fn(q_in, k_in, v_in, pos, *rope_args, q, *dst)
     return q
