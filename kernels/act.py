@@ -30,14 +30,14 @@ from kvchat.kernels.ggml_math import silu_ggml
 _NO_TABLE = np.zeros(1, dtype=np.float32)  # the table argument of the SiLU loops (never read)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def silu_f32(x):
     """x * sigmoid(x) of one f32 value, bit for bit as ggml's x86 build on this CPU (ggml_v_silu
     with its own exp: kernels/ggml_math.py)."""
     return silu_ggml(x)
 
 
-@njit(cache=True, forceinline=True, error_model="numpy")
+@njit(cache=True, inline="always", error_model="numpy")
 def _glu_row(gu, n_ff, use_gelu, table, out):
     """One row: a loop per activation, branch-free, so the arithmetic vectorizes."""
     if use_gelu:
@@ -60,7 +60,7 @@ def _glu_rows_ser(gu, n_ff, use_gelu, table, out):
         _glu_row(gu[r], n_ff, use_gelu, table, out[r])
 
 
-@njit(cache=True, forceinline=True, error_model="numpy")
+@njit(cache=True, inline="always", error_model="numpy")
 def _glu_split_row(gate, up, use_gelu, table, out):
     if use_gelu:
         geglu_row(gate, up, table, out)
@@ -98,7 +98,7 @@ def glu_fused(gate_up, n_ff, use_gelu):
     return out
 
 
-@njit(cache=True, fastmath=False, forceinline=True)
+@njit(cache=True, fastmath=False, inline="always")
 def softmax_inplace(x, n):
     """Softmax of x[:n] in place (f32). -inf entries become 0; an all -inf row becomes all 0."""
     m = -np.inf

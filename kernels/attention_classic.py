@@ -29,7 +29,7 @@ from kvchat.kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
 _F32 = int(GGMLType.F32)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _unit_coords(u, n_tb, n_sub):
     """Unit index -> (token block, head sub-group, kv head). Token blocks are visited in a
     zig-zag so that the contiguous ranges numba hands each thread get light and heavy
@@ -40,7 +40,7 @@ def _unit_coords(u, n_tb, n_sub):
     return tbi, rest % n_sub, rest // n_sub
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
     u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and

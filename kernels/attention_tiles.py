@@ -101,7 +101,7 @@ def tile_live(mask, t0, t1, j0, j1):
     return False
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def exp_le0(x):
     """exp(x) for x <= 0 (or -inf -> 0), branch-free so that loops over a tile vectorize (numba has
     no vector exp here). Cody-Waite reduction x = n*ln2 + r (n rounded by adding and subtracting
@@ -122,7 +122,7 @@ def exp_le0(x):
     return y if x > np.float32(-87.0) else np.float32(0.0)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _f16_bits(h):
     """f16 bit pattern (u32) -> f32, exact and branch-free (see _f16_row_fast)."""
     mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
@@ -131,7 +131,7 @@ def _f16_bits(h):
     return bits_to_f32(fb | ((h & np.uint32(0x8000)) << np.uint32(16)))
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def row_values(t, nb):
     """How many values nb bytes of a cache row in format t hold (a cache format's block sizes)."""
     if t == _F32:
@@ -149,7 +149,7 @@ def row_values(t, nb):
     return nb // 24 * 32  # q5_1
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def load_tile(t, raw, st, j0, nj, b0, nb, dst):
     """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st — d values each — into
     dst[:nj, :d] (f32 [KT, dp], dp = d rounded up to LANES); rows nj..KT become zeros. Columns
@@ -193,7 +193,7 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
             dst[j, i] = 0.0
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def mask_tile(mask, t0, t1, j0, nj, mt):
     """mt[t - t0, j] <- mask[t, j0 + j] for the tile's cells, -inf past the last cell (j >= nj)."""
     for t in range(t0, t1):
@@ -201,7 +201,7 @@ def mask_tile(mask, t0, t1, j0, nj, mt):
             mt[t - t0, j] = mask[t, j0 + j] if j < nj else NEG_INF
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def tile_dots1(qb, qi, kt, x, off, stride):
     """x[off + j] = qb[qi]·kt[j] for the KT cells of a tile (kt [KT, dk] f32): per cell, lane l
     is an fma chain over components l, l+16, ... in order, then one fixed tree (vhsum).
@@ -215,7 +215,7 @@ def tile_dots1(qb, qi, kt, x, off, stride):
         x[off + j] = vhsum(a)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def tile_dots4(qb, qi, kt, x, off, stride):
     """tile_dots1 for queries qi .. qi + 3 (results at off, off + stride, ...): one K load feeds
     four fma chains, each the very sequence tile_dots1 computes for its query."""
@@ -237,13 +237,13 @@ def tile_dots4(qb, qi, kt, x, off, stride):
         x[off + 3 * stride + j] = vhsum(d)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _tile_sum(x, off):
     """Sum of the KT values x[off:off+KT] in one fixed tree."""
     return vhsum(vadd(vload(x, off), vload(x, off + LANES)))
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def tile_scores(x, off, mt, mr, scale, softcap):
     """x[off + j] <- scale * dot (or soft-capped) + mask row mt[mr], for the KT cells of a tile;
     returns the tile's max."""
@@ -260,7 +260,7 @@ def tile_scores(x, off, mt, mr, scale, softcap):
     return m
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _dots16(qb, qi, kt, j0):
     """qb[qi]·kt[j] for the 16 cells j0 .. j0 + 15 of a tile, as one vector (lane i: cell j0 + i):
     each cell's lane chains exactly as tile_dots1's, and vhsum16 sums each the way vhsum does,
@@ -290,7 +290,7 @@ def _dots16(qb, qi, kt, j0):
     return vhsum16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def query_scores(qb, qi, kt, mt, mr, scale, softcap, x, off):
     """x[off:off + KT] <- the scores of query qi over a K tile (kt [KT, dk]): K·q as tile_dots1,
     then scale (or soft-cap) and mask row mt[mr] as tile_scores, whose bits these are; returns
@@ -310,7 +310,7 @@ def query_scores(qb, qi, kt, mt, mr, scale, softcap, x, off):
     return vhmax(vmax(s0, s1))
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def softmax_step(r, m_tile, sc, so, mx, sm, acc):
     """A tile's online-softmax step for state row r (mx, sm, acc [rows, dv]) up to the P·V: rescale to the new
     max, sc[so:so + KT] scores -> probabilities, their sum added. Returns True if some p is 0
@@ -336,13 +336,13 @@ def softmax_step(r, m_tile, sc, so, mx, sm, acc):
     return vany_eq0(p0, p1)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def tile_pv1(sc, so, vt, acc, r):
     """acc[r, e] += p_j * v_j[e] over the tile's cells in order, cells with p = 0 skipped ."""
     _pv_rest(sc, so, vt, acc, r, np.int64(0))  # i64: tile_pv's version, not a literal's
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0):
     """tile_pv for the 64 components e0 .. e0 + 63 (four vectors per query: up to 16 chains)."""
     dv = acc.shape[1]
@@ -402,7 +402,7 @@ def _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0):
         vstore(acc, r * dv + e0 + 3 * LANES, x3)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def tile_pv(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3):
     """P·V of n <= 4 queries at once, none with a p = 0 in the tile: query i's probabilities at
     sc[s_i:s_i + KT], its state row r_i of acc [rows, dv]. Each V vector loaded feeds all n
@@ -420,7 +420,7 @@ def tile_pv(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3):
             _pv_rest(sc, so, vt, acc, r, e0)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _pv_rest(sc, so, vt, acc, r, e_lo):
     """tile_pv1 for the components e_lo .. dv of one query."""
     dv = acc.shape[1]
@@ -434,7 +434,7 @@ def _pv_rest(sc, so, vt, acc, r, e_lo):
         vstore(acc, o + e0, a)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def prefetch_tile(raw, st, j0, b0, nb):
     """Ask for bytes [b0, b0 + nb) of cache rows j0 .. j0 + KT - 1 of stream st (those that
     exist) ahead of load_tile, one hint per 64-byte line: the rows of a kv head are strided,

@@ -24,7 +24,7 @@ from kvchat.kernels import parallel
 from kvchat.kernels.norm import rms_norm_row
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _add_norm_row(x, a, w, eps, h):
     """x [d] f32 += a [d] f32, then h [d] f32 = rmsnorm(x) * w."""
     for i in range(x.shape[0]):

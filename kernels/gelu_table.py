@@ -28,7 +28,7 @@ _ONE = np.float32(1.0)
 _TEN_BITS = np.uint32(0x41200000)  # bits of 10.0f: |x| < 10 <=> (bits & 0x7fffffff) < this (NaN not)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _gelu_ggml_f32(x):
     """ggml_gelu_f32 with GCC's contraction: 0.5 x (1 + tanhf(sqrt(2/pi) x fma(a x, x, 1)))."""
     inner = _SQRT_2_OVER_PI * x * fma32(_GELU_COEF_A * x, x, _ONE)
@@ -54,7 +54,7 @@ def gelu_table() -> np.ndarray:
     return _TABLE
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def f16_index(b):
     """The f16 bit pattern of the float32 with bits b (uint32), rounded to nearest even, for
     finite |x| < 65504 — ggml's GGML_CPU_FP32_TO_FP16 (vcvtps2ph, round to nearest). Branch-free:
@@ -69,7 +69,7 @@ def f16_index(b):
     return sign | (normal if ax >= np.uint32(0x38800000) else sub)
 
 
-@njit(cache=True, forceinline=True, error_model="numpy")
+@njit(cache=True, inline="always", error_model="numpy")
 def geglu_row(gate, up, table, out):
     """out = gelu(gate) * up as ggml_vec_geglu_f32 (GGML_GELU_FP16): 0 for x <= -10, x * up for
     x >= 10 (and NaN), table[f16(x)] * up between. gate, up, out: [n] f32; table: gelu_table().

@@ -84,7 +84,7 @@ def scale_by_pow2(typingctx, j, z):
     return types.float32(j, z), codegen
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def expf_ggml_avx512(x):
     """e^x of a float32 as ggml_v_expf's AVX-512 form computes it, lane by lane. Branch-free
     (the saturation is a select), so loops over it vectorize."""
@@ -118,7 +118,7 @@ _TWO_127 = np.float32(2.0**127)  # bits 0x7f000000: vec.h's s1 for n > 0
 _TWO_M125 = np.float32(2.0**-125)  # bits 0x01000000 (0x82000000 + 0x7f000000): s1 for n <= 0
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def expf_ggml_avx2(x):
     """e^x of a float32 as ggml_v_expf's AVX2 form computes it, lane by lane: k = 2^n from z's
     bits, j = poly(b) (no 1 added), fma(j, k, k); where |n| > 126 (2^n is no normal float) it
@@ -140,7 +140,7 @@ def expf_ggml_avx2(x):
 EXPF_AVX512 = {"avx512f", "avx512dq"} <= host_features()  # ggml's AVX-512 exp (else its AVX2 one)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def expf_ggml(x):
     """e^x of a float32 as llama.cpp's ggml_v_expf computes it on this CPU (module docstring)."""
     if EXPF_AVX512:
@@ -148,7 +148,7 @@ def expf_ggml(x):
     return expf_ggml_avx2(x)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def silu_ggml(x):
     """ggml_v_silu: x / (1 + e^(0 - x)) with expf_ggml."""
     return x / (_ONE + expf_ggml(np.float32(0.0) - x))

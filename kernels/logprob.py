@@ -28,7 +28,7 @@ def row_words(n_vocab: int) -> int:
     return 2 * ((n_vocab + 1) // 2) + 4
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _max_sum_exp(x):
     """(max, index of the first max, float64 sum of expf(x - max)) of f32 x [n]."""
     n = x.shape[0]

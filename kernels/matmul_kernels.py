@@ -73,7 +73,7 @@ def _block_values_impl(q):
     return lambda q: q.shape[2]
 
 
-@njit(forceinline=True)
+@njit(inline="always")
 def _dot_step(s, wa0, wa1, wb0, wb1, xa, xb):
     """One step of the block dot: s = (s_a rows 0-15, s_a rows 16-31, s_b rows 0-15, s_b rows 16-31)."""
     ba = vbcast(xa)
@@ -81,7 +81,7 @@ def _dot_step(s, wa0, wa1, wb0, wb1, xa, xb):
     return vfma(wa0, ba, s[0]), vfma(wa1, ba, s[1]), vfma(wb0, bb, s[2]), vfma(wb1, bb, s[3])
 
 
-@njit(forceinline=True)
+@njit(inline="always")
 def _block_into_acc(a0, a1, s, d0, d1, m0, m1, xsum, has_d, has_mn):
     """acc (rows 0-15, 16-31) += d * (s_a + s_b) [+ mn * xsum]: the block's scale and offset."""
     t0 = vadd(s[0], s[2])

@@ -29,7 +29,7 @@ GATING_NAMES = {"softmax": GATING_SOFTMAX, "sigmoid": GATING_SIGMOID, "softmax_w
 _MIN_SUM = np.float32(6.103515625e-5)  # build_moe_ffn's clamp of the weight sum (smallest normal f16)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _softmax_ggml(x, n, out):
     """out[:n] = ggml_soft_max of x[:n] (f32), as ggml_vec_soft_max_f32's AVX2 loop sums it."""
     mx = x[0]
@@ -59,7 +59,7 @@ def _softmax_ggml(x, n, out):
         out[j] = np.float32(out[j] * inv)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _route_row(logits, bias, has_bias, k, gating, norm, scale, probs, sel, ids, w):
     n = logits.shape[0]
     if gating == GATING_SOFTMAX:

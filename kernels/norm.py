@@ -31,7 +31,7 @@ def sum_sq_f64(x):
     return s
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def rms_norm_row(x, w, has_w, eps, out):
     """One row: x, out [d] f32 (out may alias x); w [d] f32 (ignored unless has_w).
     ggml's arithmetic: mean = f32(sum / d), scale = 1 / sqrtf(mean + eps) in f32 (eps as its

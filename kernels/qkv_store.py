@@ -25,7 +25,7 @@ from kvchat.kernels.quants import quant_row_of
 from kvchat.kernels.rope import _prep_token, c_order
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v):
     """Quantize token t's K row (k_out [n, n_head_kv, dk] f32 -> [n_head_kv * dk]) and V row
     (v_out [n, n_embd_v] f32) into k_dst / v_dst u8 [n_stream, kv_size, row_bytes] at
@@ -34,7 +34,7 @@ def _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v):
     quant_row_of(type_v, v_out[t], v_dst[strm[t], cell[t]])
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _scratch(q_out, k_in, v_in):
     """The roped K [n, n_head_kv, dk] and V [n, n_embd_v] f32 rows before they are quantized
     into the cache."""

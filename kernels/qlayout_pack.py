@@ -44,7 +44,7 @@ _IQ4_NL_BYTES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 )
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _u16(b, i):
     return np.uint16(b[i]) | (np.uint16(b[i + 1]) << np.uint16(8))
 
@@ -142,7 +142,7 @@ def _decode(t, b, o, vals, scs, mns):
     return d, m
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _put_nibbles(dst, vals, base, half, r):
     """Sub-block values at vals[base:] -> row r's nibble bytes: low half | high half << 4."""
     for st in range(half // 4):
@@ -151,7 +151,7 @@ def _put_nibbles(dst, vals, base, half, r):
             dst[o + i] = (vals[base + 4 * st + i] & 15) | ((vals[base + half + 4 * st + i] & 15) << 4)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _put_planes(dst, vals, base, half, r, planes, nib_bytes):
     """OR row r's bits 4 + p of the sub-block's values into plane p's words: value i of step st
     is bit 4 (r % 16) + i of word r // 16 (low half) or 2 + r // 16 (high half)."""
@@ -168,7 +168,7 @@ def _put_planes(dst, vals, base, half, r, planes, nib_bytes):
             dst[w + 16] |= hi << sh
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _put_bytes(dst, vals, base, s_vals, r):
     for st in range(s_vals // 4):
         o = (st * R + r) * 4

@@ -30,7 +30,7 @@ from kvchat.kernels.qlayout import ACT_Q8_1, ACT_Q8_K
 from kvchat.kernels.quants_fp import f16_to_f32, f32_to_f16
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _rint(v):
     """Round half to even, as _mm256_round_ps(_MM_ROUND_NEAREST) and ggml's nearest_int."""
     return np.int32(np.rint(v))

@@ -23,7 +23,7 @@ from kvchat.kernels.ggml_math import fma32
 from kvchat.kernels.norm import rms_norm_row
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _rope_cache(p, half, theta_scale, fs, ff, mscale, cs):
     """cs [half, 2] f32 <- (cos, sin) of position p. ggml's rope cache: theta_0 = p,
     theta_{i+1} = theta_i * base^(-2/n_rot), all in float32; pair i turns by
@@ -37,7 +37,7 @@ def _rope_cache(p, half, theta_scale, fs, ff, mscale, cs):
         theta = np.float32(theta * theta_scale)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _rotate(xh, cs, half, neox):
     """Rotate one head xh [head_dim] f32 in place by the cached angles."""
     for i in range(half):
@@ -66,7 +66,7 @@ def _rope_inplace(x, pos, n_rot, theta_scale, fs, ff, mscale, neox):
             _rotate(x[t, h], cs, half, neox)
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def _prep_token(
     t,
     q_in,

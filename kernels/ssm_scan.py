@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(cache=True, forceinline=True)
+@njit(cache=True, inline="always")
 def softplus_f32(x):
     """ggml_compute_softplus_f32: x above 20, else log1p(exp(x)), in f32."""
     if x > np.float32(20.0):
