@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from kvchat.kernels import parallel
 from kvchat.kernels.quants import quant_row_of
-from kvchat.kernels.rope import _prep_token, c_order
+from kvchat.kernels.rope import _prep_token
 
 
 @njit(cache=True, inline="always")
@@ -220,7 +220,10 @@ def prepare_qkv_store(q_in, k_in, v_in, pos, rope_args, n_head, n_head_kv, head_
     freq_scale, factors, attn_factor, neox), the layer's constants (runtime/arch/blocks.py)."""
     n = q_in.shape[0]
     q = np.empty((n, n_head, head_dim), dtype=np.float32)
-    q_in, k_in, v_in = c_order(q_in), c_order(k_in), c_order(v_in)
+    # the column slices of a fused QKV projection are strided for several tokens and contiguous for
+    # one, and numba compiles a kernel once per layout: copying a prompt's few KB a layer (a token's
+    # are returned as they are) keeps one compiled version of the whole Q/K/V path
+    q_in, k_in, v_in = np.ascontiguousarray(q_in), np.ascontiguousarray(k_in), np.ascontiguousarray(v_in)
     fn = _prep_store_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_store_ser
     fn(q_in, k_in, v_in, pos, *rope_args, q, *dst)
     return q

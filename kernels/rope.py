@@ -270,10 +270,10 @@ def prepare_qkv_planned(
     has_norm = q_norm is not None
     n_rot, theta_scale, fs, ff, mscale = plan
     fn = _prep_qkv_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_qkv_ser
-    fn(  # C-contiguous inputs: one compiled layout (c_order)
-        c_order(q_in),
-        c_order(k_in),
-        c_order(v_in),
+    fn(  # C-contiguous inputs: one compiled layout (kernels/qkv_store.prepare_qkv_store says why)
+        np.ascontiguousarray(q_in),
+        np.ascontiguousarray(k_in),
+        np.ascontiguousarray(v_in),
         q_norm if has_norm else _ONE,
         k_norm if has_norm else _ONE,
         has_norm,
@@ -290,10 +290,3 @@ def prepare_qkv_planned(
         v,
     )
     return q, k, v
-
-
-def c_order(a):
-    """a, C-contiguous: the column slices of a fused QKV projection are strided for several
-    tokens and contiguous for one, and numba compiles a kernel once per layout; a copy of a few
-    KB per layer keeps one compiled version (a first run compiled the whole Q/K/V path twice)."""
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)

@@ -154,11 +154,6 @@ class CompileAhead:
     def finished(self) -> bool:
         return self._finished.is_set()
 
-    @property
-    def serial_ready(self) -> bool:
-        """The kernels a first answer needs are cached (or the workers are done)."""
-        return self._serial_ready.is_set()
-
     def wait(self, on_progress=None, poll: float = 0.1, serial: bool = False) -> None:
         """Block until every worker is done (serial: until the serial set is cached);
         on_progress(done, total) whenever that changes. A KeyboardInterrupt (Ctrl-C) leaves the

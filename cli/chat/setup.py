@@ -57,16 +57,16 @@ WORKERS_ENV = "KVCHAT_COMPILE_WORKERS"  # kvchat.runtime.compile_ahead's; not pa
 
 
 class KernelsBehind:
-    """This run's kernels compiling in worker processes (kvchat.runtime.compile_ahead), and what
-    the main process does once they are in numba's cache: a warm-up decode that loads them all
-    and records them (kernels/warm_set.py), so the next start knows it is warm."""
+    """This run's kernels compiling in worker processes (kvchat.runtime.compile_ahead): the wait
+    for the serial set before a first answer, the serial hold until the rest is cached, and the
+    wait for the rest after it. The next start, warm, records its warm-up (kernels/warm_set.py)."""
 
-    def __init__(self, ahead, ctx, model, path, first_run: bool):
-        self.ahead, self.ctx, self.model, self.path, self.first_run = ahead, ctx, model, path, first_run
+    def __init__(self, ahead, first_run: bool):
+        self.ahead, self.first_run = ahead, first_run
         self.waited = False  # the serial set is in: answers may run
 
     @classmethod
-    def start_if_needed(cls, ctx, model, path, first_run: bool):
+    def start_if_needed(cls, ctx, path, first_run: bool):
         """Workers started on a first run (numba's cache holds no hot-path kernel for this source:
         a new install, a kvchat or numba upgrade) unless a warm-up of this model and context is
         recorded as cached, and workers are allowed (KVCHAT_COMPILE_WORKERS); else None. A warm
@@ -77,7 +77,7 @@ class KernelsBehind:
 
         if not first_run or worker_count() < 1 or warm_set.covered(warm_set_name(ctx, path)):
             return None
-        return cls(CompileAhead(path, ctx.params).start(), ctx, model, path, first_run)
+        return cls(CompileAhead(path, ctx.params).start(), first_run)
 
     def wait(self, renderer) -> None:
         """Block until the kernels a first answer needs are cached — the serial twins, which the
@@ -86,7 +86,7 @@ class KernelsBehind:
         cached too, when a thread gives the thresholds back: the answer starts a parallel
         compile's time sooner, on one core, with the same bits."""
         with renderer.progress(FIRST_RUN if self.first_run else "compiling kernels…") as show, sigint_raises():
-            self.ahead.wait(lambda done, total: show(KERNELS.format(done, total) if total else None), serial=True)
+            self.ahead.wait(_counted(show), serial=True)
         self.waited = True
         if self.ahead.finished:
             self._done()
@@ -115,7 +115,7 @@ class KernelsBehind:
             return
         try:
             with renderer.progress(REST) as show, sigint_raises():
-                self.ahead.wait(lambda done, total: show(KERNELS.format(done, total) if total else None))
+                self.ahead.wait(_counted(show))
         except KeyboardInterrupt:
             self.ahead.close(kill=True)
         self._done()
@@ -130,15 +130,9 @@ KERNELS = "kernels {}/{}"  # the progress line while a run waits for its compile
 REST = "compiling the rest of the kernels, first run only…"  # after an answer: the parallel twins
 
 
-class _Quiet:
-    """A renderer whose spinner shows nothing (an outer progress line is already up)."""
-
-    def __init__(self, renderer):
-        self._r = renderer
-
-    @contextmanager
-    def spinner(self, text):
-        yield
+def _counted(show):
+    """A CompileAhead.wait progress callback showing `kernels done/total` (nothing while planning)."""
+    return lambda done, total: show(KERNELS.format(done, total) if total else None)
 
 
 AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
@@ -183,7 +177,7 @@ def open_engine(
             )
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
-    behind = KernelsBehind.start_if_needed(ctx, model, path, first_run)
+    behind = KernelsBehind.start_if_needed(ctx, path, first_run)
     if behind is None:
         warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
         from kvchat.runtime.weights.os_memory import release_library_pages
