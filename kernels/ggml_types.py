@@ -85,6 +85,7 @@ _ALL = [
     ("q8_K", _T.Q8_K, QK_K, 4 + 256 + 32, False),  # f32 d, 256 int8, 16 int16 bsums
     ("iq4_nl", _T.IQ4_NL, QK, 2 + 16, True),  # half d, 32 nibbles into a non-linear table
     ("bf16", _T.BF16, 1, 2, True),
+    ("mxfp4", _T.MXFP4, QK, 1 + 16, False),  # e8m0 exponent e, 32 e2m1 nibbles (weights only: gpt-oss)
 ]
 
 # Known to ggml but not implemented by kernels/quants.py (sizes kept so a loader can still
@@ -105,7 +106,6 @@ _UNSUPPORTED = [
     ("iq1_m", _T.IQ1_M, QK_K, 56),
     ("tq1_0", _T.TQ1_0, QK_K, 54),
     ("tq2_0", _T.TQ2_0, QK_K, 66),
-    ("mxfp4", _T.MXFP4, 32, 17),
     ("nvfp4", _T.NVFP4, 64, 36),
     ("q1_0", _T.Q1_0, 128, 18),
     ("q2_0", _T.Q2_0, 64, 18),

@@ -21,6 +21,12 @@ side by side:
                                  q4_1 / q5_1 offset or the K-quants' -dmin (m empty when unused)
     sc, mn  i8 [G, n_sub, R]     K-quants: each sub-block's integer scale and min (else empty)
 
+mxfp4 is held as iq4_nl is, its values the bytes of ggml's table kvalues_mxfp4 (the e2m1 values
+doubled: integers in [-12, 12]), but its block scale d is f32 [G, n_super, R] (GGML_E8M0_TO_FP32_HALF
+of the exponent byte, 2^(e - 128), which f16 cannot hold for every e); the kernel loads either
+(kernels/simd.vload), so the integer dot and its float steps are q8_0's / iq4_nl's: ggml's
+vec_dot_mxfp4_q8_0 (d = x.d * e8m0_half(e), sum += d * integer dot).
+
 with S the values per sub-block (32, or 16 for q2_K / q3_K / q6_K), n_sub = k / S and
 n_super = k / 32 (legacy formats, one sub-block each) or k / 256 (K-quants). Values are the
 file's integers (never re-quantized), moved so that they are unsigned (q4_0's q - 8 is stored
@@ -88,6 +94,8 @@ FORMATS = {
     GGMLType.Q5_1: QFormat("q5_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, 1),
     GGMLType.Q8_0: QFormat("q8_0", 32, 1, 0, False, True, ACT_Q8_0, False, False),
     GGMLType.IQ4_NL: QFormat("iq4_nl", 32, 1, 0, False, True, ACT_Q8_0, False, False),
+    # mxfp4: the e2m1 values as table bytes (doubled: integers), its e8m0 scale as f32 in d (below)
+    GGMLType.MXFP4: QFormat("mxfp4", 32, 1, 0, False, True, ACT_Q8_0, False, False),
     GGMLType.Q2_K: QFormat("q2_K", 16, 16, 0, True, False, ACT_Q8_K, False, True),
     GGMLType.Q3_K: QFormat("q3_K", 16, 16, 4, True, False, ACT_Q8_K, False, False),
     GGMLType.Q4_K: QFormat("q4_K", 32, 8, 0, True, False, ACT_Q8_K, False, True),
@@ -167,6 +175,8 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
     fmt = FORMATS.get(t)
     if fmt is None:
         raise ValueError(f"matmul: ggml type {t.name} is not supported for weights")
+    if t == GGMLType.MXFP4:
+        return fmt, _repack_mxfp4(raw, k, done)
     m = raw.shape[0]
     g = -(-m // R)
     n_sub = k // fmt.sub
@@ -184,3 +194,33 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
         if done is not None:
             done(part)
     return fmt, Packed(q.view(np.int8) if fmt.signed else q, d, mm, sc, mn)
+
+
+def _repack_mxfp4(raw: np.ndarray, k: int, done=None) -> Packed:
+    """mxfp4 rows raw u8 [m, k / 32 * 17] -> Packed (q i8 [G, k / 32, 32 * R] table values in the
+    byte layout, d f32 [G, k / 32, R] scales; rows past m zero), REPACK_ROWS rows at a time with
+    numpy (no compiled pass: the existing formats' pack_rows stays as it is)."""
+    from kvchat.kernels.quants_legacy import E8M0_HALF, KVALUES_MXFP4
+
+    m = raw.shape[0]
+    g = -(-m // R)
+    nb = k // 32
+    q = np.zeros((g, nb, 32 * R), np.int8)
+    d = np.zeros((g, nb, R), np.float32)
+    for r0 in range(0, m, REPACK_ROWS):
+        part = raw[r0 : r0 + REPACK_ROWS]
+        n = part.shape[0]
+        blocks = part.reshape(n, nb, 17)
+        qs = blocks[:, :, 1:]  # [n, nb, 16] u8
+        vals = np.zeros((-(-n // R) * R, nb, 32), np.int8)  # [rows, nb, 32] padded to whole groups
+        vals[:n, :, :16] = KVALUES_MXFP4[qs & 15]
+        vals[:n, :, 16:] = KVALUES_MXFP4[qs >> 4]
+        sc = np.zeros((vals.shape[0], nb), np.float32)
+        sc[:n] = E8M0_HALF[blocks[:, :, 0]]
+        g0, gn = r0 // R, vals.shape[0] // R
+        # [gn, R, nb, 8 steps, 4] -> [gn, nb, 8 steps, R, 4]: value 4s + i of row r at byte (s, r, i)
+        q[g0 : g0 + gn] = vals.reshape(gn, R, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(gn, nb, 32 * R)
+        d[g0 : g0 + gn] = sc.reshape(gn, R, nb).transpose(0, 2, 1)
+        if done is not None:
+            done(part)
+    return Packed(q, d, EMPTY_U16, EMPTY_I8, EMPTY_I8)

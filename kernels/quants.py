@@ -49,6 +49,7 @@ from .quants_k import (  # noqa: F401
 from .quants_legacy import (  # noqa: F401
     KVALUES_IQ4NL,
     dequant_row_iq4_nl,
+    dequant_row_mxfp4,
     dequant_row_q4_0,
     dequant_row_q4_1,
     dequant_row_q5_0,
@@ -82,6 +83,7 @@ QUANT_TABLE: dict[int, QuantFuncs] = {
     T.Q8_0: QuantFuncs(dequant_row_q8_0, quant_row_q8_0),
     T.Q8_1: QuantFuncs(dequant_row_q8_1, quant_row_q8_1),
     T.IQ4_NL: QuantFuncs(dequant_row_iq4_nl, quant_row_iq4_nl),
+    T.MXFP4: QuantFuncs(dequant_row_mxfp4, None),  # weights only; not in the run-time if-chains below
     T.Q2_K: QuantFuncs(dequant_row_q2_K, None),
     T.Q3_K: QuantFuncs(dequant_row_q3_K, None),
     T.Q4_K: QuantFuncs(dequant_row_q4_K, None),

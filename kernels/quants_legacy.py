@@ -8,6 +8,7 @@ Block layouts (little-endian, as ggml-common.h):
   q8_0   half d | 32 int8                       x = d * q
   q8_1   half d, half s | 32 int8               x = d * q   (s = d * sum q, for dot products)
   iq4_nl half d | 16 B nibbles                  x = d * KVALUES_IQ4NL[q]
+  mxfp4  u8 e | 16 B nibbles                    x = 2^(e-128) * KVALUES_MXFP4[q]  (e2m1 doubled, e8m0 halved)
 Nibble j of byte j holds value j, the high nibble holds value j + 16.
 
 Quantizers reproduce ggml's reference ones (quantize_row_*_ref) bit for bit: every float op
@@ -24,6 +25,20 @@ from .quants_fp import read_f16, write_f16
 
 QK = 32
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+# ggml's kvalues_mxfp4: the e2m1 values times 2 (0, ±0.5 ... ±6 -> 0, ±1 ... ±12), so that a block's
+# scale is GGML_E8M0_TO_FP32_HALF(e) = 2^(e - 128) and its dot product an integer one (kernels/qlayout.py)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def e8m0_half_table() -> np.ndarray:
+    """f32 [256]: GGML_E8M0_TO_FP32_HALF(e) = 2^(e - 128) for every exponent byte, as ggml builds its bits
+    (2^-128 and 2^-127 as denormals)."""
+    e = np.arange(256, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+E8M0_HALF = e8m0_half_table()
 _F32_MAX = np.float32(3.4028234663852886e38)
 _IQ4NL_EPS = np.float32(1e-15)  # below this block amax ggml stores a zero scale
 
@@ -333,3 +348,18 @@ def quant_row_iq4_nl(src, dst):
             sumq2 += w * qv * qv
         d = sumqx / sumq2 if sumq2 > np.float32(0.0) else np.float32(0.0)
         write_f16(dst, o, d)
+
+
+# ---- mxfp4 ---------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def dequant_row_mxfp4(src, dst):
+    """ggml's dequantize_row_mxfp4: exact (a table integer times a power of two)."""
+    for b in range(dst.shape[0] // QK):  # src [n/32 * 17] u8, dst [n] f32
+        o = b * 17
+        d = E8M0_HALF[src[o]]
+        for j in range(16):
+            q = np.int64(src[o + 1 + j])
+            dst[b * QK + j] = np.float32(KVALUES_MXFP4[q & 0xF]) * d
+            dst[b * QK + j + 16] = np.float32(KVALUES_MXFP4[q >> 4]) * d

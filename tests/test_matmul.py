@@ -34,6 +34,7 @@ F16_FIELDS = {
     GGMLType.Q5_1: (0, 2),
     GGMLType.Q8_0: (0,),
     GGMLType.IQ4_NL: (0,),
+    GGMLType.MXFP4: (),  # its scale is an e8m0 exponent byte (random_raw)
     GGMLType.Q2_K: (80, 82),
     GGMLType.Q3_K: (108,),
     GGMLType.Q4_K: (0, 2),
@@ -60,6 +61,8 @@ def random_raw(t: GGMLType, m: int, k: int, seed: int = 0) -> np.ndarray:
     for off in F16_FIELDS[t]:
         scale = (rng.random((m, nb)) * 0.02 + 0.001).astype(np.float16)
         raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(m, nb, 2)
+    if t == GGMLType.MXFP4:  # scales 2^(e - 128) in 2^-10 .. 2^-2
+        raw[:, :, 0] = rng.integers(118, 127, (m, nb), dtype=np.uint8)
     return raw.reshape(m, nb * info.type_size)
 
 
@@ -200,7 +203,7 @@ def test_f16_scale_decode_is_exact_for_every_half():
     assert np.isnan(got[nan]).all()
 
 
-@pytest.mark.parametrize("t", list(F16_FIELDS), ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [t for t in F16_FIELDS if t != GGMLType.MXFP4], ids=lambda t: t.name)
 def test_packed_layout_holds_the_file_bytes_once_with_f16_scales(t):
     """The integer layout keeps the file's f16 scales as 2-byte patterns, no offset array for
     the symmetric formats, and 4-bit values two per byte (q4_0 / q4_1 / q8_0: exactly the file's
@@ -218,6 +221,17 @@ def test_packed_layout_holds_the_file_bytes_once_with_f16_scales(t):
         assert qm.packed_nbytes == raw.nbytes
     if t == GGMLType.Q4_K:
         assert qm.packed_nbytes == raw.nbytes + 4 * m * (k // 256)
+
+
+def test_mxfp4_is_held_as_table_bytes_with_f32_power_of_two_scales():
+    """mxfp4 (no f16 field): a byte per value (ggml's doubled e2m1 table) and one f32 scale 2^(e - 128) per block."""
+    k, m = 64, 40
+    raw = random_raw(GGMLType.MXFP4, m, k, seed=7)
+    q, d, mm, sc, mn = QMatrix(raw, GGMLType.MXFP4, k)._packed
+    assert q.dtype == np.int8 and q.nbytes == 64 * k and d.dtype == np.float32 and mm.size == sc.size == mn.size == 0
+    e = raw.reshape(m, 2, 17)[:, :, 0].astype(np.int64)
+    np.testing.assert_array_equal(d[0, :, :32].T, np.exp2(e[:32] - 128.0).astype(np.float32))
+    assert set(np.unique(q)) <= {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12}
 
 
 # ---- batch invariance: every output element computed the same way whatever the batch ----------

@@ -493,3 +493,32 @@ def test_smollm2_tensors(smollm2_path):
 @pytest.mark.real_model
 def test_gemma3_tensors(gemma3_path):
     _check_model_tensors(gemma3_path, {"Q5_0", "Q4_K", "Q6_K", "Q8_0", "F32"})
+
+
+# ---- mxfp4 (weights only) --------------------------------------------------------------------
+
+
+def test_mxfp4_dequantizes_gguf_py_blocks_exactly():
+    """gpt-oss's expert format: gguf-py's quantizer's blocks decode to gguf-py's values bit for bit, and
+    every decoded value is a table integer / 2 times 2^(e - 127), computed in float64."""
+    x = cases(512, seed=11)["normal"] * np.float32(3.0)
+    raw = gq.quantize(x.reshape(-1, 512), gguf.GGMLQuantizationType.MXFP4)
+    got = Q.dequantize(raw, T.MXFP4, 512)
+    np.testing.assert_array_equal(got, gq.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(got.shape))
+    blk = raw.reshape(-1, 17)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+    vals = e2m1[np.concatenate([blk[:, 1:] & 15, blk[:, 1:] >> 4], 1)]  # [n_blocks, 32]
+    want = vals * np.exp2(blk[:, :1].astype(np.float64) - 127)
+    np.testing.assert_array_equal(got.reshape(-1, 32).astype(np.float64), want)
+    assert np.abs(got - x).max() / np.abs(x).max() < 0.2  # it decodes to the data
+
+
+def test_mxfp4_extreme_exponents_decode_as_ggml_builds_them():
+    """e = 0 and 1 are ggml's denormal bit patterns (2^-128, 2^-127 for a table 1); at e = 254 a table 1 is
+    2^126 and a table 12 overflows to inf, as ggml's float product does."""
+    raw = np.zeros((3, 17), np.uint8)
+    raw[:, 0] = (0, 1, 254)
+    raw[:, 1] = 0x71  # values 0 and 16: table 1 and 12
+    got = Q.dequantize(raw.reshape(3, 17), T.MXFP4, 32)
+    assert got[0, 0] == np.float32(2.0**-128) and got[1, 0] == np.float32(2.0**-127)
+    assert got[2, 0] == np.float32(2.0**126) and got[2, 16] == np.inf
