@@ -96,6 +96,7 @@ def attention(
     n_threads=2,
     round_q=False,
     start=None,
+    sinks=None,
 ):
     """Attention of fresh queries over the cache.
 
@@ -107,6 +108,7 @@ def attention(
     pos % kv_size once it wraps), so with start = the cell of the oldest position a row sees the
     cells are folded in position order, and the row's bits do not depend on the ring's size
     (kv_size is a multiple of CHUNK). Cells before start in its chunk are folded last.
+    sinks: None or f32 [n_head], a learned logit per head that joins its softmax (gpt-oss).
     Returns [n_tokens, n_head * dv] f32 (heads concatenated, ready for the output projection).
     Each row depends only on its own query, mask row, start and the cells it sees (module docstring).
     """
@@ -134,15 +136,22 @@ def attention(
         np.float32(softcap),
         bool(flash),
         n_threads,
+        NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32),
     )
 
 
-def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_kv, scale, softcap, flash, n_threads):
+NO_SINKS = np.zeros(0, dtype=np.float32)  # no attention sinks: the kernels skip them
+
+
+def attention_checked(
+    q, k, type_k, v, type_v, mask, tok_stream, start, n_head_kv, scale, softcap, flash, n_threads, sinks=NO_SINKS
+):
     """attention() for a caller whose arguments are already in the kernels' types, as the
     forward pass's are (runtime/arch/blocks.py): q C-contiguous f32 [n_tokens, n_head, dk],
     mask C-contiguous f32 [n_tokens, n_kv], tok_stream C-contiguous i32 [n_tokens], start None or
     C-contiguous i64 [n_tokens] in [0, n_kv), type_k / type_v / n_head_kv ints, scale and softcap
-    np.float32, flash a bool. Same kernels, same results; the conversions and checks a generated
+    np.float32, flash a bool, sinks C-contiguous f32 [n_head] or NO_SINKS. Same kernels, same
+    results; the conversions and checks a generated
     token does not need (30 layers a token) are left to attention()."""
     n_tokens, n_head, dk = q.shape
     n_kv = mask.shape[1]
@@ -180,6 +189,7 @@ def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_k
             n_head_kv,
             scale,
             softcap,
+            sinks,
             tb,
             split,
             cpu,
@@ -205,6 +215,7 @@ def attention_checked(q, k, type_k, v, type_v, mask, tok_stream, start, n_head_k
             n_head_kv,
             scale,
             softcap,
+            sinks,
             tb,
             split,
             n_units,

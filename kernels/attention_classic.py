@@ -41,7 +41,7 @@ def _unit_coords(u, n_tb, n_sub):
 
 
 @njit(cache=True, inline="always")
-def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out):
+def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
     u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
     each output are 16 lane chains over the visible tiles in cell order from the query's start
@@ -88,10 +88,13 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
             qi += 1
         for qi in range(nq):
             tmax[qi, ti] = tile_scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
+    has_sinks = sinks.shape[0] > 0
     for qi in range(nq):  # masked softmax per query row: lane l sums cells l, l+16, ... in order
         m = NEG_INF
         for ti in range(n_tiles):
             m = max(m, tmax[qi, ti])
+        if has_sinks:
+            m = max(m, sinks[h0 + qi % hpg])
         sv = vzero()
         s0 = start[t0 + qi // hpg] // KT
         for i in range(n_tiles):
@@ -102,6 +105,8 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
                     p[o + j] = np.float32(math.exp(p[o + j] - m))
                 sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
         s = vhsum(sv)
+        if has_sinks:
+            s += np.float32(math.exp(sinks[h0 + qi % hpg] - m))
         inv = np.float32(1.0) / s if s > 0.0 else np.float32(0.0)
         for ti in range(n_tiles):
             if tmax[qi, ti] != NEG_INF:
@@ -130,18 +135,22 @@ def classic_n_units(q, n_head_kv, tb, hpg):
 
 @njit(cache=True, parallel=True)
 def classic_attn_par(
-    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, out
 ):
     for u in prange(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+        _classic_unit(
+            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out
+        )
 
 
 @njit(cache=True)
 def classic_attn_ser(
-    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, n_units, out
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, out
 ):
     for u in range(n_units):
-        _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpg, out)
+        _classic_unit(
+            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out
+        )
 
 
 def classic_plan(n_tokens, n_head, n_head_kv, n_stream, n_threads=2):

@@ -153,6 +153,7 @@ def _flash_units(
     n_head_kv,
     scale,
     softcap,
+    sinks,
     tb,
     split,
     cpu,
@@ -170,7 +171,9 @@ def _flash_units(
     Without split the unit folds all chunks, from the start chunk of its first token on
     (cyclically), then the part of the start chunk before the start tile, and writes out; with
     split it stores each chunk's partial softmax in pm/ps/pacc [n_ch, n_tokens, n_head(, dv)] and
-    that last part in bm/bs/bacc [n_tokens, n_head(, dv)] for _merge_partials.
+    that last part in bm/bs/bacc [n_tokens, n_head(, dv)] for _merge_partials. sinks f32 [n_head]
+    (empty: none): each head's learned logit is folded in last as a chunk of one cell with value
+    zero (ggml's flash_attn_ext: S = S * ms + vs).
     The serial path calls this from Python (then _merge_partials) and the parallel kernel calls
     it per unit from its prange: one compiled body, and no kernel level in between — numba links
     every callee's code into its caller's module and LLVM optimizes and emits it again there, so
@@ -266,17 +269,21 @@ def _flash_units(
                 else:
                     rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[qi], cs[qi], ca[qi])
         if not split:
+            z = np.zeros(dvp, dtype=np.float32)  # a sink's p * v: it weighs no V row
             for qi in range(nq):
                 rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], cm[nq + qi], cs[nq + qi], ca[nq + qi])
+                if sinks.shape[0] > 0:  # the head's sink joins the softmax last (ggml's flash_attn_ext)
+                    rm[qi], rs[qi] = _fold(rm[qi], rs[qi], ra[qi], sinks[h0 + qi % gq], np.float32(1.0), z)
                 _finish(rm[qi], rs[qi], ra[qi], out[t0 + qi // gq, h0 + qi % gq])
 
 
 @njit(cache=True)
-def _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out):
+def _merge_partials(pm, ps, pacc, bm, bs, bacc, start, sinks, out):
     """Fold the chunks' partial softmaxes of every query in chunk order from its start chunk on,
     then the start chunk's part before the start tile (as an unsplit unit does)."""
     n_ch, n_tokens, n_head, dv = pacc.shape
     a = np.empty(dv, dtype=np.float32)
+    z = np.zeros(dv, dtype=np.float32)  # a sink's p * v: it weighs no V row
     for t in range(n_tokens):
         c0 = start[t] // CHUNK
         for h in range(n_head):
@@ -288,6 +295,8 @@ def _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out):
                 c = (c0 + ci) % n_ch
                 m, s = _fold(m, s, a, pm[c, t, h], ps[c, t, h], pacc[c, t, h])
             m, s = _fold(m, s, a, bm[t, h], bs[t, h], bacc[t, h])
+            if sinks.shape[0] > 0:
+                m, s = _fold(m, s, a, sinks[h], np.float32(1.0), z)
             _finish(m, s, a, out[t, h])
 
 
@@ -329,6 +338,7 @@ def _flash_attn_par(
     n_head_kv,
     scale,
     softcap,
+    sinks,
     tb,
     split,
     cpu,
@@ -359,6 +369,7 @@ def _flash_attn_par(
             n_head_kv,
             scale,
             softcap,
+            sinks,
             tb,
             split,
             cpu,
@@ -371,11 +382,11 @@ def _flash_attn_par(
             out,
         )
     if split:
-        _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
+        _merge_partials(pm, ps, pacc, bm, bs, bacc, start, sinks, out)
 
 
 def flash_attn_ser(
-    q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, split, cpu, n_units, *rest
+    q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, split, cpu, n_units, *rest
 ):
     """_flash_attn_par's serial twin, with its arguments (rest: pm, ps, pacc, bm, bs, bacc, out):
     the units in turn, then (split) the merge. Plain Python over two kernels, so that no kernel
@@ -395,6 +406,7 @@ def flash_attn_ser(
         n_head_kv,
         scale,
         softcap,
+        sinks,
         tb,
         split,
         cpu,
@@ -407,7 +419,7 @@ def flash_attn_ser(
         out,
     )
     if split:
-        _merge_partials(pm, ps, pacc, bm, bs, bacc, start, out)
+        _merge_partials(pm, ps, pacc, bm, bs, bacc, start, sinks, out)
 
 
 def flash_plan(n_tokens, n_head_kv, n_kv, n_stream, n_threads=2):

@@ -27,11 +27,19 @@ from kvchat.kernels.norm import rms_norm_row
 def _rope_cache(p, half, theta_scale, fs, ff, mscale, cs):
     """cs [half, 2] f32 <- (cos, sin) of position p. ggml's rope cache: theta_0 = p,
     theta_{i+1} = theta_i * base^(-2/n_rot), all in float32; pair i turns by
-    freq_scale * theta_i / ff[i] and its cos and sin are multiplied by mscale (attn_factor;
-    no YaRN ramp: ext_factor 0). ff = ones and mscale = 1 give the plain rotation, bit for bit."""
+    freq_scale * theta_i / ff[i] and its cos and sin are multiplied by mscale (attn_factor).
+    ff = ones and mscale = 1 give the plain rotation, bit for bit. YaRN (ggml's rope_yarn):
+    ff holds n_rot values, the divisors then each pair's ramp mix r (yarn_factors), and the
+    angle is interp * (1 - r) + extrap * r with interp = freq_scale * extrap (GCC's contraction:
+    one fma) — mscale then carries YaRN's magnitude factor (yarn_mscale)."""
     theta = np.float32(p)
+    yarn = half > 0 and ff.shape[0] >= 2 * half
     for i in range(half):
-        th = fs * np.float32(theta / ff[i])
+        te = np.float32(theta / ff[i])
+        th = fs * te
+        if yarn:
+            r = ff[half + i]
+            th = fma32(th, np.float32(1.0) - r, te * r)
         cs[i, 0] = np.float32(np.cos(th)) * mscale
         cs[i, 1] = np.float32(np.sin(th)) * mscale
         theta = np.float32(theta * theta_scale)
@@ -190,6 +198,39 @@ def _factors(freq_factors, n_rot) -> np.ndarray:
     if ff.shape[0] < n_rot // 2:
         raise ValueError(f"rope: {ff.shape[0]} frequency factors for {n_rot // 2} rotated pairs")
     return ff
+
+
+def yarn_factors(n_rot, freq_base, n_ctx_orig, freq_factors=None, beta_fast=32.0, beta_slow=1.0, ext_factor=1.0):
+    """f32 [n_rot]: the per-pair divisors (ones without freq_factors) followed by YaRN's ramp mix of
+    each pair, ggml's float32 arithmetic: corr dims floor/ceil(n_rot * logf(n_ctx_orig / (beta * 2 pi))
+    / (2 logf(base))) clamped to [0, n_rot - 1], ramp 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1),
+    times ext_factor (ggml_rope_yarn_corr_dims, rope_yarn_ramp)."""
+    f = np.float32
+    half = n_rot // 2
+
+    def corr_dim(beta):
+        num = f(n_rot) * f(np.log(f(f(n_ctx_orig) / (f(beta) * f(2) * f(np.pi)))))
+        return num / (f(2) * f(np.log(f(freq_base))))
+
+    lo = max(f(0), f(np.floor(corr_dim(beta_fast))))
+    hi = min(f(n_rot - 1), f(np.ceil(corr_dim(beta_slow))))
+    i = np.arange(half, dtype=np.float32)
+    y = (i - lo) / max(f(0.001), f(hi - lo))
+    ramp = (f(1) - np.minimum(f(1), np.maximum(f(0), y))).astype(np.float32) * f(ext_factor)
+    ff = _factors(freq_factors, n_rot)[:half]
+    return np.concatenate([ff, ramp.astype(np.float32)]).astype(np.float32)
+
+
+def yarn_mscale(freq_scale, attn_factor=1.0) -> float:
+    """The cos/sin multiplier of a YaRN layer: llama.cpp's yarn_attn_factor (get_mscale(1 / freq_scale) /
+    (1 + 0.1 logf(1 / freq_scale)), times rope.scaling.attn_factor) times ggml's own 1 + 0.1 logf(1 /
+    freq_scale), in float32 as the two compute them."""
+    f = np.float32
+    factor = f(1) / f(freq_scale)
+    m = f(1) if factor <= 1 else f(f(0.1) * f(np.log(factor))) + f(1)
+    m = f(m * f(f(1) / f(f(1) + f(f(0.1) * f(np.log(factor))))))
+    m = f(m * f(attn_factor))
+    return float(f(m * f(f(1) + f(f(0.1) * f(np.log(f(f(1) / f(freq_scale))))))))
 
 
 def rope_inplace(x, pos, n_rot, freq_base, freq_scale, neox, freq_factors=None, attn_factor=1.0):

@@ -19,7 +19,7 @@ import numpy as np
 from kvchat.kernels.ggml_types import type_name
 from kvchat.runtime.gguf.file import GGUFFile, GGUFValueType
 
-ROPE_SCALING_TYPES = ("none", "linear")  # the kernels implement no yarn
+ROPE_SCALING_TYPES = ("none", "linear")  # an arch accepts "yarn" (gpt-oss) in its rope_scaling_types
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 MAX_DIM = 1 << 20  # sanity cap on widths and head counts
 
@@ -108,7 +108,21 @@ class HParams:
 
     def rope_args(self, il: int, n_ctx_seq: int) -> dict:
         """Keyword arguments of kvchat.kernels.rope for layer il: n_rot (0 for a NoPE layer), freq_base,
-        freq_scale, freq_factors, attn_factor."""
+        freq_scale, freq_factors, attn_factor. With YaRN (rope.scaling.type "yarn", ext_factor 1 as
+        llama.cpp sets it) the factors carry each pair's ramp mix and attn_factor YaRN's magnitude
+        (kernels/rope.py: yarn_factors, yarn_mscale)."""
+        if self.rope_scaling_type == "yarn" and self.has_rope(il):
+            from kvchat.kernels.rope import yarn_factors, yarn_mscale
+
+            return dict(
+                n_rot=self.n_rot,
+                freq_base=self.rope_base(il),
+                freq_scale=self.rope_scale(il),
+                freq_factors=yarn_factors(
+                    self.n_rot, self.rope_base(il), self.n_ctx_orig, self.rope_factors(il, n_ctx_seq)
+                ),
+                attn_factor=yarn_mscale(self.rope_freq_scale, self.rope_attn_factor),
+            )
         return dict(
             n_rot=self.n_rot if self.has_rope(il) else 0,
             freq_base=self.rope_base(il),

@@ -47,6 +47,7 @@ LLAMA_FTYPE_NAMES = {
     18: "Q6_K",
     25: "IQ4_NL",
     32: "BF16",
+    38: "MXFP4 MoE",
 }
 
 

@@ -36,8 +36,9 @@ def _make_rows(x, name, rng):
     return np.ascontiguousarray(raw).view(np.uint8).reshape(x.shape[0], -1), vals
 
 
-def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap):
-    """q [T,H,D]; kvals/vvals [S, n_kv, n_head_kv, D] f64; mask [T, n_kv] -> [T, H*Dv] f64."""
+def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sinks=None):
+    """q [T,H,D]; kvals/vvals [S, n_kv, n_head_kv, D] f64; mask [T, n_kv] -> [T, H*Dv] f64; sinks [H]:
+    one more logit per head in the softmax, with no value (gpt-oss)."""
     T, H, D = q.shape
     g = H // n_head_kv
     out = np.zeros((T, H, vvals.shape[-1]))
@@ -49,8 +50,10 @@ def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap):
             sc = sc + mask[t]
             if np.all(np.isinf(sc)):
                 continue
-            p = np.exp(sc - sc.max())
-            out[t, h] = (p / p.sum()) @ vvals[s, :, h // g, :]
+            m = sc.max() if sinks is None else max(sc.max(), float(sinks[h]))
+            p = np.exp(sc - m)
+            total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+            out[t, h] = (p / total) @ vvals[s, :, h // g, :]
     return out.reshape(T, -1)
 
 
@@ -162,6 +165,41 @@ def test_mixed_k_v_types_softcap_and_two_streams():
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "classic"])
+def test_attention_sinks_join_each_heads_softmax(flash):
+    """gpt-oss's sinks: one learned logit per head in the softmax (ggml_soft_max_ext / flash_attn_ext
+    sinks), above and below the scores' max; a query that sees no cell still gives zeros."""
+    n_tokens, n_head, n_head_kv, dk, n_kv = 9, 4, 2, 64, 70
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f32", "f32", n_tokens, n_head, n_head_kv, dk, n_kv, 128, 1, seed=41)
+    mask[4, :] = -np.inf
+    sinks = np.array([-1.5, 0.3, 4.0, 40.0], np.float32)  # the last one dominates every score
+    v = vraw[:, :n_kv]
+    if not flash:
+        full = np.zeros((128, n_head_kv * dk), dtype=np.float32)
+        full[:n_kv] = vval[0].reshape(n_kv, -1)
+        v = _make_rows(np.ascontiguousarray(full.T), "f32", None)[0].reshape(1, n_head_kv * dk, 128 * 4)
+    got = attention(
+        q, kraw[:, :n_kv], GGMLType.F32, v, GGMLType.F32, mask, ts, n_head_kv, 0.125, flash=flash, sinks=sinks
+    )
+    ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0, sinks)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    plain = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0)
+    assert np.abs(ref - plain).max() > 0.1  # the sinks change the result
+    assert np.all(got[4] == 0.0)
+
+
+def test_sinks_split_flash_walk_gives_the_unsplit_bits():
+    """A long decode's chunks spread over units fold the sink in as the unsplit walk does."""
+    q, kraw, kval, vraw, vval, mask, ts = _setup("q8_0", "q8_0", 2, 6, 2, 64, 699, 768, 1, seed=43)
+    sinks = np.array([0.5, -2.0, 3.0, 1.0, 8.0, -0.25], np.float32)
+    args = (q, kraw[:, :699], GGMLType.Q8_0, vraw[:, :699], GGMLType.Q8_0, mask, ts, 2, 0.125)
+    walk = _flash_run(*args, split=False, parallel=False, sinks=sinks)
+    for cpu in (1, 2):
+        np.testing.assert_array_equal(_flash_run(*args, split=True, cpu=cpu, sinks=sinks), walk)
+    ref = _reference(q, kval, vval, mask, ts, 2, 0.125, 0.0, sinks)
+    np.testing.assert_allclose(walk, ref, rtol=1e-3, atol=1e-3)
+
+
 def test_fully_masked_query_gives_zeros():
     q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", 3, 2, 1, 64, 40, 64, 1, seed=7)
     mask[1, :] = -np.inf
@@ -194,9 +232,9 @@ def test_fast_f16_row_is_exact_for_every_half():
 # --- flash-decoding: chunks of cells spread over threads, partial softmaxes folded in order ---
 
 
-def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1):
+def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True, softcap=0.0, cpu=1, sinks=None):
     """Run the flash kernel with groups of cpu chunks as units (split) or each unit walking all chunks."""
-    from kvchat.kernels.attention import _values_per_bytes
+    from kvchat.kernels.attention import NO_SINKS, _values_per_bytes
     from kvchat.kernels.attention_flash import _NO_PARTIALS, _flash_attn_par, _partials, flash_attn_ser
 
     n_tokens, n_head = q.shape[:2]
@@ -219,6 +257,7 @@ def _flash_run(q, k, tk, v, tv, mask, ts, n_head_kv, scale, split, parallel=True
         int(n_head_kv),
         np.float32(scale),
         np.float32(softcap),
+        NO_SINKS if sinks is None else np.asarray(sinks, np.float32),
         tb,
         split,
         cpu,

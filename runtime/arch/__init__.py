@@ -108,6 +108,12 @@ def _qwen35moe() -> Arch:
     return qwen35moe.ARCH
 
 
+def _gpt_oss() -> Arch:
+    from kvchat.runtime.arch import gpt_oss
+
+    return gpt_oss.ARCH
+
+
 ARCHS = {  # general.architecture -> the loader of its Arch (the module's ARCH)
     "llama": _llama,
     "qwen2": _qwen2,
@@ -124,6 +130,7 @@ ARCHS = {  # general.architecture -> the loader of its Arch (the module's ARCH)
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
     "qwen35moe": _qwen35moe,
+    "gpt-oss": _gpt_oss,
 }
 _LOADED: dict[str, Arch] = {}
 

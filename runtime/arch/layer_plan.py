@@ -38,7 +38,7 @@ import numpy as np
 
 from kvchat.kernels import parallel
 from kvchat.kernels.act import geglu, glu_fused, swiglu
-from kvchat.kernels.attention import attention_checked, round_q_to_vec_dot_type
+from kvchat.kernels.attention import NO_SINKS, attention_checked, round_q_to_vec_dot_type
 from kvchat.kernels.fused_norm import add_rms_norm, norm_add_rms_norm
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.norm import rms_norm
@@ -137,6 +137,7 @@ class LayerPlan:
         "eps",
         "kq_scale",
         "softcap",
+        "sinks",
         "w_gate_up",
         "w_gate",
         "w_up",
@@ -186,6 +187,8 @@ class LayerPlan:
         )
         self.kq_scale = np.float32(hp.kq_scale)
         self.softcap = np.float32(hp.attn_logit_softcap)
+        sinks = g("attn_sinks")  # f32 [n_head]: a learned logit per head in the softmax (gpt-oss)
+        self.sinks = NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
         self.w_gate_up, self.w_gate, self.w_up = g("w_gate_up"), g("w_gate"), g("w_up")
         self.b_gate, self.b_up, self.w_down, self.b_down = g("b_gate"), g("b_up"), g("w_down"), g("b_down")
         self.n_ff = int(hp.n_ff)
@@ -394,6 +397,7 @@ def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None) -> np.ndarray:
         p.softcap,
         io.flash,
         n_threads,
+        p.sinks,
     )
     return rotate(out, io.rot_v) if io.rot_v else out  # [n, n_head * dv]
 

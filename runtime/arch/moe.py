@@ -178,12 +178,16 @@ def shared_expert(p: MoEPlan, h: np.ndarray, min_macs: int | None = None) -> np.
 
 
 def swiglu_oai(g: np.ndarray, u: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
-    """gpt-oss's clamped SwiGLU (ggml_swiglu_oai): x = min(g, limit), y = clamp(u, -limit, limit),
-    out = x * sigmoid(alpha * x) * (y + 1); g, u [n, f] f32 -> [n, f] f32."""
-    x = np.minimum(g, np.float32(limit))
-    y = np.clip(u, np.float32(-limit), np.float32(limit))
-    sig = np.float32(1.0) / (np.float32(1.0) + np.exp(np.float32(-alpha) * x))
-    return (x * sig * (y + np.float32(1.0))).astype(np.float32)
+    """gpt-oss's clamped SwiGLU as ggml's CPU computes it (ggml_compute_forward_swiglu_oai_f32):
+    x = min(g, limit), y = clamp(u, -limit, limit), out = x / (1 + expf(alpha * -x)) * (y + 1), in
+    float32 with libm's expf (correctly rounded: the float64 exp rounded once). Its output is the
+    down projection's input, quantized per block for a quantized expert (MXFP4: q8_0), so a last-bit
+    difference here can move a quantization step. g, u [n, f] f32 -> [n, f] f32."""
+    f32 = np.float32
+    x = np.minimum(g, f32(limit))
+    y = np.clip(u, f32(-limit), f32(limit))
+    e = np.exp((f32(alpha) * -x).astype(np.float64)).astype(np.float32)
+    return ((x / (f32(1.0) + e)) * (y + f32(1.0))).astype(np.float32)
 
 
 def token_read_bytes(gf, hp) -> int:

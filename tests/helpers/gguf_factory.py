@@ -396,10 +396,11 @@ def split_gguf_file(src, out_prefix, n_split: int) -> list[Path]:
     return paths
 
 
-def quantized_copy(src, dst, weight_type: int = GGMLType.Q8_0) -> Path:
+def quantized_copy(src, dst, weight_type: int = GGMLType.Q8_0, only=None) -> Path:
     """Copy the GGUF model `src` to `dst` with every 2-D (and 3-D expert) F32/F16 weight quantized to
     `weight_type` (gguf's reference quantizer; rows whose length is not a multiple of the block
-    stay as they are) and all metadata, 1-D tensors and other tensors unchanged."""
+    stay as they are) and all metadata, 1-D tensors and other tensors unchanged. only(name): which
+    weights to quantize (default all)."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -410,13 +411,13 @@ def quantized_copy(src, dst, weight_type: int = GGMLType.Q8_0) -> Path:
         sub = VT(field.types[1]) if vtype == VT.ARRAY else None
         value = field.contents()
         if name == "general.file_type":  # llama_ftype of the new mix
-            value = {QT.Q8_0: 7, QT.Q4_0: 2, QT.Q4_1: 3, QT.F16: 1}.get(QT(int(weight_type)), value)
+            value = {QT.Q8_0: 7, QT.Q4_0: 2, QT.Q4_1: 3, QT.F16: 1, QT.MXFP4: 38}.get(QT(int(weight_type)), value)
         w.add_key_value(name, value, vtype, sub_type=sub)
     qt = QT(int(weight_type))
     block = gguf.GGML_QUANT_SIZES[qt][0]
     for t in reader.tensors:
         data = np.asarray(t.data)
-        quantize = len(t.shape) in (2, 3) and not t.name.endswith(".bias")
+        quantize = len(t.shape) in (2, 3) and not t.name.endswith(".bias") and (only is None or only(t.name))
         if quantize and t.tensor_type in (QT.F32, QT.F16) and int(t.shape[0]) % block == 0:
             x = data.astype(np.float32).reshape([int(d) for d in t.shape[::-1]])  # [(n_expert,) m, k]
             w.add_tensor(t.name, gguf.quants.quantize(x, qt), raw_dtype=qt)

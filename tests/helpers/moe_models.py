@@ -29,6 +29,14 @@ PROMPTS = {
     ),
 }
 
+GPT_OSS_META = {
+    "gpt-oss.attention.sliding_window": 16,
+    "gpt-oss.rope.scaling.type": "yarn",
+    "gpt-oss.rope.scaling.factor": 32.0,
+    "gpt-oss.rope.scaling.original_context_length": 64,
+    "gpt-oss.rope.freq_base": 150000.0,
+}
+
 # name -> write_tiny_model arguments (small dims, 8-16 experts, top-2..4, head sizes that are not
 # n_embd / n_head, widths that are not multiples of 32; kvchat's attention takes head sizes in multiples of 16)
 MODELS = {
@@ -49,6 +57,17 @@ MODELS = {
         n_expert=8, n_expert_used=3, n_ff_exp=64, n_ff_shexp=48, seed=4,
         metadata={"granitemoe.logit_scale": 0.5, "granitemoe.embedding_scale": 2.0,
                   "granitemoe.residual_scale": 0.5, "granitemoe.attention.scale": 0.2},
+    ),
+    # gpt-oss: iSWA (layers 0, 2 slide over 16 cells), YaRN (factor 32 over an original context of
+    # 64), Q/K/V/O biases, sinks ~N(0, 2) per head, router and expert biases, clamped SwiGLU; s2's experts are MXFP4
+    "gpt_oss_s1": dict(
+        arch="gpt-oss", n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64, tied=False,
+        qkv_bias=True, n_expert=8, n_expert_used=2, n_ff_exp=64, seed=6, sinks=2.0, metadata=GPT_OSS_META,
+    ),
+    "gpt_oss_s2_mxfp4": dict(
+        arch="gpt-oss", n_layer=2, n_embd=64, n_head=6, n_head_kv=2, head_dim=16, n_ff=96, tied=False,
+        qkv_bias=True, n_expert=16, n_expert_used=4, n_ff_exp=96, seed=7, sinks=2.0, experts="mxfp4",
+        metadata=dict(GPT_OSS_META, **{"gpt-oss.attention.sliding_window": 8}),
     ),
     # the shared qwen35_s1 (hybrid: delta-net layers 0-2, gated attention layer 3; SmolLM2's
     # tokenizer) with its dense FFNs replaced by MoE FFNs + gated shared experts
@@ -74,9 +93,25 @@ def write_model(name: str, path) -> Path:
         kw["output_tokens"] = printable_token_ids()
     rng = np.random.default_rng(1000 + kw["seed"])
     extra["output_norm.weight"] = (6.0 + 0.3 * rng.standard_normal(kw["n_embd"])).astype(np.float32)
-    return write_tiny_model(
-        path, rope_freq_base=10000.0, norm_eps=1e-5, drop_tensors=("output_norm.weight",), extra_tensors=extra, **kw
-    )
+    drop = ["output_norm.weight"]
+    sinks = kw.pop("sinks", None)  # attention sinks ~N(0, sinks) per head, in place of the factory's ~0
+    for il in range(kw["n_layer"] if sinks else 0):
+        drop.append(f"blk.{il}.attn_sinks.weight")
+        extra[drop[-1]] = (sinks * rng.standard_normal(kw["n_head"])).astype(np.float32)
+    experts = kw.pop("experts", None)  # "mxfp4": the stacked experts quantized by gguf-py, the rest F32
+    out = Path(path) if experts is None else Path(str(path) + ".f32")
+    write_tiny_model(out, norm_eps=1e-5, drop_tensors=tuple(drop), extra_tensors=extra, **dict(RAW_DEFAULTS, **kw))
+    if experts is None:
+        return out
+    from kvchat.kernels.ggml_types import GGMLType
+    from tests.helpers.gguf_factory import quantized_copy
+
+    quantized_copy(out, path, GGMLType[experts.upper()], only=lambda name: name.endswith("_exps.weight"))
+    out.unlink()
+    return Path(path)
+
+
+RAW_DEFAULTS = dict(rope_freq_base=10000.0)  # what a model's metadata does not say
 
 
 def derive_moe(kw: dict, path) -> Path:
@@ -152,7 +187,9 @@ def load_refs(name: str) -> dict:
 
 
 def make_refs(moeref: str, names, tmp: Path) -> None:
-    """Run moeref on each model and write tests/moe_refs/refs_<name>.json."""
+    """Run moeref on each model and write tests/moe_refs/refs_<name>.json (for a model with quantized
+    experts also llama.cpp's log-probs of each prompt decoded in ubatches of one token, positions_ubatch1)."""
+    import os
     import subprocess
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -163,7 +200,8 @@ def make_refs(moeref: str, names, tmp: Path) -> None:
         files.append(f"{pname}={f}")
     for name in names:
         model = write_model(name, tmp / f"{name}.gguf")
-        out = subprocess.run([moeref, str(model), *files], check=True, capture_output=True, text=True).stdout
+        env = dict(os.environ, MOEREF_UBATCH1="1") if MODELS[name].get("experts") else None  # quantized experts
+        out = subprocess.run([moeref, str(model), *files], check=True, capture_output=True, text=True, env=env).stdout
         ref = json.loads(out)
         ref.update(model=name, factory=MODELS[name])
         (REFS / f"refs_{name}.json").write_text(json.dumps(ref, separators=(",", ":")) + "\n")

@@ -88,7 +88,19 @@ int main(int argc, char ** argv) {
             if (i) out += ", ";
             top10(llama_get_logits_ith(ctx, i), n_vocab, out);
         }
-        out += "]}";
+        out += "]";
+        if (getenv("MOEREF_UBATCH1")) {  // the same batch again in ubatches of one token: llama.cpp's other answer
+            llama_context * c1 = make_ctx(model, 1);
+            if (llama_decode(c1, b) != 0) { fprintf(stderr, "decode failed\n"); return 1; }
+            out += ", \"positions_ubatch1\": [";
+            for (size_t i = 0; i < toks.size(); i++) {
+                if (i) out += ", ";
+                top10(llama_get_logits_ith(c1, i), n_vocab, out);
+            }
+            out += "]";
+            llama_free(c1);
+        }
+        out += "}";
         llama_batch_free(b);
         llama_free(ctx);
     }
