@@ -13,6 +13,16 @@ finite values of about --scale, which is all a speed measurement needs (#24).
 
     python benchmarks/make_random_model.py OUT.gguf --tokenizer-from SmolLM2-135M-Instruct.Q4_1.gguf \\
         --n-embd 4096 --n-layer 32 --n-ff 11008 --n-head 32 --n-head-kv 32   # Llama-2-7B's shape
+
+With --n-expert N the file is a mixture of experts of OLMoE's architecture ("olmoe": Q and K
+RMS-normalized over the whole projection, neox RoPE, own output, every layer's FFN a router
+`ffn_gate_inp` (F32, as llama-quantize leaves it) and stacked experts `ffn_{gate,up,down}_exps`
+--n-ff wide, --n-expert-used of them per token); with --ftype q4_k_m the experts are random Q4_K
+blocks (ffn_down_exps Q6_K in llama-quantize's "more bits" layers) written directly (#25):
+
+    python benchmarks/make_random_model.py olmoe-shaped.gguf --tokenizer-from SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --n-embd 2048 --n-layer 16 --n-ff 1024 --n-head 16 --n-head-kv 16 --n-expert 64 --n-expert-used 8 \\
+        --ftype q4_k_m --name random-olmoe-1b-7b   # OLMoE-1B-7B's shape
 """
 
 from __future__ import annotations
@@ -58,17 +68,31 @@ def tensor_plan(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[in
             (p + "ffn_down.weight", (a.n_embd, a.n_ff)),
         ]
     plan += [("output_norm.weight", (a.n_embd,)), ("output.weight", (n_vocab, a.n_embd))]
+    if a.n_expert:  # olmoe: full-projection Q/K norms and stacked experts in place of the dense FFN
+        moe = []
+        for name, shape in plan:
+            if name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")):
+                if name.endswith("ffn_gate.weight"):
+                    p = name[: -len("ffn_gate.weight")]
+                    moe.append((p + "ffn_gate_inp.weight", (a.n_expert, a.n_embd)))
+                moe.append((name.replace(".weight", "_exps.weight"), (a.n_expert, *shape)))
+                continue
+            moe.append((name, shape))
+            if name.endswith("attn_output.weight"):
+                p = name[: -len("attn_output.weight")]
+                moe += [(p + "attn_q_norm.weight", (a.n_embd,)), (p + "attn_k_norm.weight", (kv,))]
+        plan = moe
     return plan
 
 
-def make_tensor(shape: tuple[int, ...], index: int, seed: int, scale: float) -> np.ndarray:
-    """Norm weights (1-D) are 1.0 in F32; matrices are normal * scale in F16, seeded per tensor."""
+def make_tensor(shape: tuple[int, ...], index: int, seed: int, scale: float, dtype=np.float16) -> np.ndarray:
+    """Norm weights (1-D) are 1.0 in F32; matrices are normal * scale in F16 (the router: F32), seeded per tensor."""
     if len(shape) == 1:
         return np.ones(shape, dtype=np.float32)
     rng = np.random.default_rng([seed, index])
     draw = rng.standard_normal(shape, dtype=np.float32)
     draw *= np.float32(scale)
-    return draw.astype(np.float16)
+    return draw.astype(dtype)
 
 
 QK = gguf.GGMLQuantizationType
@@ -84,7 +108,8 @@ def q4_k_m_type(name: str, n_layer: int) -> "gguf.GGMLQuantizationType":
     """The type llama-quantize's Q4_K_M gives a matrix of this file (the llama tensor names)."""
     if name == "output.weight":
         return QK.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), n_layer):
+    more = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
+    if name.endswith(more) and _more_bits(int(name.split(".")[1]), n_layer):
         return QK.Q6_K
     return QK.Q4_K
 
@@ -93,7 +118,7 @@ def make_k_blocks(shape: tuple[int, ...], qtype, index: int, seed: int, scale: f
     """Random well-formed blocks u8 [rows, cols / 256 * block bytes] of Q4_K or Q6_K whose values
     are of about `scale`: random quants and sub-block scales, the f16 super-block scales chosen
     so that d * sub-scale * quant spans about ±3 scale (Q4_K's min term centres it)."""
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]  # a stack of experts: all their rows
     nb = cols // 256
     rng = np.random.default_rng([seed, index])
     blocks = rng.integers(0, 256, size=(rows, nb, K_BLOCK[qtype]), dtype=np.uint8)
@@ -104,12 +129,17 @@ def make_k_blocks(shape: tuple[int, ...], qtype, index: int, seed: int, scale: f
     else:  # Q6_K: 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d (f16) last
         blocks[:, :, 192:208] = rng.integers(1, 32, size=(rows, nb, 16), dtype=np.uint8)
         blocks[:, :, 208:210] = np.frombuffer(np.float16(scale / 300.0).tobytes(), dtype=np.uint8)
-    return blocks.reshape(rows, nb * K_BLOCK[qtype])
+    return blocks.reshape(*shape[:-1], nb * K_BLOCK[qtype])
+
+
+def _router(name: str) -> bool:
+    return name.endswith("ffn_gate_inp.weight")
 
 
 def write_model(a: argparse.Namespace, tok: list[tuple[str, object, VT, VT | None]]) -> None:
     n_vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
-    w = gguf.GGUFWriter(a.out, "llama")
+    arch = "olmoe" if a.n_expert else "llama"
+    w = gguf.GGUFWriter(a.out, arch)
     w.add_name(a.name)
     w.add_block_count(a.n_layer)
     w.add_context_length(a.n_ctx)
@@ -121,27 +151,32 @@ def write_model(a: argparse.Namespace, tok: list[tuple[str, object, VT, VT | Non
     w.add_layer_norm_rms_eps(a.rms_eps)
     w.add_rope_dimension_count(a.n_embd // a.n_head)
     w.add_vocab_size(n_vocab)
+    if a.n_expert:
+        w.add_expert_count(a.n_expert)
+        w.add_expert_used_count(a.n_expert_used)
     kq = a.ftype == "q4_k_m"
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if kq else gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in tok:
         w.add_key_value(key, value, vtype, sub)
     plan = tensor_plan(a, n_vocab)
     for name, shape in plan:
-        if kq and len(shape) == 2:
+        if kq and len(shape) >= 2 and not _router(name):
             qt = q4_k_m_type(name, a.n_layer)
-            nbytes = shape[0] * shape[1] // 256 * K_BLOCK[qt]
-            w.add_tensor_info(name, (shape[0], nbytes // shape[0]), np.dtype(np.uint8), nbytes, raw_dtype=qt)
+            row = shape[-1] // 256 * K_BLOCK[qt]
+            nbytes = int(np.prod(shape[:-1])) * row
+            w.add_tensor_info(name, (*shape[:-1], row), np.dtype(np.uint8), nbytes, raw_dtype=qt)
             continue
-        dtype = np.float32 if len(shape) == 1 else np.float16
+        dtype = np.float32 if len(shape) == 1 or _router(name) else np.float16
         w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for index, (name, shape) in enumerate(plan):
-        if kq and len(shape) == 2:
+        if kq and len(shape) >= 2 and not _router(name):
             w.write_tensor_data(make_k_blocks(shape, q4_k_m_type(name, a.n_layer), index, a.seed, a.scale))
         else:
-            w.write_tensor_data(make_tensor(shape, index, a.seed, a.scale))
+            args = (np.float32,) if _router(name) else ()
+            w.write_tensor_data(make_tensor(shape, index, a.seed, a.scale, *args))
     w.close()
 
 
@@ -161,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="random-llama")
     ap.add_argument("--ftype", choices=("f16", "q4_k_m"), default="f16", help="matrices in F16, or K-quant blocks")
+    ap.add_argument("--n-expert", type=int, default=0, help="experts per layer (0: a dense llama; else olmoe)")
+    ap.add_argument("--n-expert-used", type=int, default=8, help="experts a token is routed to")
     a = ap.parse_args(argv)
+    if a.n_expert and not (0 < a.n_expert_used <= a.n_expert and a.n_head_kv == a.n_head):
+        ap.error("--n-expert needs 0 < --n-expert-used <= --n-expert and --n-head-kv equal to --n-head (olmoe)")
     if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
         ap.error("--n-embd must divide by --n-head, and --n-head by --n-head-kv")
     if a.ftype == "q4_k_m" and (a.n_embd % 256 or a.n_ff % 256):

@@ -238,3 +238,46 @@ def test_q4_k_m_puts_q6_k_where_llama_quantize_does_and_every_block_is_finite(ge
     with pytest.raises(SystemExit):  # K-quant blocks need multiples of 256
         gen.main(argv(tmp_path / "bad.gguf", tok_source) + ["--ftype", "q4_k_m"])
     assert not (tmp_path / "bad.gguf").exists()
+
+
+# ---- mixture of experts (--n-expert): an OLMoE-shaped file ------------------------------------
+
+MOE = dict(n_embd=256, n_layer=2, n_ff=256, n_head=4, n_head_kv=4, n_expert=8, n_expert_used=2)
+
+
+@pytest.mark.parametrize("ftype", ["f16", "q4_k_m"])
+def test_an_moe_file_has_olmoes_tensors_and_kvchat_decodes_it_the_same_in_any_ubatch(gen, tok_source, tmp_path, ftype):
+    from tests.helpers.arch_refs import all_logits
+
+    out = tmp_path / f"moe-{ftype}.gguf"
+    assert gen.main(argv(out, tok_source, **MOE) + ["--ftype", ftype]) == 0
+    r = gguf.GGUFReader(out)
+    kv = field_values(r, "olmoe.")
+    assert (kv["olmoe.expert_count"], kv["olmoe.expert_used_count"], kv["olmoe.feed_forward_length"]) == (8, 2, 256)
+    t = {x.name: x for x in r.tensors}
+    assert tuple(int(n) for n in t["blk.1.ffn_gate_exps.weight"].shape) == (256, 256, 8)
+    assert tuple(int(n) for n in t["blk.0.ffn_down_exps.weight"].shape) == (256, 256, 8)
+    assert t["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tuple(int(n) for n in t["blk.0.attn_k_norm.weight"].shape) == (256,)
+    if ftype == "q4_k_m":
+        Q = gguf.GGMLQuantizationType
+        assert t["blk.0.ffn_gate_exps.weight"].tensor_type == Q.Q4_K
+        assert t["blk.0.ffn_down_exps.weight"].tensor_type == Q.Q4_K
+        assert t["blk.1.ffn_down_exps.weight"].tensor_type == Q.Q6_K  # a "more bits" layer of llama-quantize
+        assert t["output.weight"].tensor_type == Q.Q6_K
+    model = Model.load(out)
+    try:
+        assert model.hparams.n_expert == 8 and model.hparams.n_expert_used == 2
+        assert model.hparams.n_ff_exp == 256  # no expert_feed_forward_length key (as OLMoE's files): n_ff
+        tokens = model.vocab.tokenize("hello world and the chat of a model", add_special=True)
+        one = all_logits(model, tokens)
+        assert np.all(np.isfinite(one))
+        np.testing.assert_array_equal(all_logits(model, tokens, n_ubatch=1, call=1), one)
+    finally:
+        model.close()
+
+
+def test_moe_options_that_cannot_make_olmoe_are_refused(gen, tok_source, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        gen.main(argv(tmp_path / "x.gguf", tok_source, **dict(MOE, n_head_kv=2)))
+    assert e.value.code == 2 and "--n-head-kv equal to --n-head" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def read_moe(gf, arch: str, fields: dict, *, gating: str = "softmax", norm: bool
     n_used = scalar_int(gf, k("expert_used_count"), 1, MAX_EXPERTS)
     if n_used > n_expert:
         gf.fail(k("expert_used_count"), f"{n_used} is more than expert_count {n_expert}")
-    n_ff_exp = scalar_int(gf, k("expert_feed_forward_length"), 1, 1 << 20, default=0) or fields["n_ff"] // n_used
+    n_ff_exp = scalar_int(gf, k("expert_feed_forward_length"), 0, 1 << 20, default=0) or fields["n_ff"] // n_used
     if ff_is_n_ff:
         n_ff_exp = fields["n_ff"]
     fields.update(
