@@ -93,3 +93,40 @@ def test_info_shows_gpt_oss_experts_and_the_mxfp4_bytes_a_token_reads():
     finally:
         gf.close()
     assert rows["experts"].startswith("16 (4 used a token, no shared expert), expert FFN 96, gating softmax_weight")
+
+
+def test_yarn_rope_is_ggmls_rope_yarn_in_float64():
+    """kernels/rope.py with YaRN's arguments (HParams.rope_args of a gpt-oss file) against ggml's
+    rope_yarn written out in float64: corr dims from beta_fast 32 / beta_slow 1, the per-pair ramp,
+    interp * (1 - ramp) + extrap * ramp, and the magnitude 1 + 0.1 ln(1 / freq_scale) on cos and sin."""
+    from kvchat.kernels.rope import rope_inplace
+
+    m = Model.load(arch_refs.model_path("gpt_oss_s1"))
+    try:
+        hp = m.hparams
+        args = hp.rope_args(0, 2048)
+    finally:
+        m.close()
+    n_rot, base, fs, n_orig = hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, hp.n_ctx_orig
+    assert (n_rot, base, fs, n_orig) == (32, 150000.0, 1 / 32, 64)
+
+    def corr(beta):
+        return n_rot * np.log(n_orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+    lo, hi = max(0.0, np.floor(corr(32.0))), min(n_rot - 1.0, np.ceil(corr(1.0)))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 4, 32)).astype(np.float32)
+    pos = np.array([0, 1, 17, 63, 1000], np.int32)
+    got = x.copy()
+    rope_inplace(got, pos, neox=True, **args)
+    half = n_rot // 2
+    i = np.arange(half)
+    ramp = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
+    extrap = pos[:, None].astype(np.float64) * base ** (-2.0 * i / n_rot)  # [n, half]
+    theta = fs * extrap * (1 - ramp) + extrap * ramp
+    mscale = 1 + 0.1 * np.log(1 / fs)
+    c, s = np.cos(theta)[:, None] * mscale, np.sin(theta)[:, None] * mscale
+    a, b = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+    want = np.concatenate([a * c - b * s, a * s + b * c], -1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    assert ramp[0] == 1 and ramp[-1] == 0  # both ends of the ramp are used
