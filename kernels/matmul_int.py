@@ -157,7 +157,7 @@ def _sub_dot4(isa, fmt, q, base, x32, t, xo):
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc):
     """Sub-block j's raw dots (i0, i1) of token t into acc = (I0, I1, M0, M1): offset removed,
     K-quant sub-scale and min applied — all integer."""
@@ -184,7 +184,7 @@ def _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc):
     return I0, I1, M0, M1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1):
     """Scale block B's integers acc = (I0, I1, M0, M1) of token t into the float sums (a0, a1)."""
     I0, I1, M0, M1 = acc
@@ -202,7 +202,7 @@ def _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1):
     return a0, a1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _store(y, ym, t, g, a0, a1):
     """y[t, 32 g : 32 g + 32] = (a0, a1), the last group's padding rows not written."""
     n_rows = y.shape[1]
@@ -216,7 +216,7 @@ def _store(y, ym, t, g, a0, a1):
             y[t, g * R + r] = ym[r]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
     """y[t, 32 g : 32 g + 32] for one token (the group's values at group gq of q: g, or 0 for
     a group expanded on its own, _expand_group)."""
@@ -237,7 +237,7 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
     _store(y, ym, t, g, a0, a1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
     """_row for tokens t .. t+3, sharing each weight load; every token's operations and their
     order are _row's, so the four rows are bit-identical to four _row calls."""
@@ -286,7 +286,7 @@ def _bytes_fmt(typingctx, fmt):
     return t(fmt), codegen
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _expand_group(fmt, q, g, qx):
     """Row group g's nibble + bit-plane sub-blocks -> qx u8 [n_sub * S * R], one byte per value
     in the byte layout of kernels/qlayout.py ([S / 4 steps, R, 4] per sub-block): the same
