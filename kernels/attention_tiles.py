@@ -149,7 +149,7 @@ def row_values(t, nb):
     return nb // 24 * 32  # q5_1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True)
 def load_tile(t, raw, st, j0, nj, b0, nb, dst):
     """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st — d values each — into
     dst[:nj, :d] (f32 [KT, dp], dp = d rounded up to LANES); rows nj..KT become zeros. Columns
@@ -193,7 +193,7 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
             dst[j, i] = 0.0
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def mask_tile(mask, t0, t1, j0, nj, mt):
     """mt[t - t0, j] <- mask[t, j0 + j] for the tile's cells, -inf past the last cell (j >= nj)."""
     for t in range(t0, t1):
@@ -290,7 +290,7 @@ def _dots16(qb, qi, kt, j0):
     return vhsum16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def query_scores(qb, qi, kt, mt, mr, scale, softcap, x, off):
     """x[off:off + KT] <- the scores of query qi over a K tile (kt [KT, dk]): K·q as tile_dots1,
     then scale (or soft-cap) and mask row mt[mr] as tile_scores, whose bits these are; returns
@@ -310,7 +310,7 @@ def query_scores(qb, qi, kt, mt, mr, scale, softcap, x, off):
     return vhmax(vmax(s0, s1))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def softmax_step(r, m_tile, sc, so, mx, sm, acc):
     """A tile's online-softmax step for state row r (mx, sm, acc [rows, dv]) up to the P·V: rescale to the new
     max, sc[so:so + KT] scores -> probabilities, their sum added. Returns True if some p is 0
@@ -336,7 +336,7 @@ def softmax_step(r, m_tile, sc, so, mx, sm, acc):
     return vany_eq0(p0, p1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def tile_pv1(sc, so, vt, acc, r):
     """acc[r, e] += p_j * v_j[e] over the tile's cells in order, cells with p = 0 skipped ."""
     _pv_rest(sc, so, vt, acc, r, np.int64(0))  # i64: tile_pv's version, not a literal's
@@ -402,7 +402,7 @@ def _pv_block(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3, e0):
         vstore(acc, r * dv + e0 + 3 * LANES, x3)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def tile_pv(n, sc, s0, s1, s2, s3, vt, acc, r0, r1, r2, r3):
     """P·V of n <= 4 queries at once, none with a p = 0 in the tile: query i's probabilities at
     sc[s_i:s_i + KT], its state row r_i of acc [rows, dv]. Each V vector loaded feeds all n
@@ -434,7 +434,7 @@ def _pv_rest(sc, so, vt, acc, r, e_lo):
         vstore(acc, o + e0, a)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def prefetch_tile(raw, st, j0, b0, nb):
     """Ask for bytes [b0, b0 + nb) of cache rows j0 .. j0 + KT - 1 of stream st (those that
     exist) ahead of load_tile, one hint per 64-byte line: the rows of a kv head are strided,
