@@ -130,3 +130,13 @@ def test_yarn_rope_is_ggmls_rope_yarn_in_float64():
     want = np.concatenate([a * c - b * s, a * s + b * c], -1)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
     assert ramp[0] == 1 and ramp[-1] == 0  # both ends of the ramp are used
+
+
+def test_a_gpt_oss_file_without_its_sliding_window_is_a_one_line_error(tmp_path):
+    from tests.helpers.cli_inproc import kvchat
+    from tests.helpers.gguf_factory import write_tiny_model
+
+    p = write_tiny_model(tmp_path / "oss.gguf", arch="gpt-oss", n_embd=64, n_head=4, n_head_kv=2, tied=False)
+    r = kvchat("info", "-m", p)
+    assert r.returncode == 1  # (info shows the file's general rows first)
+    assert r.stderr == f"error: {p}: gpt-oss.attention.sliding_window: missing (required)\n"
