@@ -104,7 +104,7 @@ def _chunk(
             tile_pv(n, sc, gs[0], gs[1], gs[2], gs[3], vt, acc, gr[0], gr[1], gr[2], gr[3])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _fold(m, s, a, m_c, s_c, acc_c):
     """Fold one chunk's partial softmax (m_c, s_c, acc_c [dv]) into a query's running result
     (m, s, a [dv], a updated in place); returns the new (m, s). Chunks are always folded in
@@ -126,7 +126,7 @@ def _fold(m, s, a, m_c, s_c, acc_c):
     return m, s + w * s_c
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, forceinline=True, _nrt=False)
 def _finish(m, s, a, o):
     """o [dv] <- a / s; zeros for a query that saw no cell (as ggml)."""
     if m == NEG_INF:

@@ -54,15 +54,35 @@ def worker_count() -> int:
 
 TWIN = re.compile(r"_(par|ser|serial)$")  # a kernel's parallel / serial twin: one job with its sibling
 
+# CPU seconds one compile of these kernels took in a worker (SmolLM2, this machine: docs/performance.md,
+# "Cold start"). Only their order matters: the serial set's jobs go longest first, so that the
+# longest one does not start last and leave the other worker idle while the first answer waits.
+COMPILE_SECONDS = {
+    "_flash_units": 17.0,
+    "_flash_attn_par": 15.0,
+    "_prep_store_ser": 10.0,
+    "_prep_store_par": 7.0,
+    "matmul_q_serial": 6.5,
+    "matmul_q": 3.5,
+    "_glu_rows_ser": 1.7,
+    "_glu_rows_par": 2.9,
+}
 
-def jobs_of(entries: list) -> list[list]:
+
+def jobs_of(entries: list, twins: bool = True) -> list[list]:
     """The plan's entries as jobs: lists of (index, entry), a kernel's twins together (in plan
-    order), jobs of several entries first."""
+    order; twins=False: every entry a job of its own, as in the serial set, which holds no
+    parallel twin); jobs of several entries first, then the known long compiles longest first
+    (COMPILE_SECONDS), the rest in plan order."""
     groups: dict = {}
     for i, entry in enumerate(entries):
         module, qualname, _ = entry
-        groups.setdefault((module, TWIN.sub("", qualname)), []).append((i, entry))
-    return sorted(groups.values(), key=lambda job: len(job) == 1)  # stable: plan order within
+        groups.setdefault((module, TWIN.sub("", qualname)) if twins else i, []).append((i, entry))
+
+    def longest_first(job):
+        return len(job) == 1, -sum(COMPILE_SECONDS.get(entry[1], 0.0) for _, entry in job)
+
+    return sorted(groups.values(), key=longest_first)  # stable: plan order among equals
 
 
 class _Worker:
@@ -243,7 +263,9 @@ class CompileAhead:
                 if not serial:
                     self._serial_ready.set()
                 if not self._closed:  # the serial set's jobs first: a first answer waits for them only
-                    for job in jobs_of(serial) + [[(len(serial) + i, e) for i, e in j] for j in jobs_of(rest)]:
+                    for job in jobs_of(serial, twins=False) + [
+                        [(len(serial) + i, e) for i, e in j] for j in jobs_of(rest)
+                    ]:
                         self._jobs.put(job)
             else:
                 self.entries = []

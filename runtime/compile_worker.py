@@ -2,8 +2,10 @@
 kvchat.runtime.compile_ahead over its stdin/stdout: pickled messages, one at a time.
 
 Requests, answered in order:
-- ("plan", model_path, cparams, n_prompt): load the model, make a Context with those
-  parameters and run a warm-up decode (n_prompt tokens, then one) under
+- ("plan", model_path, cparams, n_prompt): load the model (its weights under a dry run too,
+  without the weight cache: the caller loads them for real at the same time, so the plan does
+  not wait for the repack kernels), make a Context with those parameters and run a warm-up
+  decode (n_prompt tokens, then one) under
   kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", (serial, parallel)) — the
   (kernel, signature) pairs the run calls that numba's cache does not hold yet, in call
   order: first those it calls with every kernel held to its serial twin, then the rest — or
@@ -38,7 +40,8 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
     from kvchat.runtime.generate import warm_up
     from kvchat.runtime.model import Model
 
-    model = Model.load(model_path)  # its own kernels (GGUF strings, vocabulary) compile for real
+    os.environ["KVCHAT_WEIGHT_CACHE"] = "0"  # dry weights are garbage: never saved as a pack
+    model = Model.load(model_path, weights_context=dry_run)  # the vocabulary's kernels compile for real
     ctx = Context(model, cparams)
     bos = getattr(model.vocab, "bos", None)
     bos = bos if bos is not None and bos >= 0 else 0

@@ -11,6 +11,7 @@ never dequantizes them. The packed layouts are cached on disk per model file
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,8 +81,10 @@ class Model:
         self.arch = arch  # kvchat.runtime.arch.<name>.ARCH: schema, forward, create_memory
 
     @classmethod
-    def load(cls, path) -> "Model":
-        """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it."""
+    def load(cls, path, weights_context=None) -> "Model":
+        """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it.
+        weights_context: a context manager factory the weights load inside (a compile plan's dry
+        run: kvchat.runtime.compile_worker), the header and vocabulary outside it."""
         from kvchat.runtime.text.vocab import Vocab
 
         map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
@@ -94,7 +97,8 @@ class Model:
             vocab = Vocab.from_gguf(gf)
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)
-            weights = load_weights(gf, hp, arch)
+            with weights_context() if weights_context is not None else nullcontext():
+                weights = load_weights(gf, hp, arch)
             release_file_pages(
                 gf.raw
             )  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)

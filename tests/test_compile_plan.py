@@ -171,5 +171,20 @@ def test_a_kernels_twins_are_one_job_and_such_jobs_go_first():
     entries = [("m", "embed", "s1"), ("k", "matmul_q", "q4"), ("a", "flash_par", "s"), ("a", "flash_ser", "s")]
     entries += [("k", "matmul_q_serial", "q4"), ("m", "embed", "s2"), ("a", "flash_parity", "s")]
     jobs = [[i for i, _ in job] for job in jobs_of(entries)]
-    assert jobs == [[0, 5], [1, 4], [2, 3], [6]]
+    assert jobs == [[1, 4], [0, 5], [2, 3], [6]]  # the matmul twins: a known long compile
     assert sorted(i for job in jobs for i in job) == list(range(len(entries)))
+
+
+def test_the_known_long_compiles_go_first_so_the_first_answer_waits_for_the_longest_only():
+    """A serial set planned short-first left its longest kernel (flash attention) to start last,
+    one worker idle meanwhile; the known long ones go first, the rest keep the plan's order."""
+    from kvchat.runtime.compile_ahead import jobs_of
+
+    names = ["_powf", "_rms_norm_ser", "matmul_q_serial", "build_kq_mask", "_prep_store_ser", "_flash_units"]
+    entries = [("k", name, "s") for name in names] + [("k", "matmul_q_serial", "q8")]
+    order = [entries[job[0][0]][1] for job in jobs_of(entries, twins=False)]
+    assert order == ["_flash_units", "_prep_store_ser", "matmul_q_serial", "matmul_q_serial"] + [
+        "_powf",
+        "_rms_norm_ser",
+        "build_kq_mask",
+    ]

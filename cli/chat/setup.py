@@ -66,18 +66,19 @@ class KernelsBehind:
         self.waited = False  # the serial set is in: answers may run
 
     @classmethod
-    def start_if_needed(cls, ctx, path, first_run: bool):
+    def start_if_needed(cls, path, cparams, first_run: bool):
         """Workers started on a first run (numba's cache holds no hot-path kernel for this source:
-        a new install, a kvchat or numba upgrade) unless a warm-up of this model and context is
-        recorded as cached, and workers are allowed (KVCHAT_COMPILE_WORKERS); else None. A warm
-        cache that only lacks a kernel or two (a new weight type) keeps the in-process warm-up:
-        planning in a worker (its start, the model's load) would cost more than it saves."""
-        from kvchat.kernels import warm_set
+        a new install, a kvchat or numba upgrade) when workers are allowed
+        (KVCHAT_COMPILE_WORKERS); else None. Started before the model loads: the first worker
+        plans (kvchat.runtime.compile_worker) while this process loads the weights, so the
+        first answer's kernels compile from the first seconds on. A warm cache that only lacks
+        a kernel or two (a new weight type) keeps the in-process warm-up: planning in a worker
+        (its start, the model's load) would cost more than it saves."""
         from kvchat.runtime.compile_ahead import CompileAhead, worker_count
 
-        if not first_run or worker_count() < 1 or warm_set.covered(warm_set_name(ctx, path)):
+        if not first_run or worker_count() < 1:
             return None
-        return cls(CompileAhead(path, ctx.params).start(), first_run)
+        return cls(CompileAhead(path, cparams).start(), first_run)
 
     def wait(self, renderer) -> None:
         """Block until the kernels a first answer needs are cached — the serial twins, which the
@@ -163,13 +164,16 @@ def open_engine(
 
     path = resolve_model(settings.model, renderer.err_console)
     first_run = not kernels_compiled()  # numba compiles while loading and warming up
-    with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
-        model = Model.load(path)
-    ctx = Context(
-        model,
-        settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified),
-        abort_callback=stop_event.is_set,
-    )
+    cparams = settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified)
+    behind = KernelsBehind.start_if_needed(path, cparams, first_run)  # before the load: it plans meanwhile
+    try:
+        with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
+            model = Model.load(path)
+        ctx = Context(model, cparams, abort_callback=stop_event.is_set)
+    except BaseException:
+        if behind is not None:
+            behind.close()
+        raise
     if not n_seq_max:  # auto: room for branches in a KV cache; a recurrent state per sequence costs more
         if not ctx.memory.get_can_trim():
             ctx = Context(
@@ -177,7 +181,6 @@ def open_engine(
             )
     for w in getattr(ctx.cparams, "warnings", []):
         renderer.warn(w)
-    behind = KernelsBehind.start_if_needed(ctx, path, first_run)
     if behind is None:
         warm_up_kernels(ctx, model, path, renderer, first_run, skip_if_cached=skip_cached_warm_up)
         from kvchat.runtime.weights.os_memory import release_library_pages
