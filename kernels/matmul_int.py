@@ -32,6 +32,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from kvchat.kernels.matmul_lanes import lanes_impl
 from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kvchat.kernels.qlayout import ACT_Q8_K, QFormatType, R
 from kvchat.kernels.quant_act import quantize_row_q8  # NaN-keeping block scales (#24): inlined here
@@ -309,7 +310,8 @@ def _expand_group(fmt, q, g, qx):
 
 def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
     """Tokens t .. t1 - 1 of row group g on the group's values expanded to bytes when the format
-    has bit planes and the chunk is long (EXPAND_MIN_TOKENS); returns whether it ran them."""
+    has bit planes and the chunk is long (EXPAND_MIN_TOKENS), or all of them in ggml's float order
+    for a QFormat.lanes format (kernels/matmul_lanes.py); returns whether it ran them."""
     raise NotImplementedError
 
 
@@ -317,6 +319,8 @@ def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, q
 def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
     if not isinstance(fmt, QFormatType):
         return None
+    if fmt.fmt.lanes:  # every token in ggml's lane order (q4_1)
+        return lanes_impl(fmt.fmt)
     if fmt.fmt.planes == 0:  # nothing to save: no specialization compiled
         return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx: False
 
@@ -345,7 +349,10 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     n_tc = (n + token_chunk - 1) // token_chunk
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
     long_chunks = fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
-    qx = np.empty(q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0, np.uint8)  # one group's bytes
+    n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
+    if fmt_get(fmt, "lanes"):
+        n_qx = (q.shape[1] + 1) * R * 4  # kernels/matmul_lanes.py: a token's f32 block scales and summs
+    qx = np.empty(n_qx, np.uint8)
     for it in range(i0, i1):
         g = it // n_tc
         t = (it - g * n_tc) * token_chunk

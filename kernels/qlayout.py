@@ -41,6 +41,7 @@ q8_K), which offset term (q8_1's s, or the K-quants' integer mins) and the bit p
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -54,6 +55,9 @@ R = 32  # rows interleaved per group: 2 x 16 i32 lanes
 # and on a digest of this module, qlayout_pack.py and repack.py (runtime/weights/cache.py).
 LAYOUT_VERSION = 1
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
+# KVCHAT_GGML_ORDER=1: q4_1 in ggml's AVX2 float order (kernels/matmul_lanes.py): bit-identical to
+# llama.cpp's products, ~1.4x the kernel's time for one token on AVX2 (docs/performance.md, "Accuracy")
+GGML_ORDER = os.environ.get("KVCHAT_GGML_ORDER", "") == "1"
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
@@ -70,6 +74,7 @@ class QFormat(NamedTuple):
     lmin: bool  # + m * s (q4_1, q5_1 with q8_1's s = d * sum(q))
     kmin: bool  # + (-dmin) * dx * sum_j mn_j * sum(x of sub-block j) (q4_K, q5_K, q2_K)
     planes: int = 0  # bit planes above the nibble: 1 for the 5-bit formats, 2 for q6_K
+    lanes: bool = False  # ggml's AVX2 order: 8 float lanes per output across blocks (kernels/matmul_lanes.py)
 
     @property
     def super_values(self) -> int:
@@ -89,7 +94,7 @@ _NUMBA_TYPES: dict = {}
 
 FORMATS = {
     GGMLType.Q4_0: QFormat("q4_0", 32, 1, 8, True, False, ACT_Q8_0, False, False),
-    GGMLType.Q4_1: QFormat("q4_1", 32, 1, 0, True, False, ACT_Q8_1, True, False),
+    GGMLType.Q4_1: QFormat("q4_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, lanes=GGML_ORDER),
     GGMLType.Q5_0: QFormat("q5_0", 32, 1, 16, True, False, ACT_Q8_0, False, False, 1),
     GGMLType.Q5_1: QFormat("q5_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, 1),
     GGMLType.Q8_0: QFormat("q8_0", 32, 1, 0, False, True, ACT_Q8_0, False, False),

@@ -22,7 +22,7 @@ from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
 from kvchat.kernels.matmul_int import quantize_activations as quantize_rows
 from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 from kvchat.kernels.simd_int import Isa
-from tests.helpers.qref import int_matmul_reference, quantize_act
+from tests.helpers.qref import ggml_q4_1_q8_1, int_matmul_reference, quantize_act
 from tests.test_matmul import random_raw
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -92,6 +92,30 @@ def test_every_cpu_path_gives_the_same_bits(t):
     want = _run(qm, x, ISAS[0], serial=True)
     for isa in ISAS[1:]:
         np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=f"{t.name}: {isa} vs {ISAS[0]}")
+
+
+def test_q4_1_in_ggmls_order_is_llama_cpps_product_bit_for_bit():
+    """KVCHAT_GGML_ORDER's q4_1 (QFormat.lanes, kernels/matmul_lanes.py) follows the float order of
+    ggml_vec_dot_q4_1_q8_1's AVX2 code, which llama.cpp runs on every x86 CPU with AVX2: every
+    output bit-identical to the emulation (tests/helpers/qref.py), for one token and in a batch,
+    whatever the token chunk, run split or driver (batch invariance)."""
+    t, k, m = GGMLType.Q4_1, 576, 75
+    raw = random_raw(t, m, k, seed=11)
+    blocks = raw.reshape(m, k // 32, 20)
+    rng = np.random.default_rng(12)
+    mw = (rng.standard_normal((m, k // 32)) * 0.05).astype(np.float16)  # offsets of both signs, as in real files
+    blocks[:, :, 2:4] = mw.view(np.uint8).reshape(m, k // 32, 2)
+    qm = QMatrix(raw, t, k)
+    qm.fmt = qm.fmt._replace(lanes=True)
+    x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
+    want = ggml_q4_1_q8_1(raw, x)
+    np.testing.assert_array_equal(_run(qm, x, ISAS[0], serial=True), want)
+    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
+        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
+    for i in (0, 4, 8):
+        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
+    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
+    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_this_machine_runs_every_path_it_claims():

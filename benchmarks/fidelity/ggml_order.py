@@ -158,8 +158,10 @@ def flash_tiled(q, kc, vc, mask, n_head_kv, scale, out):
             out[t, h, e] = acc[e] * inv
 
 
-def install() -> None:
-    """Route kvchat's Q4_1 matmuls and f16 flash attention through the emulations (module docstring)."""
+def install(q4_1: bool = True) -> None:
+    """Route kvchat's f16 flash attention and (q4_1) its Q4_1 matmuls through the emulations
+    (module docstring). q4_1=False leaves Q4_1 to the kernel, which follows ggml's order itself
+    now (kernels/matmul_lanes.py)."""
     load_group = rm.load_group
     rm.load_group = lambda gf, specs, fusions=(), packs=None: load_group(gf, specs, (), None)
     matmul = QMatrix.matmul
@@ -179,7 +181,8 @@ def install() -> None:
         q4_1_matmul(np.ascontiguousarray(x, dtype=np.float32), *self._ggml_rows, y)
         return y
 
-    QMatrix.matmul = q41
+    if q4_1:
+        QMatrix.matmul = q41
     attend_io = lp.attend_io
     f16 = int(GGMLType.F16)
 

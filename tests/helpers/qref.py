@@ -72,3 +72,48 @@ def int_matmul_reference(raw: np.ndarray, t: int, k: int, x: np.ndarray) -> tupl
         y = y + corr @ mw.astype(np.float64).T
         base = base + np.abs(s.astype(np.float64)) @ np.abs(mw.astype(np.float64)).T
     return y, base
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """float32 fma(a, b, c) lane by lane, exactly: a * b is exact in float64, the float64 sum s
+    rounds at most once (its error e by TwoSum), and where s lands on a float32 tie that a
+    nonzero e breaks, the tie goes e's way (a plain float64 -> float32 cast would round twice)."""
+    a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bp = s - p
+    e = (p - (s - bp)) + (c64 - bp)
+    r = s.astype(np.float32)
+    other = np.nextafter(r, np.where(s > r, np.float32(np.inf), np.float32(-np.inf)))
+    tie = (s != r) & (s == (r.astype(np.float64) + other.astype(np.float64)) / 2) & (e != 0)
+    up, down = np.maximum(r, other), np.minimum(r, other)
+    return np.where(tie, np.where(e > 0, up, down), r).astype(np.float32)
+
+
+def ggml_q4_1_q8_1(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q4_1 rows raw u8 [m, k / 32 * 20] times x f32 [n, k] exactly as ggml-cpu's x86
+    AVX2 ggml_vec_dot_q4_1_q8_1 computes each output: x quantized to q8_1, then per block b
+    8 float lanes acc_l = fma(d_w * d_x, float(sum of values 4l .. 4l+3 times their q), acc_l)
+    (values 0-15 the low nibbles, 16-31 the high ones), hsum_float_8's tree
+    ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), plus summs = the in-order float32 sum of
+    m_w * s_x."""
+    m = raw.shape[0]
+    n, k = x.shape
+    nb = k // 32
+    blocks = raw.reshape(m, nb, 20)
+    dw = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    mw = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[:, :, 4:20]
+    vals = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int64)  # [m, nb, 32]
+    q, d, _, s = quantize_act(x, ACT_Q8_1)
+    qx = q.reshape(n, nb, 32).astype(np.int64)
+    lanes = (vals[None] * qx[:, None]).reshape(n, m, nb, 8, 4).sum(-1).astype(np.float32)  # [n, m, nb, 8]
+    dd = dw[None] * d[:, None]  # float32 products [n, m, nb]
+    acc = np.zeros((n, m, 8), np.float32)
+    summs = np.zeros((n, m), np.float32)
+    for b in range(nb):
+        acc = fma32(dd[:, :, b, None], lanes[:, :, b], acc)
+        summs = summs + mw[None, :, b] * s[:, None, b]
+    a = [acc[..., i] for i in range(8)]
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + summs
