@@ -60,7 +60,7 @@ TWIN = re.compile(r"_(par|ser|serial)$")  # a kernel's parallel / serial twin: o
 COMPILE_SECONDS = {
     "_flash_units": 17.0,
     "_flash_attn_par": 15.0,
-    "_prep_store_ser": 10.0,
+    "_prep_store_tokens": 10.0,
     "_prep_store_par": 7.0,
     "matmul_q_serial": 6.5,
     "matmul_q": 3.5,
