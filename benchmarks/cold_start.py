@@ -20,7 +20,7 @@ it compiled inside is theirs, inline="always" callees and @overload/@intrinsic b
 caller's), the cache write after each, and how many signatures it compiled. The first compile of
 a process also pays numba's one-time compiler set-up (target and lowering registries): it shows in
 the first kernel's row. The table needs every compile in that process, so the child runs with
-KVCHAT_COMPILE_WORKERS=0 (no compile workers: kvchat.runtime.compile_ahead). `--plain` runs
+KVCHAT_COMPILE_WORKERS=0 (no compile workers: kvchat.runtime.startup.compile_ahead). `--plain` runs
 `python -c "from kvchat.cli.app import main; main()"` instead, with the user's default workers
 (no listener, no table: the timing a user sees); the workers' CPU is in its CPU column.
 

@@ -1,5 +1,5 @@
 """Compiling a run's kernels on an empty numba cache: in-process (the warm-up compiles them as it
-calls them: kvchat before #23) against N compile workers (kvchat.runtime.compile_ahead), side by
+calls them: kvchat before #23) against N compile workers (kvchat.runtime.startup.compile_ahead), side by
 side, rounds alternated, each variant in a fresh process with a fresh NUMBA_CACHE_DIR.
 
     python benchmarks/compile_workers.py -m smollm2 --workers 0 1 2 -r 2
@@ -45,7 +45,7 @@ if n == 0:
     warm_up(ctx, bos if bos is not None and bos >= 0 else 0, n_prompt=64)
     res = dict(wall=time.perf_counter() - t0, plan=0.0, kernels=[], errors=[])
 else:
-    from kvchat.runtime.compile_ahead import CompileAhead
+    from kvchat.runtime.startup.compile_ahead import CompileAhead
     ca = CompileAhead(path, cparams, n_workers=n).start()
     ca.wait()
     kernels = [(f"{e[0]}.{e[1]}", w, c) for e, (w, c) in ca.seconds.items()]

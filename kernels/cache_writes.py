@@ -1,6 +1,6 @@
 """numba's cache writes made safe for several processes compiling into one cache at once.
 
-kvchat compiles its kernels in worker processes beside the chat (kvchat.runtime.compile_ahead),
+kvchat compiles its kernels in worker processes beside the chat (kvchat.runtime.startup.compile_ahead),
 and two kvchat processes may start on a cold cache at the same time. numba keeps one index file
 per kernel (its compiled signatures -> data file names) and writes a new entry as: read the
 index, take the first free data name, write the index, then the data (each file by temp+rename,

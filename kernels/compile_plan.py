@@ -1,6 +1,6 @@
 """Which (kernel, signature) pairs a run will call, found before anything compiles, and compiling
 one such pair on its own — what lets worker processes compile a run's kernels side by side
-(kvchat.runtime.compile_ahead) while the chat already takes input.
+(kvchat.runtime.startup.compile_ahead) while the chat already takes input.
 
 numba learns a kernel's signature at its first call, from the arguments, and compiles then. A
 *dry run* (`dry_run()`) finds the signatures without compiling: while it is active, a call that

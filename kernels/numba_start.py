@@ -1,5 +1,5 @@
 """What kvchat changes in numba and llvmlite, applied by one explicit `install()` — called by the
-CLI's entry point (kvchat.cli.app.main) and the compile workers (kvchat.runtime.compile_worker)
+CLI's entry point (kvchat.cli.app.main) and the compile workers (kvchat.runtime.startup.compile_worker)
 before numba is first imported; importing kvchat.kernels changes nothing.
 
 `install()` applies, in this order (pieces(); each returns False and leaves numba as it is when

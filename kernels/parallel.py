@@ -25,7 +25,7 @@ DEQUANT_PAR_MIN_ROWS = 8  # rows dequantized at once (get_rows: embedding lookup
 
 # ---- serial only, for a while -------------------------------------------------------------------
 # A first run's answer need not wait for the parallel twins: its compile workers build the serial
-# kernels first (kvchat.runtime.compile_ahead), the answer runs on them with every threshold out
+# kernels first (kvchat.runtime.startup.compile_ahead), the answer runs on them with every threshold out
 # of reach, and the thresholds come back once the parallel twins are cached too. The twins give the
 # same bits (batch invariance), so when the switch happens — even inside a forward — changes nothing
 # but speed. Kernels without a serial twin (always parallel) are in the serial set as they are.

@@ -84,7 +84,7 @@ class Model:
     def load(cls, path, weights_context=None) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it.
         weights_context: a context manager factory the weights load inside (a compile plan's dry
-        run: kvchat.runtime.compile_worker), the header and vocabulary outside it."""
+        run: kvchat.runtime.startup.compile_worker), the header and vocabulary outside it."""
         from kvchat.runtime.text.vocab import Vocab
 
         map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)

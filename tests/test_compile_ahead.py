@@ -1,4 +1,4 @@
-"""Chat while compiling (kvchat.runtime.compile_ahead): from an empty numba cache the chat shows
+"""Chat while compiling (kvchat.runtime.startup.compile_ahead): from an empty numba cache the chat shows
 its prompt while worker processes compile, the first answer waits for them with a progress line,
 Ctrl-C during that wait returns to the prompt with nothing changed, and the answer is the one a
 warm chat gives; `kvchat run` shows the same progress on stderr and only the answer on stdout.

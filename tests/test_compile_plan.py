@@ -166,7 +166,7 @@ def test_two_processes_compiling_one_kernel_at_once_keep_every_signature(kmod, t
 
 def test_a_kernels_twins_are_one_job_and_such_jobs_go_first():
     """Twins share their body (a cached kernel both call): one worker compiles them in turn."""
-    from kvchat.runtime.compile_ahead import jobs_of
+    from kvchat.runtime.startup.compile_ahead import jobs_of
 
     entries = [("m", "embed", "s1"), ("k", "matmul_q", "q4"), ("a", "flash_par", "s"), ("a", "flash_ser", "s")]
     entries += [("k", "matmul_q_serial", "q4"), ("m", "embed", "s2"), ("a", "flash_parity", "s")]
@@ -178,7 +178,7 @@ def test_a_kernels_twins_are_one_job_and_such_jobs_go_first():
 def test_the_known_long_compiles_go_first_so_the_first_answer_waits_for_the_longest_only():
     """A serial set planned short-first left its longest kernel (flash attention) to start last,
     one worker idle meanwhile; the known long ones go first, the rest keep the plan's order."""
-    from kvchat.runtime.compile_ahead import jobs_of
+    from kvchat.runtime.startup.compile_ahead import jobs_of
 
     names = ["_powf", "_rms_norm_ser", "matmul_q_serial", "build_kq_mask", "_prep_store_tokens", "_flash_units"]
     entries = [("k", name, "s") for name in names] + [("k", "matmul_q_serial", "q8")]

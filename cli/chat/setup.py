@@ -53,11 +53,11 @@ class Engine:
 
 
 FIRST_RUN = "compiling kernels, first run only (a few minutes; cached afterwards)…"
-WORKERS_ENV = "KVCHAT_COMPILE_WORKERS"  # kvchat.runtime.compile_ahead's; not part of a warm set's name
+WORKERS_ENV = "KVCHAT_COMPILE_WORKERS"  # kvchat.runtime.startup.compile_ahead's; not part of a warm set's name
 
 
 class KernelsBehind:
-    """This run's kernels compiling in worker processes (kvchat.runtime.compile_ahead): the wait
+    """This run's kernels compiling in worker processes (kvchat.runtime.startup.compile_ahead): the wait
     for the serial set before a first answer, the serial hold until the rest is cached, and the
     wait for the rest after it. The next start, warm, records its warm-up (kernels/warm_set.py)."""
 
@@ -70,11 +70,11 @@ class KernelsBehind:
         """Workers started on a first run (numba's cache holds no hot-path kernel for this source:
         a new install, a kvchat or numba upgrade) when workers are allowed
         (KVCHAT_COMPILE_WORKERS); else None. Started before the model loads: the first worker
-        plans (kvchat.runtime.compile_worker) while this process loads the weights, so the
+        plans (kvchat.runtime.startup.compile_worker) while this process loads the weights, so the
         first answer's kernels compile from the first seconds on. A warm cache that only lacks
         a kernel or two (a new weight type) keeps the in-process warm-up: planning in a worker
         (its start, the model's load) would cost more than it saves."""
-        from kvchat.runtime.compile_ahead import CompileAhead, worker_count
+        from kvchat.runtime.startup.compile_ahead import CompileAhead, worker_count
 
         if not first_run or worker_count() < 1:
             return None
@@ -153,7 +153,7 @@ def open_engine(
     prompt loads them next anyway; the chat keeps it, as it runs while the user reads the prompt
     and would otherwise land in the first answer.
     When the kernels this run needs are not all cached, worker processes compile them
-    (kvchat.runtime.compile_ahead); with compile_behind (the chat) open_engine returns at once
+    (kvchat.runtime.startup.compile_ahead); with compile_behind (the chat) open_engine returns at once
     and the first answer waits for them (Engine.kernels_ready), else it waits here."""
     from kvchat.cli.session.session import cache_config, model_identity
     from kvchat.cli.sources.models import resolve_model

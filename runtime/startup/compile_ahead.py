@@ -3,7 +3,7 @@ else (the chat takes input; `run` loads its model); the caller waits only before
 
 numba compiles a kernel in the process that calls it, one kernel at a time (its compiler lock),
 so a first run used one core for minutes. Here `CompileAhead(model_path, cparams).start()`
-starts `n_workers` processes (kvchat.runtime.compile_worker; default: one per core, at most
+starts `n_workers` processes (kvchat.runtime.startup.compile_worker; default: one per core, at most
 2 — MAX_WORKERS) and a thread per worker that drives it:
 1. worker 0 *plans*: it loads the model, makes the Context and runs a warm-up decode under
    kvchat.kernels.compile_plan.dry_run(), which lists the (kernel, signature) pairs that decode
@@ -91,7 +91,7 @@ class _Worker:
     def __init__(self):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvchat.runtime.compile_worker"],
+            [sys.executable, "-m", "kvchat.runtime.startup.compile_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if not os.environ.get("KVCHAT_DEBUG") else None,

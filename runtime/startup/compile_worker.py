@@ -1,5 +1,5 @@
-"""One compile worker process (`python -m kvchat.runtime.compile_worker`), driven by
-kvchat.runtime.compile_ahead over its stdin/stdout: pickled messages, one at a time.
+"""One compile worker process (`python -m kvchat.runtime.startup.compile_worker`), driven by
+kvchat.runtime.startup.compile_ahead over its stdin/stdout: pickled messages, one at a time.
 
 Requests, answered in order:
 - ("plan", model_path, cparams, n_prompt): load the model (its weights under a dry run too,
