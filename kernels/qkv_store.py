@@ -99,19 +99,43 @@ def _prep_store_tokens(
         _store_token(t, k_out, v_out, k_dst, v_dst, strm, cell, type_k, type_v)
 
 
-def _prep_store_ser(q_in, k_in, v_in, pos, *rest):
+def _prep_store_ser(
+    q_in,
+    k_in,
+    v_in,
+    pos,
+    q_norm,
+    k_norm,
+    has_norm,
+    eps,
+    n_rot,
+    theta_scale,
+    fs,
+    ff,
+    mscale,
+    neox,
+    q_out,
+    k_dst,
+    v_dst,
+    strm,
+    cell,
+    type_k,
+    type_v,
+):
     """q_in [n, n_head * dk], k_in [n, n_head_kv * dk], v_in [n, n_embd_v] f32 (C-contiguous);
-    pos i32 [n]; rest: q_norm / k_norm f32 [dk], has_norm, eps, the RoPE constants as
-    rope.rope_plan, then q_out [n, n_head, dk] f32, k_dst / v_dst u8 [n_stream, kv_size,
-    row_bytes], strm, cell i64 [n], type_k, type_v ggml ids. The tokens in turn on this thread:
+    pos i32 [n]; q_norm / k_norm f32 [dk] (has_norm); RoPE constants as rope.rope_plan; q_out
+    [n, n_head, dk] f32; k_dst / v_dst u8 [n_stream, kv_size, row_bytes]; strm, cell i64 [n];
+    type_k, type_v ggml ids: _prep_store_par's arguments. The tokens in turn on this thread:
     plain Python around _prep_store_tokens, so that no kernel level sits above it (a first run
     compiles a kernel's callees again into every kernel that calls them: kernels/attention_flash.py's
     _flash_units says how)."""
-    q_out = rest[10]
     n, _, dk = q_out.shape
-    k_out = np.empty((n, k_in.shape[1] // dk, dk), dtype=np.float32)  # _scratch's rows
+    k_out = np.empty((n, k_in.shape[1] // dk, dk), dtype=np.float32)  # _scratch's rows, allocated by numpy
     v_out = np.empty((n, v_in.shape[1]), dtype=np.float32)
-    _prep_store_tokens(np.int64(0), np.int64(n), q_in, k_in, v_in, pos, *rest, k_out, v_out)
+    _prep_store_tokens(
+        np.int64(0), np.int64(n), q_in, k_in, v_in, pos, q_norm, k_norm, has_norm, eps, n_rot, theta_scale,
+        fs, ff, mscale, neox, q_out, k_dst, v_dst, strm, cell, type_k, type_v, k_out, v_out,
+    )  # fmt: skip
 
 
 @njit(cache=True, parallel=True)

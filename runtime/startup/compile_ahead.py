@@ -5,15 +5,17 @@ numba compiles a kernel in the process that calls it, one kernel at a time (its 
 so a first run used one core for minutes. Here `CompileAhead(model_path, cparams).start()`
 starts `n_workers` processes (kvchat.runtime.startup.compile_worker; default: one per core, at most
 2 — MAX_WORKERS) and a thread per worker that drives it:
-1. worker 0 *plans*: it loads the model, makes the Context and runs a warm-up decode under
-   kvchat.kernels.compile_plan.dry_run(), which lists the (kernel, signature) pairs that decode
-   calls without compiling them; the pairs numba's cache already holds are dropped;
+1. worker 0 *plans*: it opens the model (its weights under the dry run too), makes the Context
+   and runs a warm-up decode under kvchat.kernels.compile_plan.dry_run(), which lists the
+   (kernel, signature) pairs that decode calls without compiling them; the pairs numba's cache
+   already holds are dropped; the serial set (what a first answer runs) comes first;
 2. the workers take those pairs from a shared queue, each compiled by
    `Dispatcher.compile(signature)`, which writes numba's on-disk cache (safe with several
    writers: kvchat.kernels.cache_writes). A kernel's parallel and serial twins (`name_par` /
    `name_ser`, `name` / `name_serial` of one module) are one job, compiled in turn by one
    worker: they share their body (a cached kernel both call), which the second then loads
-   instead of both workers compiling it at once. Jobs of twins go first (the heavy ones);
+   instead of both workers compiling it at once. Jobs of twins go first (the heavy ones), then
+   the known long compiles (COMPILE_SECONDS); in the serial set every entry is a job of its own;
 3. the caller's own decode then loads every kernel from the cache; one the plan missed is
    compiled by the caller on its first call, as without workers.
 `wait(on_progress)` blocks until the workers are done (Ctrl-C raises KeyboardInterrupt in the
@@ -54,9 +56,10 @@ def worker_count() -> int:
 
 TWIN = re.compile(r"_(par|ser|serial)$")  # a kernel's parallel / serial twin: one job with its sibling
 
-# CPU seconds one compile of these kernels took in a worker (SmolLM2, this machine: docs/performance.md,
-# "Cold start"). Only their order matters: the serial set's jobs go longest first, so that the
-# longest one does not start last and leave the other worker idle while the first answer waits.
+# CPU seconds one compile of these kernels took in a worker (SmolLM2, this machine, session 11:
+# benchmarks/cold_timeline.py; docs/performance.md "Cold start"). Only their order matters: the
+# serial set's jobs go longest first, so that the longest one does not start last and leave the
+# other worker idle while the first answer waits.
 COMPILE_SECONDS = {
     "_flash_units": 17.0,
     "_flash_attn_par": 15.0,
