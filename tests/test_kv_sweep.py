@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from kvchat.cli.app import app
 from kvchat.cli.reports.kv_sweep_report import mark_pareto
-from kvchat.runtime.eval.kld import KLDStats, LogitsFile
+from kvchat.runtime.eval.kld import KLDStats
 from kvchat.runtime.eval.kv_sweep import SweepConfig, kv_footprint, paired_difference, run_sweep, sweep_configs
-from kvchat.runtime.eval.perplexity import compute_perplexity
 from kvchat.runtime.model import Model
 from tests.helpers.gguf_factory import write_tiny_model
+from tests.helpers.sweep_pairs import sweep_and_two_pass
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +69,9 @@ def test_lockstep_sweep_equals_the_two_pass_route(tiny, tmp_path):
     model = Model.load(path)
     tokens = model.vocab.tokenize(text.read_text(), add_special=True)
     configs = [SweepConfig("q8_0", "q8_0"), SweepConfig("q4_0", "f16"), SweepConfig("q4_0", "q4_0", False)]
-    ref_row, rows = run_sweep(model, tokens, configs, 64, n_chunks=3, n_batch=24)
-    base = tmp_path / "base.kld"
-    compute_perplexity(model, tokens, n_ctx=64, n_batch=64, n_chunks=3, base_out=base)
-    lf = LogitsFile(base)
-    for row in rows:
-        c = row.config
-        two = compute_perplexity(
-            model, None, n_chunks=3, type_k=c.type_k, type_v=c.type_v, rotation=c.rotation, kl_base=lf
-        ).kld
+    ref_row, pairs = sweep_and_two_pass(model, tokens, configs, 3, tmp_path)
+    assert len(pairs) == len(configs)
+    for row, two in pairs:
         assert row.stats.count == two.count == 3 * 31
         assert np.array_equal(row.stats.values("kld"), two.values("kld"))  # bit for bit
         assert row.stats.mean_kld()[0] == pytest.approx(two.mean_kld()[0], abs=1e-12)

@@ -107,21 +107,16 @@ def test_prompt_cache_reuses_a_moe_prefix_and_answers_the_same(moe_model, tmp_pa
 
 
 def test_kv_sweep_on_a_moe_model_equals_the_two_pass_route(tmp_path):
-    from kvchat.runtime.eval.kld import LogitsFile
-    from kvchat.runtime.eval.kv_sweep import SweepConfig, run_sweep
-    from kvchat.runtime.eval.perplexity import compute_perplexity
+    from kvchat.runtime.eval.kv_sweep import SweepConfig
+    from tests.helpers.sweep_pairs import sweep_and_two_pass
 
     model = Model.load(moe_models.model_file("gpt_oss_s1"))
     try:
         tokens = model.vocab.tokenize(" the hello world and chat of a model" * 40, add_special=True)
         configs = [SweepConfig("q8_0", "q8_0"), SweepConfig("q4_0", "f16")]
-        ref_row, rows = run_sweep(model, tokens, configs, 64, n_chunks=2, n_batch=24)
-        base = tmp_path / "base.kld"
-        compute_perplexity(model, tokens, n_ctx=64, n_batch=64, n_chunks=2, base_out=base)
-        lf = LogitsFile(base)
-        for row in rows:
-            c = row.config
-            two = compute_perplexity(model, None, n_chunks=2, type_k=c.type_k, type_v=c.type_v, kl_base=lf).kld
+        ref_row, pairs = sweep_and_two_pass(model, tokens, configs, 2, tmp_path)
+        assert len(pairs) == len(configs)
+        for row, two in pairs:
             assert row.stats.count == two.count == 2 * 31
             assert np.array_equal(row.stats.values("kld"), two.values("kld"))
             assert row.stats.mean_kld()[0] > 1e-6
