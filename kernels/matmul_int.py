@@ -308,23 +308,24 @@ def _expand_group(fmt, q, g, qx):
             bstore(qx, out + (H + s) * 128 + 64, h1)
 
 
-def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
     """Tokens t .. t1 - 1 of row group g on the group's values expanded to bytes when the format
-    has bit planes and the chunk is long (EXPAND_MIN_TOKENS), or all of them in ggml's float order
-    for a QFormat.lanes format (kernels/matmul_lanes.py); returns whether it ran them."""
+    has bit planes, the chunk is long (EXPAND_MIN_TOKENS) and `expand` (a literal bool) allows it,
+    or all of them in ggml's float order for a QFormat.lanes format (kernels/matmul_lanes.py);
+    returns whether it ran them."""
     raise NotImplementedError
 
 
 @overload(_run_expanded, inline="always")
-def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
-    if not isinstance(fmt, QFormatType):
+def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
+    if not isinstance(fmt, QFormatType) or not isinstance(expand, types.BooleanLiteral):
         return None
     if fmt.fmt.lanes:  # every token in ggml's lane order (q4_1)
         return lanes_impl(fmt.fmt)
-    if fmt.fmt.planes == 0:  # nothing to save: no specialization compiled
-        return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx: False
+    if fmt.fmt.planes == 0 or not expand.literal_value:  # nothing compiled: a second _row/_row4 per format
+        return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand: False
 
-    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
         if t1 - t < EXPAND_MIN_TOKENS:
             return False
         bf = _bytes_fmt(fmt)
@@ -341,14 +342,17 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, 
 
 
 @njit(cache=True)
-def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1):
+def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1, expand):
     """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): four tokens at a
     time through _row4, the chunk's last 0-3 through _row. A serial function, so that the
-    parallel kernel's body stays small (numba's parfor passes are slow on big bodies)."""
+    parallel kernel's body stays small (numba's parfor passes are slow on big bodies).
+    expand: a literal True or False, whether long chunks of a bit-plane format run on their
+    values expanded to bytes (the same bits, faster on long chunks, but a second _row/_row4 to
+    compile: matmul_q_serial, which a first run compiles before its first answer, goes without)."""
     n = y.shape[0]
     n_tc = (n + token_chunk - 1) // token_chunk
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
-    long_chunks = fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
+    long_chunks = expand and fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
     n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
     if fmt_get(fmt, "lanes"):
         n_qx = (q.shape[1] + 1) * R * 4  # kernels/matmul_lanes.py: a token's f32 block scales and summs
@@ -357,7 +361,7 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
         g = it // n_tc
         t = (it - g * n_tc) * token_chunk
         t1 = min(n, t + token_chunk)
-        if _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+        if _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
             continue
         while t + 4 <= t1:
             _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
@@ -399,7 +403,22 @@ def matmul_q(isa, fmt, q, d, m, sc, mn, x, y, token_chunk, n_runs):
     n_par = max(1, min(n_items, n_runs))
     for p in prange(n_par):
         _run_items(
-            isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, p * n_items // n_par, (p + 1) * n_items // n_par
+            isa,
+            fmt,
+            q,
+            d,
+            m,
+            sc,
+            mn,
+            x32,
+            xd,
+            xs,
+            xm,
+            y,
+            token_chunk,
+            p * n_items // n_par,
+            (p + 1) * n_items // n_par,
+            True,
         )
 
 
@@ -424,6 +443,7 @@ def matmul_q_serial(isa, fmt, q, d, m, sc, mn, x, y, token_chunk):
         token_chunk,
         np.int64(0),  # not the literal 0: that would type (and compile) _run_items a second time
         q.shape[0] * ((n + token_chunk - 1) // token_chunk),
+        False,  # no byte expansion: one _row/_row4 to compile (see _run_items)
     )
 
 

@@ -140,7 +140,7 @@ def lanes_impl(fmt: QFormat):
     lmin = fmt.lmin
     sub_bytes = 32 * R // 2  # one 32-row block of nibbles: 4 steps x 32 rows x 4 bytes
 
-    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx):
+    def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):  # runs whatever expand says
         nb = xd.shape[1]
         n_rows = y.shape[1]
         sc_ = qx.view(np.float32)  # per block the 32 rows' d_w * d_x, then the 32 summs (_run_items sizes it)
