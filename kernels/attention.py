@@ -60,7 +60,7 @@ from kvchat.kernels import parallel
 from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
 from kvchat.kernels.attention_flash import _NO_PARTIALS, CHUNK, _flash_attn_par, _partials, flash_attn_ser, flash_plan
 from kvchat.kernels.ggml_types import GGMLType, type_info
-from kvchat.kernels.quants import dequantize, quantize
+from kvchat.kernels.quants import dequantize, kernel_cache_types, quantize
 
 _F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
 
@@ -175,6 +175,7 @@ def attention_checked(
         plan = _LAUNCHES[key] = _launch_plan(*key)
     fn, tb, split, cpu, n_units, dv, start0 = plan
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
+    type_k, type_v = kernel_cache_types(type_k, type_v)  # f16/f16: compile-time constants
     if flash:
         pm, ps, pacc, bm, bs, bacc = _partials(n_kv, n_tokens, n_head, dv) if split else _NO_PARTIALS
         fn(

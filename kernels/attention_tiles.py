@@ -10,7 +10,8 @@ invariance described in kernels/attention.py. Tiles are always KT cells wide.
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.quants import (
@@ -149,7 +150,6 @@ def row_values(t, nb):
     return nb // 24 * 32  # q5_1
 
 
-@njit(cache=True, forceinline=True)
 def load_tile(t, raw, st, j0, nj, b0, nb, dst):
     """Dequantize bytes [b0, b0+nb) of cache rows j0..j0+nj of stream st — d values each — into
     dst[:nj, :d] (f32 [KT, dp], dp = d rounded up to LANES); rows nj..KT become zeros. Columns
@@ -157,18 +157,57 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
     multiple of LANES reads as one padded with zero components, which add exactly nothing to a
     K·q chain or a P·V component that is then dropped. f16 (one vcvtph2ps per 16 values) and
     q8_0 (int8 -> f32 times the block scale) are decoded with vectors straight from the cache;
-    other formats per row. Every decode is exact, so how it is compiled cannot change a value."""
+    other formats per row. Every decode is exact, so how it is compiled cannot change a value.
+    t: the cache's ggml type, a run-time int (every format's code compiled in) or f16 as a
+    compile-time constant (quants.kernel_cache_types: only f16's code compiled, the same code)."""
+    raise NotImplementedError("only callable inside njit code")
+
+
+@overload(load_tile, inline="always", prefer_literal=True)  # else numba tries the unliteral int first
+def _load_tile(t, raw, st, j0, nj, b0, nb, dst):
+    if isinstance(t, types.IntegerLiteral) and t.literal_value == _F16:
+        return lambda t, raw, st, j0, nj, b0, nb, dst: _load_f16(raw, st, j0, nj, b0, nb, dst)
+    if isinstance(t, types.Integer):
+        return lambda t, raw, st, j0, nj, b0, nb, dst: _load_any(t, raw, st, j0, nj, b0, nb, dst)
+    return None
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _f16_rows(raw, st, j0, nj, b0, d, dst):
+    """dst[:nj, :d] <- d f16 values of cache rows j0 .. j0 + nj - 1 from byte b0 (load_tile)."""
+    dp = dst.shape[1]
+    r16 = raw.view(np.uint16)  # [n_stream, n_kv, row_bytes / 2] f16 bits (rows are even)
+    d16 = d - d % LANES
+    for j in range(nj):
+        o = (st * raw.strides[0] + (j0 + j) * raw.strides[1] + b0) // 2  # flat u16 index
+        for i in range(0, d16, LANES):
+            vstore(dst, j * dp + i, vload(r16, o + i))
+        for i in range(d16, d):  # a head size that is not a multiple of LANES: the tail
+            dst[j, i] = _f16_bits(np.uint32(r16[st, j0 + j, b0 // 2 + i]))
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _zero_rows(nj, dst):
+    """Rows nj .. KT of dst past the last cell become zeros, so a full-width tile stays finite."""
+    for j in range(nj, KT):
+        for i in range(dst.shape[1]):
+            dst[j, i] = 0.0
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _load_f16(raw, st, j0, nj, b0, nb, dst):
+    """load_tile of an f16 cache."""
+    _f16_rows(raw, st, j0, nj, b0, nb // 2, dst)
+    _zero_rows(nj, dst)
+
+
+@njit(cache=True, forceinline=True)
+def _load_any(t, raw, st, j0, nj, b0, nb, dst):
+    """load_tile of a cache of any type t (a run-time int)."""
     dp = dst.shape[1]
     d = row_values(t, nb)
     if t == _F16:
-        r16 = raw.view(np.uint16)  # [n_stream, n_kv, row_bytes / 2] f16 bits (rows are even)
-        d16 = d - d % LANES
-        for j in range(nj):
-            o = (st * raw.strides[0] + (j0 + j) * raw.strides[1] + b0) // 2  # flat u16 index
-            for i in range(0, d16, LANES):
-                vstore(dst, j * dp + i, vload(r16, o + i))
-            for i in range(d16, d):  # a head size that is not a multiple of LANES: the tail
-                dst[j, i] = _f16_bits(np.uint32(r16[st, j0 + j, b0 // 2 + i]))
+        _f16_rows(raw, st, j0, nj, b0, d, dst)
     elif t == _Q8_0:
         r8 = raw.view(np.int8)
         for j in range(nj):
@@ -188,9 +227,7 @@ def load_tile(t, raw, st, j0, nj, b0, nb, dst):
             dequant_cache_row(t, raw[st, j0 + j, b0 : b0 + nb], tmp)
             for i in range(d):
                 dst[j, i] = tmp[i]
-    for j in range(nj, KT):  # past the last cell: zeros, so a full-width tile stays finite
-        for i in range(dp):
-            dst[j, i] = 0.0
+    _zero_rows(nj, dst)
 
 
 @njit(cache=True, forceinline=True, _nrt=False)

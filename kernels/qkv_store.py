@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvchat.kernels import parallel
-from kvchat.kernels.quants import quant_row_of
+from kvchat.kernels.quants import kernel_cache_types, quant_row_of
 from kvchat.kernels.rope import _prep_token
 
 
@@ -125,7 +125,7 @@ def _prep_store_ser(
     """q_in [n, n_head * dk], k_in [n, n_head_kv * dk], v_in [n, n_embd_v] f32 (C-contiguous);
     pos i32 [n]; q_norm / k_norm f32 [dk] (has_norm); RoPE constants as rope.rope_plan; q_out
     [n, n_head, dk] f32; k_dst / v_dst u8 [n_stream, kv_size, row_bytes]; strm, cell i64 [n];
-    type_k, type_v ggml ids: _prep_store_par's arguments. The tokens in turn on this thread:
+    type_k, type_v ggml ids (quants.kernel_cache_types): _prep_store_par's arguments. The tokens in turn on this thread:
     plain Python around _prep_store_tokens, so that no kernel level sits above it (a first run
     compiles a kernel's callees again into every kernel that calls them: kernels/attention_flash.py's
     _flash_units says how)."""
@@ -206,5 +206,7 @@ def prepare_qkv_store(q_in, k_in, v_in, pos, rope_args, n_head, n_head_kv, head_
     # are returned as they are) keeps one compiled version of the whole Q/K/V path
     q_in, k_in, v_in = np.ascontiguousarray(q_in), np.ascontiguousarray(k_in), np.ascontiguousarray(v_in)
     fn = _prep_store_par if n >= parallel.ROPE_PAR_MIN_TOKENS else _prep_store_ser
-    fn(q_in, k_in, v_in, pos, *rope_args, q, *dst)
+    k_dst, v_dst, strm, cell, type_k, type_v = dst
+    type_k, type_v = kernel_cache_types(type_k, type_v)  # f16/f16: compile-time constants
+    fn(q_in, k_in, v_in, pos, *rope_args, q, k_dst, v_dst, strm, cell, type_k, type_v)
     return q

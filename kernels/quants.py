@@ -207,6 +207,20 @@ def type_arg(t) -> TypeArg:
     return a
 
 
+_F16_PAIR = (type_arg(GGMLType.F16), type_arg(GGMLType.F16))
+
+
+def kernel_cache_types(type_k, type_v):
+    """(type_k, type_v) as the kernels over the K/V cache take them (attention, the Q/K/V store):
+    an f16/f16 cache — the default, which every first run compiles before its first answer — as
+    TypeArgs, so only f16's code is compiled (about half the compile of the flash and store
+    kernels); any other pair as ints, one compiled version for all of them (a kv-sweep over
+    many pairs compiles one kernel, not one per pair). The same row code runs either way."""
+    if type_k == _F16 and type_v == _F16:
+        return _F16_PAIR
+    return int(type_k), int(type_v)
+
+
 def row_selector(table: dict, fallback):
     """An njit-callable ``f(t, src, dst) -> bool`` that runs ``table[t](src, dst)``: for a literal
     t (a TypeArg) the entry is chosen while typing, so only that row function is compiled

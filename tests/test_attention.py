@@ -229,6 +229,28 @@ def test_fast_f16_row_is_exact_for_every_half():
     assert same.all()
 
 
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("n_tokens", [1, 40])  # one token: the split walk; 40: token blocks
+def test_an_f16_cache_gives_the_same_bits_with_its_type_fixed_at_compile_time(flash, n_tokens, monkeypatch):
+    """kernel_cache_types hands an f16/f16 cache to the kernels as compile-time constants (only
+    f16's tile code compiled); the generic kernel, with the types as run-time ints, runs the
+    same decode: the outputs are bit-identical, on one thread and on two."""
+    import kvchat.kernels.attention as attn
+
+    q, kraw, _, vraw, _, mask, ts = _setup("f16", "f16", n_tokens, 8, 2, 64, n_kv=700, kv_size=768, n_stream=1, seed=5)
+    v = vraw[:, :700] if flash else _transposed_v("f16", 700, 2 * 64, 768, np.random.default_rng(6))
+    outs = []
+    for as_ints in (False, True):
+        if as_ints:
+            monkeypatch.setattr(attn, "kernel_cache_types", lambda tk, tv: (int(tk), int(tv)))
+        for threads in (1, 2):
+            monkeypatch.setattr(parallel, "ATTN_PAR_MIN_MACS", 1)
+            outs.append(attention(q, kraw[:, :700], GGMLType.F16, v, GGMLType.F16, mask, ts, 2, 0.125, flash=flash,
+                                  n_threads=threads, round_q=False))  # fmt: skip
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
 # --- flash-decoding: chunks of cells spread over threads, partial softmaxes folded in order ---
 
 
