@@ -13,7 +13,9 @@ For each model one child process runs `kvchat run -m MODEL -p Hello -n 16` (or t
 - stdout on a pipe: "first byte" is when the answer's first byte arrives, "exit" when the process
   ends; CPU is the child's user + system time and "peak RSS" its ru_maxrss (both from wait4, so
   they include worker processes it waited for); "tree RSS" the largest sum of RSS over the child
-  and its descendants, sampled every 50 ms.
+  and its descendants, sampled every 50 ms, and "tree PSS" the largest sum of their Pss (each
+  shared page — libLLVM, numpy, the model file's — divided among the processes mapping it: the
+  tree's physical memory, which the RSS sum overstates by the shared pages counted per process).
 The child runs the CLI in-process (`kvchat.cli.app.main`) with a listener on numba's
 "numba:compile" events: per dispatcher the CPU seconds of its compiles (exclusive: the time of kernels
 it compiled inside is theirs, inline="always" callees and @overload/@intrinsic bodies are their
@@ -113,8 +115,10 @@ def child(out_path: str, args: list[str]) -> None:
 # ---- the parent ---------------------------------------------------------------------------------
 
 
-def _descendants_rss_kib(pid: int) -> int:
-    """Sum of VmRSS (KiB) over pid and every process below it (Linux /proc)."""
+def _descendants_kib(pid: int) -> tuple[int, int]:
+    """(sum of VmRSS, sum of Pss) in KiB over pid and every process below it (Linux /proc). Pss
+    divides each page among the processes that map it: the tree's sum counts the libraries and
+    the model file's pages, which every process maps, once — the memory the tree takes."""
     children: dict = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -125,30 +129,33 @@ def _descendants_rss_kib(pid: int) -> int:
             children.setdefault(ppid, []).append(int(d))
         except (OSError, ValueError, IndexError):
             continue
-    total, todo = 0, [pid]
+    rss, pss, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         todo.extend(children.get(p, []))
         try:
-            with open(f"/proc/{p}/status") as f:
+            with open(f"/proc/{p}/smaps_rollup") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
         except OSError:
             pass
-    return total
+    return rss, pss
 
 
 def run_once(cmd: list[str], env: dict, cwd: str) -> dict:
     """Run cmd; first answer byte, exit, CPU, ru_maxrss, peak tree RSS, return code, output."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
-    peak_tree = [0]
+    peak_tree = [0, 0]  # KiB: RSS, PSS
     done = threading.Event()
 
     def sample():
         while not done.wait(0.05):
-            peak_tree[0] = max(peak_tree[0], _descendants_rss_kib(p.pid))
+            rss, pss = _descendants_kib(p.pid)
+            peak_tree[0], peak_tree[1] = max(peak_tree[0], rss), max(peak_tree[1], pss)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -175,6 +182,7 @@ def run_once(cmd: list[str], env: dict, cwd: str) -> dict:
         "cpu_s": ru.ru_utime + ru.ru_stime,
         "peak_rss_mib": ru.ru_maxrss / 1024,
         "tree_rss_mib": peak_tree[0] / 1024,
+        "tree_pss_mib": peak_tree[1] / 1024,
         "rc": p.returncode,
         "stdout": got.decode(errors="replace"),
         "stderr_tail": b"".join(err_chunks).decode(errors="replace")[-2000:],
@@ -230,14 +238,14 @@ def measure(model: str, opts, run_args: list[str]) -> dict:
 def report(res: dict, top: int) -> None:
     c = res["cold"]
     print(f"\n## {' '.join(res['args'])}")
-    print("| run | first byte s | exit s | CPU s | peak RSS MiB | tree RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| run | first byte s | exit s | CPU s | peak RSS MiB | tree RSS MiB | tree PSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for k in ("cold", "warm"):
         if k in res:
             r = res[k]
             print(
                 f"| {k} | {r['first_byte_s']:.2f} | {r['exit_s']:.2f} | {r['cpu_s']:.1f} | "
-                f"{r['peak_rss_mib']:.0f} | {r['tree_rss_mib']:.0f} |"
+                f"{r['peak_rss_mib']:.0f} | {r['tree_rss_mib']:.0f} | {r['tree_pss_mib']:.0f} |"
             )
     nc = res["numba_cache"]
     print(f"numba cache written: {nc['files']} files, {nc['mib']:.1f} MiB; answer: {c['stdout'].strip()[:60]!r}")

@@ -82,6 +82,61 @@ def _read_stdin_line(prompt: str) -> str:
     return line.rstrip("\n")
 
 
+def make_prompt_session(renderer, toolbar):
+    """The chat's line editor: persistent history, Alt-Enter for a new line, Ctrl-C clears the
+    line (on an empty one it says how to leave), toolbar() the bottom line."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.application import run_in_terminal
+    from prompt_toolkit.key_binding import KeyBindings
+
+    from kvchat.cli.chat.history import open_history
+    from kvchat.cli.chat.keys import safe_mouse_bindings
+
+    kb = safe_mouse_bindings(KeyBindings())  # pasted "\x1b[0m" is text, not a broken mouse report
+
+    @kb.add("escape", "enter")  # Alt-Enter: a new line inside the message
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    @kb.add("c-c")
+    def _ctrl_c(event):
+        buf = event.current_buffer
+        if buf.text:
+            buf.reset()
+        else:  # never leave on Ctrl-C: the second of two pressed to stop an answer lands here
+            run_in_terminal(lambda: renderer.notice(LEAVE_HINT))
+
+    history = open_history(history_path())
+    return PromptSession(history=history, key_bindings=kb, bottom_toolbar=toolbar, enable_history_search=False)
+
+
+def read_message(read_line, renderer) -> str | None:
+    """One message through read_line(prompt) (None at end of input). A line starting with
+    \"\"\" opens a block that a line ending with \"\"\" closes."""
+    try:
+        line = read_line("> ")
+    except EOFError:
+        return None
+    except KeyboardInterrupt:  # Ctrl-C between the answer and the prompt: not a quit
+        renderer.notice(LEAVE_HINT)
+        return ""
+    if not line.lstrip().startswith(TRIPLE):
+        return line
+    body = line.lstrip()[len(TRIPLE) :]
+    if body.rstrip().endswith(TRIPLE) and body.strip():
+        return body.rstrip()[: -len(TRIPLE)]
+    lines = [body] if body else []
+    while True:
+        try:
+            more = read_line("... ")
+        except EOFError:
+            return "\n".join(lines)
+        if more.rstrip().endswith(TRIPLE):
+            lines.append(more.rstrip()[: -len(TRIPLE)])
+            return "\n".join(x for x in lines).rstrip("\n") if lines else ""
+        lines.append(more)
+
+
 class Repl(BranchCommands, FormatCommands):
     def __init__(self, engine, conv, settings, renderer, session_factory=None, target=None):
         from kvchat.cli.session.file import AutosaveTarget
@@ -117,63 +172,23 @@ class Repl(BranchCommands, FormatCommands):
             f"{shift} · {self.engine.identity['file']} · /help "
         )
 
-    def _make_prompt(self):
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.application import run_in_terminal
-        from prompt_toolkit.key_binding import KeyBindings
-
-        from kvchat.cli.chat.history import open_history
-        from kvchat.cli.chat.keys import safe_mouse_bindings
-
-        kb = safe_mouse_bindings(KeyBindings())  # pasted "\x1b[0m" is text, not a broken mouse report
-
-        @kb.add("escape", "enter")  # Alt-Enter: a new line inside the message
-        def _newline(event):
-            event.current_buffer.insert_text("\n")
-
-        @kb.add("c-c")
-        def _ctrl_c(event):
-            buf = event.current_buffer
-            if buf.text:
-                buf.reset()
-            else:  # never leave on Ctrl-C: the second of two pressed to stop an answer lands here
-                run_in_terminal(lambda: self.r.notice(LEAVE_HINT))
-
-        history = open_history(history_path())
-        return PromptSession(history=history, key_bindings=kb, bottom_toolbar=self.toolbar, enable_history_search=False)
-
     def read(self) -> str | None:
         """One message (None at end of input). A line starting with \"\"\" opens a block."""
+        return read_message(self._line_reader(), self.r)
+
+    def _line_reader(self):
         if self._session_factory is not None:
-            read_line = self._session_factory
-        elif not sys.stdin.isatty():  # piped input: one message per line, no line editor
-            read_line = _read_stdin_line
-        else:
-            if self._prompt is None:
-                self._prompt = self._make_prompt()
-            read_line = self._prompt.prompt
-        try:
-            line = read_line("> ")
-        except EOFError:
-            return None
-        except KeyboardInterrupt:  # Ctrl-C between the answer and the prompt: not a quit
-            self.r.notice(LEAVE_HINT)
-            return ""
-        if not line.lstrip().startswith(TRIPLE):
-            return line
-        body = line.lstrip()[len(TRIPLE) :]
-        if body.rstrip().endswith(TRIPLE) and body.strip():
-            return body.rstrip()[: -len(TRIPLE)]
-        lines = [body] if body else []
-        while True:
-            try:
-                more = read_line("... ")
-            except EOFError:
-                return "\n".join(lines)
-            if more.rstrip().endswith(TRIPLE):
-                lines.append(more.rstrip()[: -len(TRIPLE)])
-                return "\n".join(x for x in lines).rstrip("\n") if lines else ""
-            lines.append(more)
+            return self._session_factory
+        if not sys.stdin.isatty():  # piped input: one message per line, no line editor
+            return _read_stdin_line
+        if self._prompt is None:
+            self._prompt = make_prompt_session(self.r, self.toolbar)
+        return self._prompt.prompt
+
+    def adopt_prompt(self, session) -> None:
+        """Go on with the prompt session the chat read its first message with while loading
+        (cli/chat/load_behind.py): the same line editor and history, this chat's toolbar."""
+        self._prompt = session
 
     # ---- loop -------------------------------------------------------------------------------
 
@@ -186,11 +201,13 @@ class Repl(BranchCommands, FormatCommands):
         )
         self.r.notice('/help for commands · Alt-Enter or """ for several lines · Ctrl-C stops an answer')
 
-    def run(self) -> None:
+    def run(self, first: str | None = None) -> None:
+        """The loop; first: a message already read (typed while the model loaded), taken as
+        the first input."""
         self.banner()
         while self.running:
             try:
-                text = self.read()
+                text, first = (self.read(), None) if first is None else (first, None)
             except KeyboardInterrupt:
                 self.r.notice(LEAVE_HINT)
                 continue

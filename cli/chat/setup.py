@@ -52,7 +52,7 @@ class Engine:
         return self.model.vocab
 
 
-FIRST_RUN = "compiling kernels, first run only (a few minutes; cached afterwards)…"
+FIRST_RUN = "compiling kernels, first run only (cached afterwards)…"
 WORKERS_ENV = "KVCHAT_COMPILE_WORKERS"  # kvchat.runtime.startup.compile_ahead's; not part of a warm set's name
 
 
@@ -139,6 +139,31 @@ def _counted(show):
 AUTO_SEQS = 4  # n_seq_max of the chat's "auto" (--parallel 0): branches and /alts answers
 
 
+@dataclass
+class EngineStart:
+    """What open_engine settles before the model loads: the file, whether numba's cache is cold,
+    the context parameters, and the compile workers started for a cold one (KernelsBehind)."""
+
+    path: Path
+    first_run: bool
+    cparams: object
+    behind: KernelsBehind | None
+
+
+def start_engine(
+    settings: ChatSettings, renderer: Renderer, n_seq_max: int = 1, kv_unified: bool = True
+) -> EngineStart:
+    """Resolve the model (fetched with a progress bar when missing) and, on a first run, start
+    the compile workers — before the load: the first worker plans while this process loads."""
+    from kvchat.cli.sources.models import resolve_model
+    from kvchat.kernels.jit_cache import kernels_compiled
+
+    path = resolve_model(settings.model, renderer.err_console)
+    first_run = not kernels_compiled()  # numba compiles while loading and warming up
+    cparams = settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified)
+    return EngineStart(path, first_run, cparams, KernelsBehind.start_if_needed(path, cparams, first_run))
+
+
 def open_engine(
     settings: ChatSettings,
     renderer: Renderer,
@@ -147,6 +172,7 @@ def open_engine(
     kv_unified: bool = True,
     skip_cached_warm_up: bool = False,
     compile_behind: bool = False,
+    start: EngineStart | None = None,
 ) -> Engine:
     """Model + Context + template from the flags; KvchatError (one line) for bad input.
     skip_cached_warm_up (`run`): no warm-up when it would only load cached kernels — the
@@ -154,18 +180,16 @@ def open_engine(
     and would otherwise land in the first answer.
     When the kernels this run needs are not all cached, worker processes compile them
     (kvchat.runtime.startup.compile_ahead); with compile_behind (the chat) open_engine returns at once
-    and the first answer waits for them (Engine.kernels_ready), else it waits here."""
+    and the first answer waits for them (Engine.kernels_ready), else it waits here.
+    start: start_engine's result when the caller took that step itself (the chat's first run
+    loads on a thread behind its prompt: cli/chat/load_behind.py)."""
     from kvchat.cli.session.session import cache_config, model_identity
-    from kvchat.cli.sources.models import resolve_model
-    from kvchat.kernels.jit_cache import kernels_compiled
     from kvchat.runtime.context import Context
     from kvchat.runtime.model import Model
     from kvchat.runtime.text.chat_template import ChatTemplate
 
-    path = resolve_model(settings.model, renderer.err_console)
-    first_run = not kernels_compiled()  # numba compiles while loading and warming up
-    cparams = settings.context_params(n_seq_max=n_seq_max or AUTO_SEQS, kv_unified=kv_unified)
-    behind = KernelsBehind.start_if_needed(path, cparams, first_run)  # before the load: it plans meanwhile
+    start = start or start_engine(settings, renderer, n_seq_max, kv_unified)
+    path, first_run, cparams, behind = start.path, start.first_run, start.cparams, start.behind
     try:
         with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
             model = Model.load(path)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvchat.cli.chat.render import Renderer
-from kvchat.cli.chat.setup import make_conversation, open_engine, should_resume
+from kvchat.cli.chat.setup import make_conversation, open_engine, should_resume, start_engine
 from kvchat.cli.option_params import with_settings
 from kvchat.cli.options import ChatSettings
 
@@ -52,14 +52,40 @@ def register(app: typer.Typer) -> None:
         atexit.register(target.release)
         renderer = Renderer(markdown=settings.markdown)
         stop = threading.Event()
-        engine = open_engine(settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True)
+        start = start_engine(settings, renderer, n_seq_max=parallel, kv_unified=kv_unified)
+        resume = should_resume(settings, renderer)
+        first, session, toolbar = None, None, None
+        if start.behind is not None and not resume:  # a first run: the prompt now, the load behind it
+            from kvchat.cli.chat.load_behind import LoadBehind, Toolbar, first_message
+
+            loading = LoadBehind(
+                lambda quiet: open_engine(
+                    settings, quiet, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True, start=start
+                )
+            )
+            name = start.path.name
+            renderer.notice(f"first run: {name} loads and kernels compile behind the prompt; type your message")
+            kv = f"{settings.cache_type_k}/{settings.cache_type_v}"
+            toolbar = Toolbar(f" ctx 0/{settings.ctx_size or '…'} · {kv} · {name} · loading ")
+            first, session = first_message(loading, renderer, name, toolbar)
+            if first is None:  # left before the model was needed
+                start.behind.close()
+                return
+            engine = loading.engine
+        else:
+            engine = open_engine(
+                settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True, start=start
+            )
         conv = make_conversation(engine, settings, renderer, stop, grammar=spec)
         conv.on_thinking = renderer.thinking
         repl = Repl(engine, conv, settings, renderer, target=target)
-        if should_resume(settings, renderer):
+        if session is not None:
+            toolbar.show = repl.toolbar
+            repl.adopt_prompt(session)
+        if resume:
             repl.resume(settings.session)  # SessionError → exit 1, file untouched
         try:
-            repl.run()
+            repl.run(first)
         finally:
             if engine.compiling is not None and engine.compiling.waited:
                 engine.kernels_finished(renderer)  # the parallel twins, so the next chat starts warm
