@@ -56,17 +56,17 @@ def worker_count() -> int:
 
 TWIN = re.compile(r"_(par|ser|serial)$")  # a kernel's parallel / serial twin: one job with its sibling
 
-# CPU seconds one compile of these kernels took in a worker (SmolLM2, this machine, session 11:
+# CPU seconds one compile of these kernels took in a worker (SmolLM2, this machine, session 12:
 # benchmarks/cold_timeline.py; docs/performance.md "Cold start"). Only their order matters: the
 # serial set's jobs go longest first, so that the longest one does not start last and leave the
 # other worker idle while the first answer waits.
 COMPILE_SECONDS = {
-    "_flash_units": 17.0,
-    "_flash_attn_par": 15.0,
-    "_prep_store_tokens": 10.0,
-    "_prep_store_par": 7.0,
-    "matmul_q_serial": 6.5,
-    "matmul_q": 3.5,
+    "_flash_units": 12.0,
+    "_flash_attn_par": 12.0,
+    "matmul_q_serial": 7.0,
+    "matmul_q": 6.0,
+    "_prep_store_tokens": 3.0,
+    "_prep_store_par": 3.5,
     "_glu_rows_ser": 1.7,
     "_glu_rows_par": 2.9,
 }
@@ -115,6 +115,8 @@ class _Worker:
         if kill and self.proc.poll() is None:
             self.proc.kill()  # now: its current kernel is not saved
             self.proc.wait()
+        elif self.proc.poll() is None:  # reaped when it ends (no zombie beside a long chat)
+            threading.Thread(target=self.proc.wait, daemon=True, name="compile-worker-reap").start()
 
 
 class CompileAhead:
