@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from kvchat.cli.app import app
@@ -15,6 +16,7 @@ def _bench(*args):
     return r
 
 
+@pytest.mark.slow  # over 10 s: left out of the fast lane (README), run by CI
 def test_bench_json_has_pp_and_tg_rows_with_depth(tmp_path):
     path = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", weight_type=GGMLType.Q8_0, n_head=2, n_head_kv=1)
     r = _bench(

@@ -93,6 +93,7 @@ def _outcome(call):
         return ("error", type(e).__name__, str(e))
 
 
+@pytest.mark.slow  # over 10 s: left out of the fast lane (README), run by CI
 def test_a_plain_run_line_gets_the_values_typer_gives_and_anything_else_goes_to_typer(monkeypatch):
     import kvchat.cli.commands.run as cmd_run
     from kvchat.cli.app import make_app

@@ -66,6 +66,7 @@ def test_run_with_session_resumes_a_moe_conversation_with_its_cached_prefix(moe_
     assert second.messages[3]["content"].strip() == r2.stdout.strip()
 
 
+@pytest.mark.slow  # over 10 s: left out of the fast lane (README), run by CI
 def test_context_shift_lets_a_moe_model_answer_past_its_context_whatever_the_ubatch(moe_model):
     """-c 256 and 300 tokens to generate: the cache shifts (gpt-oss: a full-size sliding-window cache,
     --swa-full, as llama.cpp requires) and the answer is the same bits in ubatches of 64, 7 and 1."""

@@ -49,6 +49,7 @@ def ids_of(model, text):
     return conv.render([{"role": "user", "content": text}])
 
 
+@pytest.mark.slow  # over 10 s: left out of the fast lane (README), run by CI
 @pytest.mark.parametrize("unified", [True, False])
 def test_greedy_alternatives_are_four_copies_of_the_solo_answer(model, unified):
     ctx = Context(model, ContextParams(n_ctx=512 if unified else 2048, n_seq_max=4, kv_unified=unified))

@@ -50,6 +50,7 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("soak") / "tiny.gguf")
 
 
+@pytest.mark.slow  # over 10 s: left out of the fast lane (README), run by CI
 def test_soak_200_random_operations(tiny, tmp_path):
     rng = random.Random(20261201)
     c = Chat(tiny, tmp_path, "-n", "24", "--ignore-eos", cwd=tmp_path)

@@ -184,6 +184,7 @@ def conversation(model, speculative=None, n_ctx=256, n_predict=40, temp=0.0):
     return conv
 
 
+@pytest.mark.slow  # over 10 s: left out of the fast lane (README), run by CI
 def test_a_conversation_through_context_shifts_is_plain_decodings(model):
     """256 cells, answers of 300 tokens: several shifts inside speculative runs (dense, iSWA with
     its window; recurrent and hybrid memories stop at the full context, as plain ones do)."""
