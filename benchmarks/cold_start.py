@@ -13,7 +13,7 @@ For each model one child process runs `kvchat run -m MODEL -p Hello -n 16` (or t
 - stdout on a pipe: "first byte" is when the answer's first byte arrives, "exit" when the process
   ends; CPU is the child's user + system time and "peak RSS" its ru_maxrss (both from wait4, so
   they include worker processes it waited for); "tree RSS" the largest sum of RSS over the child
-  and its descendants, sampled every 50 ms, and "tree PSS" the largest sum of their Pss (each
+  and its descendants, sampled every 50 ms, and "tree PSS" the largest sum of their Pss (every 0.5 s; each
   shared page — libLLVM, numpy, the model file's — divided among the processes mapping it: the
   tree's physical memory, which the RSS sum overstates by the shared pages counted per process).
 The child runs the CLI in-process (`kvchat.cli.app.main`) with a listener on numba's
@@ -115,10 +115,8 @@ def child(out_path: str, args: list[str]) -> None:
 # ---- the parent ---------------------------------------------------------------------------------
 
 
-def _descendants_kib(pid: int) -> tuple[int, int]:
-    """(sum of VmRSS, sum of Pss) in KiB over pid and every process below it (Linux /proc). Pss
-    divides each page among the processes that map it: the tree's sum counts the libraries and
-    the model file's pages, which every process maps, once — the memory the tree takes."""
+def _descendants(pid: int) -> list[int]:
+    """pid and every process below it (Linux /proc)."""
     children: dict = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -129,20 +127,27 @@ def _descendants_kib(pid: int) -> tuple[int, int]:
             children.setdefault(ppid, []).append(int(d))
         except (OSError, ValueError, IndexError):
             continue
-    rss, pss, todo = 0, 0, [pid]
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
+        tree.append(p)
         todo.extend(children.get(p, []))
+    return tree
+
+
+def _sum_kib(pids: list[int], path: str, key: str) -> int:
+    """Sum of the `key` lines (KiB) of /proc/PID/path over pids."""
+    total = 0
+    for p in pids:
         try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
+            with open(f"/proc/{p}/{path}") as f:
                 for line in f:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1])
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1])
+                    if line.startswith(key):
+                        total += int(line.split()[1])
+                        break
         except OSError:
             pass
-    return rss, pss
+    return total
 
 
 def run_once(cmd: list[str], env: dict, cwd: str) -> dict:
@@ -152,10 +157,14 @@ def run_once(cmd: list[str], env: dict, cwd: str) -> dict:
     peak_tree = [0, 0]  # KiB: RSS, PSS
     done = threading.Event()
 
-    def sample():
+    def sample():  # RSS every 50 ms; Pss (smaps_rollup walks every page: costly) every 0.5 s
+        n = 0
         while not done.wait(0.05):
-            rss, pss = _descendants_kib(p.pid)
-            peak_tree[0], peak_tree[1] = max(peak_tree[0], rss), max(peak_tree[1], pss)
+            tree = _descendants(p.pid)
+            peak_tree[0] = max(peak_tree[0], _sum_kib(tree, "status", "VmRSS:"))
+            if n % 10 == 0:
+                peak_tree[1] = max(peak_tree[1], _sum_kib(tree, "smaps_rollup", "Pss:"))
+            n += 1
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
