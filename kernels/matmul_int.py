@@ -41,6 +41,7 @@ from kvchat.kernels.simd_int import (
     bhi,
     blo,
     bload,
+    bmerge,
     bplane,
     bstore,
     iadd,
@@ -72,19 +73,21 @@ def _fmt_get(fmt, field):
 @njit(cache=True, inline="always")
 def _nib_vectors(fmt, q, base, s):
     """Step s of a nibble sub-block at byte base: the values of rows 0-15 and 16-31 for the low
-    half (values 4s .. 4s+3) and the high half (S/2 + 4s ..), with the bit planes of the 5- and
-    6-bit formats ORed in as bits 4 and 5 (kernels/qlayout.py)."""
+    half (values 4s .. 4s+3) and the high half (S/2 + 4s ..), with the high bits of the 5- and
+    6-bit formats ORed in as bits 4 and 5 (kernels/qlayout.py): the 5-bit formats' plane by a
+    masked byte move, q6_K's crumbs (two bits a value, four vectors a byte) by shift, mask and OR."""
     v0 = bload(q, base + s * 128)
     v1 = bload(q, base + s * 128 + 64)
     l0, l1, h0, h1 = blo(v0), blo(v1), bhi(v0), bhi(v1)
     P = fmt_get(fmt, "planes")
-    if P > 0:
-        pb = base + fmt_get(fmt, "sub") * R // 2 + s * P * 32
+    if P == 1:
+        pb = base + fmt_get(fmt, "sub") * R // 2 + s * 32
         l0, l1 = bplane(l0, q, pb, 16), bplane(l1, q, pb + 8, 16)
         h0, h1 = bplane(h0, q, pb + 16, 16), bplane(h1, q, pb + 24, 16)
-        if P > 1:
-            l0, l1 = bplane(l0, q, pb + 32, 32), bplane(l1, q, pb + 40, 32)
-            h0, h1 = bplane(h0, q, pb + 48, 32), bplane(h1, q, pb + 56, 32)
+    elif P == 2:
+        w = bload(q, base + fmt_get(fmt, "sub") * R // 2 + s * 64)
+        l0, l1 = bmerge(l0, w, 4, 0x30), bmerge(l1, w, 2, 0x30)
+        h0, h1 = bmerge(h0, w, 0, 0x30), bmerge(h1, w, -2, 0x30)
     return l0, l1, h0, h1
 
 

@@ -186,6 +186,31 @@ def bplane(typingctx, v, a, i, bit):
 
 
 @intrinsic
+def bmerge(typingctx, v, w, sh, mask):
+    """v | ((w << sh) & mask) per byte, sh a constant (negative: a right shift by -sh): a byte's
+    high value bits taken from a vector that holds them packed (q6_K's crumbs, kernels/qlayout.py).
+    The shift runs on 16-bit lanes (AVX2 has no byte shift); the bits it carries across a byte
+    boundary land outside ``mask``, which must keep only bits the shift moved within the byte."""
+    if not (v == b64 and w == b64 and isinstance(sh, types.IntegerLiteral) and isinstance(mask, types.IntegerLiteral)):
+        return None
+    s, mk = sh.literal_value, mask.literal_value
+    carried = (1 << s) - 1 if s >= 0 else 0xFF & ~((1 << (8 + s)) - 1)  # result bits from the next byte
+    if not (-7 <= s <= 7 and 0 <= mk <= 255 and mk & carried == 0):
+        return None
+    vw = ir.VectorType(_I16, 32)
+
+    def codegen(context, builder, sig, args):
+        x = args[1]
+        if s != 0:
+            x16 = builder.bitcast(x, vw)
+            x16 = builder.shl(x16, _const(vw, s, 32)) if s > 0 else builder.lshr(x16, _const(vw, -s, 32))
+            x = builder.bitcast(x16, _VB)
+        return builder.or_(args[0], builder.and_(x, _const(_VB, mk, 64)))
+
+    return b64(v, w, sh, mask), codegen
+
+
+@intrinsic
 def izero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_VI, None)
@@ -376,6 +401,7 @@ __all__ = [
     "bload",
     "bstore",
     "bplane",
+    "bmerge",
     "blo",
     "bhi",
     "izero",
