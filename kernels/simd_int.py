@@ -393,6 +393,28 @@ def s8_bias(typingctx, isa):
     return types.int32(isa), codegen
 
 
+@intrinsic
+def prefetch(typingctx, a, i):
+    """A hint to bring the cache line holding element i of array a into L1 (llvm.prefetch: read,
+    locality 3, data; prefetcht0 on x86). No fault and no effect on results, also past a's end."""
+    if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _I8)
+        i32 = ir.IntType(32)
+        _call(
+            builder,
+            "llvm.prefetch.p0i8",
+            ir.VoidType(),
+            [p.type, i32, i32, i32],
+            [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)],
+        )
+        return context.get_dummy_value()
+
+    return types.none(a, i), codegen
+
+
 __all__ = [
     "Isa",
     "IsaType",
@@ -414,4 +436,5 @@ __all__ = [
     "idot",
     "idot_s",
     "s8_bias",
+    "prefetch",
 ]
