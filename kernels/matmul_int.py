@@ -41,6 +41,7 @@ from kvchat.kernels.simd_int import (
     bhi,
     blo,
     bload,
+    bmerge,
     bplane,
     bstore,
     iadd,
@@ -52,8 +53,15 @@ from kvchat.kernels.simd_int import (
     isub,
     itof,
     izero,
+    prefetch,
     s8_bias,
 )
+
+# _row (1-3 tokens: generation) asks for the weight bytes this far ahead of the sub-block it is
+# multiplying. At one token a product streams its weights once, bound by memory latency more than
+# by its instructions: on the 2-core EPYC (Zen 3, AVX2) a lone thread's Q4_K product of the
+# 1.5B-shaped model's gate+up ran 35-39 ms without, 28-30 ms with (docs/performance.md, issue 24).
+PREFETCH_BYTES = 2048
 
 
 def fmt_get(fmt, field):
@@ -72,19 +80,21 @@ def _fmt_get(fmt, field):
 @njit(cache=True, inline="always")
 def _nib_vectors(fmt, q, base, s):
     """Step s of a nibble sub-block at byte base: the values of rows 0-15 and 16-31 for the low
-    half (values 4s .. 4s+3) and the high half (S/2 + 4s ..), with the bit planes of the 5- and
-    6-bit formats ORed in as bits 4 and 5 (kernels/qlayout.py)."""
+    half (values 4s .. 4s+3) and the high half (S/2 + 4s ..), with the high bits of the 5- and
+    6-bit formats ORed in as bits 4 and 5 (kernels/qlayout.py): the 5-bit formats' plane by a
+    masked byte move, q6_K's crumbs (two bits a value, four vectors a byte) by shift, mask and OR."""
     v0 = bload(q, base + s * 128)
     v1 = bload(q, base + s * 128 + 64)
     l0, l1, h0, h1 = blo(v0), blo(v1), bhi(v0), bhi(v1)
     P = fmt_get(fmt, "planes")
-    if P > 0:
-        pb = base + fmt_get(fmt, "sub") * R // 2 + s * P * 32
+    if P == 1:
+        pb = base + fmt_get(fmt, "sub") * R // 2 + s * 32
         l0, l1 = bplane(l0, q, pb, 16), bplane(l1, q, pb + 8, 16)
         h0, h1 = bplane(h0, q, pb + 16, 16), bplane(h1, q, pb + 24, 16)
-        if P > 1:
-            l0, l1 = bplane(l0, q, pb + 32, 32), bplane(l1, q, pb + 40, 32)
-            h0, h1 = bplane(h0, q, pb + 48, 32), bplane(h1, q, pb + 56, 32)
+    elif P == 2:
+        w = bload(q, base + fmt_get(fmt, "sub") * R // 2 + s * 64)
+        l0, l1 = bmerge(l0, w, 4, 0x30), bmerge(l1, w, 2, 0x30)
+        h0, h1 = bmerge(h0, w, 0, 0x30), bmerge(h1, w, -2, 0x30)
     return l0, l1, h0, h1
 
 
@@ -232,6 +242,8 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
         acc = (z, z, z, z)
         for jj in range(NS):
             j = B * NS + jj
+            for c in range(0, sub_bytes, 64):  # one hint a cache line, PREFETCH_BYTES ahead
+                prefetch(q, (gq * n_sub_all + j) * sub_bytes + PREFETCH_BYTES + c)
             i0, i1 = _sub_dot(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
             acc = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, acc)
         a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1)

@@ -9,14 +9,18 @@ side by side:
     q  u8 / i8 [G, n_sub, sub-block bytes], each 32-row sub-block stored as
        bytes (q8_0, iq4_nl: signed): [S / 4 steps, R, 4], one byte per value;
        nibbles (every other format): [S / 8 steps, R, 4] bytes, byte i of step s holding value
-           4s + i in its low nibble and value S/2 + 4s + i in its high one; then, for the 5-bit
-           formats (q5_0, q5_1, q5_K: 1 plane) and q6_K (2 planes), the bits above the nibble:
-           [S / 8 steps, planes, 4 words, 8 bytes], word w of step s a little-endian u64 whose
-           bit b is bit 4 + plane of the value in byte b of vector w (rows 0-15 low nibbles,
-           rows 16-31 low, rows 0-15 high, rows 16-31 high). The kernel ORs a plane in with one
-           masked byte move (kernels/simd_int.bplane), so a value costs its file's bits: q5_0 is
-           held in 5 bits a value, q6_K in 6 (one byte each before: +45 % / +33 % over the file).
-           q2_K and q3_K values (<= 7) fit a nibble.
+           4s + i in its low nibble and value S/2 + 4s + i in its high one; then the bits above
+           the nibble, for the four 64-byte vectors of a step (rows 0-15 low nibbles, rows 16-31
+           low, rows 0-15 high, rows 16-31 high):
+           - 5-bit formats (q5_0, q5_1, q5_K: 1 plane): [S / 8 steps, 4 words, 8 bytes], word w of
+             step s a little-endian u64 whose bit b is bit 4 of the value in byte b of vector w;
+             the kernel ORs it in with one masked byte move (kernels/simd_int.bplane);
+           - q6_K (2 planes): [S / 8 steps, 64 bytes], crumbs: bits 2w, 2w + 1 of byte b are bits
+             4, 5 of the value in byte b of vector w; the kernel ORs them in with a shift, a mask
+             and an OR per vector (simd_int.bmerge), as ggml's AVX2 q6_K dot does — on AVX2 a
+             u64-mask plane costs a broadcast, a byte shuffle, a compare and two ANDs per 32 bytes.
+           So a value costs its file's bits: q5_0 is held in 5 bits a value, q6_K in 6 (one byte
+           each before: +45 % / +33 % over the file). q2_K and q3_K values (<= 7) fit a nibble.
     d, m  u16 [G, n_super, R]    f16 bit patterns from the file: the block scale, and the
                                  q4_1 / q5_1 offset or the K-quants' -dmin (m empty when unused)
     sc, mn  i8 [G, n_sub, R]     K-quants: each sub-block's integer scale and min (else empty)
@@ -53,7 +57,7 @@ from kvchat.kernels.ggml_types import GGMLType, type_info
 R = 32  # rows interleaved per group: 2 x 16 i32 lanes
 # Bump when the packed bytes of the same file rows change. Packs cached on disk are keyed on it
 # and on a digest of this module, qlayout_pack.py and repack.py (runtime/weights/cache.py).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: q6_K's high bits as crumbs (were two u64-mask bit planes)
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
 # KVCHAT_GGML_ORDER=1: q4_1 in ggml's AVX2 float order (kernels/matmul_lanes.py): bit-identical to
 # llama.cpp's products, ~1.4x the kernel's time for one token on AVX2 (docs/performance.md, "Accuracy")
@@ -73,7 +77,7 @@ class QFormat(NamedTuple):
     act: int  # ACT_Q8_0 / ACT_Q8_1 / ACT_Q8_K
     lmin: bool  # + m * s (q4_1, q5_1 with q8_1's s = d * sum(q))
     kmin: bool  # + (-dmin) * dx * sum_j mn_j * sum(x of sub-block j) (q4_K, q5_K, q2_K)
-    planes: int = 0  # bit planes above the nibble: 1 for the 5-bit formats, 2 for q6_K
+    planes: int = 0  # high bits above the nibble: 1 for the 5-bit formats (a bit plane), 2 for q6_K (crumbs)
     lanes: bool = False  # ggml's AVX2 order: 8 float lanes per output across blocks (kernels/matmul_lanes.py)
 
     @property

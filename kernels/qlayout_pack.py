@@ -153,19 +153,27 @@ def _put_nibbles(dst, vals, base, half, r):
 
 @njit(cache=True, inline="always")
 def _put_planes(dst, vals, base, half, r, planes, nib_bytes):
-    """OR row r's bits 4 + p of the sub-block's values into plane p's words: value i of step st
-    is bit 4 (r % 16) + i of word r // 16 (low half) or 2 + r // 16 (high half)."""
+    """OR row r's bits above the nibble into the sub-block's high-bit bytes (kernels/qlayout.py).
+    One plane: value i of step st is bit 4 (r % 16) + i of word r // 16 (low half) or 2 + r // 16
+    (high half). Two (q6_K's crumbs): bits 4-5 of value i of step st are bits 2 v .. 2 v + 1 of
+    byte 4 (r % 16) + i of the step's 64 bytes, v = r // 16 (low half) or 2 + r // 16 (high half)."""
     sh = 4 * (r % 2)
     for st in range(half // 4):
-        for p in range(planes):
-            lo = 0
-            hi = 0
+        if planes == 2:
             for i in range(4):
-                lo |= ((vals[base + 4 * st + i] >> (4 + p)) & 1) << i
-                hi |= ((vals[base + half + 4 * st + i] >> (4 + p)) & 1) << i
-            w = nib_bytes + ((st * planes + p) * 4 + r // 16) * 8 + (r % 16) // 2
-            dst[w] |= lo << sh
-            dst[w + 16] |= hi << sh
+                b = nib_bytes + st * 64 + (r % 16) * 4 + i
+                v = r // 16
+                dst[b] |= ((vals[base + 4 * st + i] >> 4) & 3) << (2 * v)
+                dst[b] |= ((vals[base + half + 4 * st + i] >> 4) & 3) << (2 * v + 4)
+            continue
+        lo = 0
+        hi = 0
+        for i in range(4):
+            lo |= ((vals[base + 4 * st + i] >> 4) & 1) << i
+            hi |= ((vals[base + half + 4 * st + i] >> 4) & 1) << i
+        w = nib_bytes + (st * 4 + r // 16) * 8 + (r % 16) // 2
+        dst[w] |= lo << sh
+        dst[w + 16] |= hi << sh
 
 
 @njit(cache=True, inline="always")

@@ -186,6 +186,31 @@ def bplane(typingctx, v, a, i, bit):
 
 
 @intrinsic
+def bmerge(typingctx, v, w, sh, mask):
+    """v | ((w << sh) & mask) per byte, sh a constant (negative: a right shift by -sh): a byte's
+    high value bits taken from a vector that holds them packed (q6_K's crumbs, kernels/qlayout.py).
+    The shift runs on 16-bit lanes (AVX2 has no byte shift); the bits it carries across a byte
+    boundary land outside ``mask``, which must keep only bits the shift moved within the byte."""
+    if not (v == b64 and w == b64 and isinstance(sh, types.IntegerLiteral) and isinstance(mask, types.IntegerLiteral)):
+        return None
+    s, mk = sh.literal_value, mask.literal_value
+    carried = (1 << s) - 1 if s >= 0 else 0xFF & ~((1 << (8 + s)) - 1)  # result bits from the next byte
+    if not (-7 <= s <= 7 and 0 <= mk <= 255 and mk & carried == 0):
+        return None
+    vw = ir.VectorType(_I16, 32)
+
+    def codegen(context, builder, sig, args):
+        x = args[1]
+        if s != 0:
+            x16 = builder.bitcast(x, vw)
+            x16 = builder.shl(x16, _const(vw, s, 32)) if s > 0 else builder.lshr(x16, _const(vw, -s, 32))
+            x = builder.bitcast(x16, _VB)
+        return builder.or_(args[0], builder.and_(x, _const(_VB, mk, 64)))
+
+    return b64(v, w, sh, mask), codegen
+
+
+@intrinsic
 def izero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_VI, None)
@@ -368,6 +393,28 @@ def s8_bias(typingctx, isa):
     return types.int32(isa), codegen
 
 
+@intrinsic
+def prefetch(typingctx, a, i):
+    """A hint to bring the cache line holding element i of array a into L1 (llvm.prefetch: read,
+    locality 3, data; prefetcht0 on x86). No fault and no effect on results, also past a's end."""
+    if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], _I8)
+        i32 = ir.IntType(32)
+        _call(
+            builder,
+            "llvm.prefetch.p0i8",
+            ir.VoidType(),
+            [p.type, i32, i32, i32],
+            [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)],
+        )
+        return context.get_dummy_value()
+
+    return types.none(a, i), codegen
+
+
 __all__ = [
     "Isa",
     "IsaType",
@@ -376,6 +423,7 @@ __all__ = [
     "bload",
     "bstore",
     "bplane",
+    "bmerge",
     "blo",
     "bhi",
     "izero",
@@ -388,4 +436,5 @@ __all__ = [
     "idot",
     "idot_s",
     "s8_bias",
+    "prefetch",
 ]

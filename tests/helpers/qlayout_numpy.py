@@ -42,7 +42,13 @@ def _pack_values(v: np.ndarray, m: int, fmt: QFormat) -> np.ndarray:
     lo, hi = v[..., :half], v[..., half:]
     nib = interleave(((lo & 15) | ((hi & 15) << 4)).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
     parts = [nib.reshape(g, n_sub, half * R)]
-    if fmt.planes:
+    if fmt.planes == 2:  # q6_K's crumbs: byte b of a step's 64 holds bits 4-5 of byte b of its 4 vectors
+        steps = half // 4
+        crumbs = [interleave(((x >> 4) & 3).astype(np.uint8).reshape(m, n_sub, steps, 4)) for x in (lo, hi)]
+        vec = np.concatenate([c.reshape(g, n_sub, steps, 2, 64) for c in crumbs], 3)  # l0, l1, h0, h1
+        packed = sum(vec[:, :, :, v].astype(np.uint8) << (2 * v) for v in range(4)).astype(np.uint8)
+        parts.append(packed.reshape(g, n_sub, -1))
+    elif fmt.planes:
         words = []  # [G, n_sub, steps, planes, 4 words (low 0-15, low 16-31, high 0-15, high 16-31), 64 bits]
         for p in range(fmt.planes):
             bl = interleave(((lo >> (4 + p)) & 1).astype(np.uint8).reshape(m, n_sub, half // 4, 4))
