@@ -81,6 +81,17 @@ def release_file_pages(a: np.ndarray) -> None:
         pass
 
 
+def call_compiled(entries: dict, kernel, args) -> None:
+    """kernel(*args) through the compiled entry point kept in entries (kernel -> entry point) for
+    one caller whose argument types never change (QMatrix._call), found by the first call."""
+    ep = entries.get(kernel)
+    if ep is None:
+        kernel(*args)
+        entries[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
+        return
+    ep(*args)
+
+
 class QMatrix:
     """A weight matrix of m rows by k values in ggml type t, kept quantized.
 
@@ -186,12 +197,7 @@ class QMatrix:
         arrays, ISA and format; x a C-contiguous f32 [n, k] and y a fresh f32 [n, m], which
         matmul guarantees; ints), so the first call goes through the dispatcher (compiling or
         loading from numba's cache) and keeps the overload it chose."""
-        ep = self._entry.get(kernel)
-        if ep is None:
-            kernel(*args)
-            self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
-            return
-        ep(*args)
+        call_compiled(self._entry, kernel, args)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""
