@@ -117,7 +117,10 @@ def route_experts(
     n, n_exp = logits.shape
     if not 0 < k <= n_exp:
         raise ValueError(f"route_experts: k={k} must be in 1..{n_exp}")
-    ids = np.empty((n, k), np.int32)
+    # zeros, not empty: under the compile plan's dry run (kernels/compile_plan.py) _route does not
+    # run, and garbage ids would stop the planning decode at the first MoE layer (matmul_id's
+    # range check), leaving every kernel after it out of the plan
+    ids = np.zeros((n, k), np.int32)
     w = np.empty((n, k), np.float32)
     b = np.zeros(n_exp, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     if n:
