@@ -27,9 +27,11 @@ from kvchat.kernels.matmul_int import _quantize_rows, _run_items, fmt_get
 
 
 @njit(cache=True, inline="always")
-def _gathered(xq, xd, xs, xm, src, parallel):
+def _gathered(xq, xd, xs, xm, src):
     """The quantized rows of the pairs: row p of each output is row src[p] of the input (the
-    inputs themselves when src is 0, 1, 2 ...: each pair has its own row, in order)."""
+    inputs themselves when src is 0, 1, 2 ...: each pair has its own row, in order). Plain
+    element loops on one thread: numba's row-slice assignments, and a prange here, doubled the
+    twins' compile time for a copy of a few MB at most."""
     P = src.shape[0]
     same = P == xq.shape[0]
     for p in range(P):
@@ -42,12 +44,16 @@ def _gathered(xq, xd, xs, xm, src, parallel):
     gd = np.empty((P, xd.shape[1]), np.float32)  # [P, k / 32 or k / 256]
     gs = np.empty((P, xs.shape[1]), np.int32)  # [P, k / 16]
     gm = np.empty((P, xm.shape[1]), np.float32)  # [P, k / 32]
-    if parallel and P >= 64:
-        for p in prange(P):
-            gq[p], gd[p], gs[p], gm[p] = xq[src[p]], xd[src[p]], xs[src[p]], xm[src[p]]
-    else:
-        for p in range(P):
-            gq[p], gd[p], gs[p], gm[p] = xq[src[p]], xd[src[p]], xs[src[p]], xm[src[p]]
+    for p in range(P):
+        r = src[p]
+        for j in range(xq.shape[1]):
+            gq[p, j] = xq[r, j]
+        for j in range(xd.shape[1]):
+            gd[p, j] = xd[r, j]
+        for j in range(xs.shape[1]):
+            gs[p, j] = xs[r, j]
+        for j in range(xm.shape[1]):
+            gm[p, j] = xm[r, j]
     return gq, gd, gs, gm
 
 
@@ -99,7 +105,7 @@ def matmul_id_q(isa, fmt, q, d, m, sc, mn, x, src, seg_e, seg_p, y, token_chunk,
     """y f32 [P, M]: y[p] = x[src[p]] @ W[e].T for the pairs p of each segment (module docstring),
     over every thread. isa, fmt: as kernels/matmul_int.matmul_q; src, seg_e, seg_p i64."""
     xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), True)
-    gq, gd, gs, gm = _gathered(xq, xd, xs, xm, src, True)
+    gq, gd, gs, gm = _gathered(xq, xd, xs, xm, src)
     item0 = _item_starts(q.shape[1], seg_p, token_chunk)
     n_items = item0[-1]
     n_par = max(1, min(n_items, n_runs))
@@ -131,7 +137,7 @@ def matmul_id_q(isa, fmt, q, d, m, sc, mn, x, src, seg_e, seg_p, y, token_chunk,
 def matmul_id_q_serial(isa, fmt, q, d, m, sc, mn, x, src, seg_e, seg_p, y, token_chunk):
     """matmul_id_q on the calling thread only (small products: no parallel launch); same results."""
     xq, xd, xs, xm = _quantize_rows(x, fmt_get(fmt, "act"), False)
-    gq, gd, gs, gm = _gathered(xq, xd, xs, xm, src, False)
+    gq, gd, gs, gm = _gathered(xq, xd, xs, xm, src)
     item0 = _item_starts(q.shape[1], seg_p, token_chunk)
     _run_expert_items(
         isa,
