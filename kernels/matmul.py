@@ -26,7 +26,7 @@ from kvchat.kernels import parallel
 from kvchat.kernels.cpu import ISA
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
-from kvchat.kernels.matmul_kernels import matmul_blocks
+from kvchat.kernels.matmul_kernels import matmul_blocks, matmul_blocks_serial
 from kvchat.kernels.qlayout import FORMATS, Packed, repack_int
 from kvchat.kernels.quants import dequantize
 from kvchat.kernels.repack import padded_k, repack
@@ -166,9 +166,13 @@ class QMatrix:
             x = self._prepared(x)
         n = x.shape[0]
         y = np.empty((n, self.m), np.float32)  # [n, m]
+        serial = n * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
         if self.fmt is None:
-            kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
-        elif n * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs):
+            if serial:
+                kernel, args = matmul_blocks_serial, self._args + (x, y, TOKEN_CHUNK)
+            else:
+                kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
+        elif serial:
             kernel, args = matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
         else:
             kernel, args = matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)

@@ -125,7 +125,7 @@ def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
     of consecutive items for the threads. Chunk size and runs decide only which item computes
     an element, never its value (float layout here; the integer kernel in test_matmul_int)."""
     import kvchat.kernels.matmul as mm
-    from kvchat.kernels.matmul_kernels import matmul_blocks
+    from kvchat.kernels.matmul_kernels import matmul_blocks, matmul_blocks_serial
 
     raw = random_raw(GGMLType.F16, 32 * 5 + 3, 64, seed=4)
     qm = QMatrix(raw, GGMLType.F16, 64)
@@ -139,6 +139,9 @@ def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
         y = np.full_like(want, np.nan)
         matmul_blocks(*qm._packed, x, y, 8, runs)
         assert np.array_equal(y, want), f"{runs} runs changed the result"
+    y = np.full_like(want, np.nan)
+    matmul_blocks_serial(*qm._packed, x, y, 8)  # the serial twin (small products)
+    assert np.array_equal(y, want)
 
 
 def test_bad_input_is_rejected():
