@@ -90,10 +90,12 @@ def geglu(gate, up):
     return out
 
 
-def glu_fused(gate_up, n_ff, use_gelu):
-    """The same on one [n, 2*n_ff] f32 array holding gate then up (a fused gate+up matmul)."""
+def glu_fused(gate_up, n_ff, use_gelu, rows_per_token: int = 1):
+    """The same on one [n, 2*n_ff] f32 array holding gate then up (a fused gate+up matmul).
+    rows_per_token: rows a token has (a MoE layer's k experts): the parallel threshold counts
+    tokens, so that a decoded token's k short rows stay on this thread."""
     out = np.empty((gate_up.shape[0], n_ff), dtype=np.float32)
-    fn = _glu_rows_par if gate_up.shape[0] >= parallel.GLU_PAR_MIN_ROWS else _glu_rows_ser
+    fn = _glu_rows_par if gate_up.shape[0] >= parallel.GLU_PAR_MIN_ROWS * rows_per_token else _glu_rows_ser
     fn(gate_up, n_ff, use_gelu, gelu_table() if use_gelu else _NO_TABLE, out)
     return out
 

@@ -26,7 +26,7 @@ from kvchat.kernels import parallel
 from kvchat.kernels.cpu import ISA
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
-from kvchat.kernels.matmul_kernels import matmul_blocks
+from kvchat.kernels.matmul_kernels import matmul_blocks, matmul_blocks_serial
 from kvchat.kernels.qlayout import FORMATS, Packed, repack_int
 from kvchat.kernels.quants import dequantize
 from kvchat.kernels.repack import padded_k, repack
@@ -79,6 +79,17 @@ def release_file_pages(a: np.ndarray) -> None:
         )
     except (OSError, AttributeError):  # no madvise: the pages just stay resident
         pass
+
+
+def call_compiled(entries: dict, kernel, args) -> None:
+    """kernel(*args) through the compiled entry point kept in entries (kernel -> entry point) for
+    one caller whose argument types never change (QMatrix._call), found by the first call."""
+    ep = entries.get(kernel)
+    if ep is None:
+        kernel(*args)
+        entries[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
+        return
+    ep(*args)
 
 
 class QMatrix:
@@ -155,9 +166,13 @@ class QMatrix:
             x = self._prepared(x)
         n = x.shape[0]
         y = np.empty((n, self.m), np.float32)  # [n, m]
+        serial = n * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
         if self.fmt is None:
-            kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
-        elif n * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs):
+            if serial:
+                kernel, args = matmul_blocks_serial, self._args + (x, y, TOKEN_CHUNK)
+            else:
+                kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
+        elif serial:
             kernel, args = matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
         else:
             kernel, args = matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)
@@ -186,12 +201,7 @@ class QMatrix:
         arrays, ISA and format; x a C-contiguous f32 [n, k] and y a fresh f32 [n, m], which
         matmul guarantees; ints), so the first call goes through the dispatcher (compiling or
         loading from numba's cache) and keeps the overload it chose."""
-        ep = self._entry.get(kernel)
-        if ep is None:
-            kernel(*args)
-            self._entry[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
-            return
-        ep(*args)
+        call_compiled(self._entry, kernel, args)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """ids i32 [n] -> f32 [n, k]: those rows dequantized exactly (embedding lookup)."""

@@ -36,11 +36,12 @@ from kvchat.kernels.matmul_lanes import lanes_impl
 from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kvchat.kernels.qlayout import ACT_Q8_K, QFormatType, R
 from kvchat.kernels.quant_act import quantize_row_q8  # NaN-keeping block scales (#24): inlined here
-from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vstore, vzero
+from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vscale, vstore, vzero
 from kvchat.kernels.simd_int import (
     bhi,
     blo,
     bload,
+    blut,
     bmerge,
     bplane,
     bstore,
@@ -99,6 +100,13 @@ def _nib_vectors(fmt, q, base, s):
 
 
 @njit(cache=True, inline="always")
+def _nib_values(isa, fmt, q, base, s):
+    """_nib_vectors, each nibble mapped through the format's table when it has one (mxfp4)."""
+    l0, l1, h0, h1 = _nib_vectors(fmt, q, base, s)
+    return blut(isa, fmt, l0), blut(isa, fmt, l1), blut(isa, fmt, h0), blut(isa, fmt, h1)
+
+
+@njit(cache=True, inline="always")
 def _sub_dot(isa, fmt, q, base, x32, t, xo):
     """Integer dots of one sub-block for the 32 rows of a group: (rows 0-15, rows 16-31), raw
     (offset and signed bias not yet removed)."""
@@ -106,7 +114,7 @@ def _sub_dot(isa, fmt, q, base, x32, t, xo):
     if fmt_get(fmt, "nib"):
         H = fmt_get(fmt, "sub") // 8  # steps per nibble half
         for s in range(H):
-            l0, l1, h0, h1 = _nib_vectors(fmt, q, base, s)
+            l0, l1, h0, h1 = _nib_values(isa, fmt, q, base, s)
             xl = x32[t, xo + s]
             xh = x32[t, xo + H + s]
             p0 = idot(isa, p0, l0, xl)
@@ -141,7 +149,7 @@ def _sub_dot4(isa, fmt, q, base, x32, t, xo):
     if fmt_get(fmt, "nib"):
         H = fmt_get(fmt, "sub") // 8
         for s in range(H):
-            l0, l1, h0, h1 = _nib_vectors(fmt, q, base, s)
+            l0, l1, h0, h1 = _nib_values(isa, fmt, q, base, s)
             xl, xh = x32[t, xo + s], x32[t, xo + H + s]
             p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
             xl, xh = x32[t + 1, xo + s], x32[t + 1, xo + H + s]
@@ -201,8 +209,8 @@ def _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, acc, a0, a1):
     I0, I1, M0, M1 = acc
     so = (g * n_super + B) * R
     dx = vbcast(xd[t, B])
-    a0 = vfma(vmul(vload(d, so), dx), itof(I0), a0)
-    a1 = vfma(vmul(vload(d, so + 16), dx), itof(I1), a1)
+    a0 = vfma(vmul(vscale(d, so), dx), itof(I0), a0)
+    a1 = vfma(vmul(vscale(d, so + 16), dx), itof(I1), a1)
     if fmt_get(fmt, "lmin"):
         s = vbcast(xm[t, B])
         a0 = vfma(vload(m, so), s, a0)

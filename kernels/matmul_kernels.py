@@ -135,6 +135,16 @@ def matmul_blocks(q, d, mn, x, y, token_chunk, n_runs):
 
 
 @njit(cache=True)
+def matmul_blocks_serial(q, d, mn, x, y, token_chunk):
+    """matmul_blocks on the calling thread only (a small product, e.g. a MoE router's f32 rows
+    for a decoded token: less work than a parallel launch); same results."""
+    n = y.shape[0]
+    xs = block_sums(x, _block_values(q)) if mn.size > 0 else np.zeros((0, 0), np.float32)  # [n, nb]
+    n_items = q.shape[0] * ((n + token_chunk - 1) // token_chunk)
+    _run_items(q, d, mn, x, xs, y, token_chunk, np.int64(0), n_items)
+
+
+@njit(cache=True)
 def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
     """Work items i0 .. i1 - 1 of matmul_blocks (item = row group * n_chunks + token chunk).
     A separate serial function, so that the parallel kernel's body stays small: numba's parfor

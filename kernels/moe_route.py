@@ -22,6 +22,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from kvchat.kernels import parallel
 from kvchat.kernels.ggml_math import expf_ggml
 
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 0, 1, 2  # llama_expert_gating_func_type order
@@ -101,11 +102,21 @@ def _route_row(logits, bias, has_bias, k, gating, norm, scale, probs, sel, ids, 
 
 
 @njit(cache=True, parallel=True)
-def _route(logits, bias, has_bias, k, gating, norm, scale, ids, w):
+def _route_par(logits, bias, has_bias, k, gating, norm, scale, ids, w):
     n_tok, n_exp = logits.shape
     for t in prange(n_tok):
         probs = np.empty(n_exp, np.float32)
         sel = np.empty(n_exp, np.float32)
+        _route_row(logits[t], bias, has_bias, k, gating, norm, scale, probs, sel, ids[t], w[t])
+
+
+@njit(cache=True)
+def _route_ser(logits, bias, has_bias, k, gating, norm, scale, ids, w):
+    """_route_par on this thread (a decoded token: ~1 µs of work, less than a parallel launch)."""
+    n_tok, n_exp = logits.shape
+    probs = np.empty(n_exp, np.float32)
+    sel = np.empty(n_exp, np.float32)
+    for t in range(n_tok):
         _route_row(logits[t], bias, has_bias, k, gating, norm, scale, probs, sel, ids[t], w[t])
 
 
@@ -117,9 +128,13 @@ def route_experts(
     n, n_exp = logits.shape
     if not 0 < k <= n_exp:
         raise ValueError(f"route_experts: k={k} must be in 1..{n_exp}")
-    ids = np.empty((n, k), np.int32)
+    # zeros, not empty: under the compile plan's dry run (kernels/compile_plan.py) the router kernel does not
+    # run, and garbage ids would stop the planning decode at the first MoE layer (matmul_id's
+    # range check), leaving every kernel after it out of the plan
+    ids = np.zeros((n, k), np.int32)
     w = np.empty((n, k), np.float32)
     b = np.zeros(n_exp, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     if n:
-        _route(logits, b, bias is not None, int(k), int(gating), bool(norm), np.float32(scale), ids, w)
+        route = _route_par if n >= parallel.ROUTE_PAR_MIN_TOKENS else _route_ser
+        route(logits, b, bias is not None, int(k), int(gating), bool(norm), np.float32(scale), ids, w)
     return ids, w

@@ -21,6 +21,7 @@ RMS_NORM_PAR_MIN_ROWS = 16
 GLU_PAR_MIN_ROWS = 8
 ROPE_PAR_MIN_TOKENS = 16  # prepare_qkv (split + QK-norm + RoPE)
 DEQUANT_PAR_MIN_ROWS = 8  # rows dequantized at once (get_rows: embedding lookups)
+ROUTE_PAR_MIN_TOKENS = 16  # tokens routed to their experts at once (kernels/moe_route.py)
 
 
 # ---- serial only, for a while -------------------------------------------------------------------
@@ -31,7 +32,7 @@ DEQUANT_PAR_MIN_ROWS = 8  # rows dequantized at once (get_rows: embedding lookup
 # but speed. Kernels without a serial twin (always parallel) are in the serial set as they are.
 
 _HELD = ("MATMUL_PAR_MIN_MACS", "ATTN_PAR_MIN_MACS", "RMS_NORM_PAR_MIN_ROWS", "GLU_PAR_MIN_ROWS")
-_HELD += ("ROPE_PAR_MIN_TOKENS", "DEQUANT_PAR_MIN_ROWS")
+_HELD += ("ROPE_PAR_MIN_TOKENS", "DEQUANT_PAR_MIN_ROWS", "ROUTE_PAR_MIN_TOKENS")
 _OUT_OF_REACH = 1 << 62
 _saved: dict = {}
 

@@ -25,11 +25,12 @@ side by side:
                                  q4_1 / q5_1 offset or the K-quants' -dmin (m empty when unused)
     sc, mn  i8 [G, n_sub, R]     K-quants: each sub-block's integer scale and min (else empty)
 
-mxfp4 is held as iq4_nl is, its values the bytes of ggml's table kvalues_mxfp4 (the e2m1 values
-doubled: integers in [-12, 12]), but its block scale d is f32 [G, n_super, R] (GGML_E8M0_TO_FP32_HALF
-of the exponent byte, 2^(e - 128), which f16 cannot hold for every e); the kernel loads either
-(kernels/simd.vload), so the integer dot and its float steps are q8_0's / iq4_nl's: ggml's
-vec_dot_mxfp4_q8_0 (d = x.d * e8m0_half(e), sum += d * integer dot).
+mxfp4 is held in its file's bytes: its 4-bit codes in the nibble layout, which the kernel maps to
+ggml's table kvalues_mxfp4 (the e2m1 values doubled: integers in [-12, 12]) plus 12 with one
+byte shuffle (QFormat.lut, kernels/simd_int.blut), 12 * sum(x) taken off as an offset; its block
+scale d is the exponent byte, u8 [G, n_super, R], read as 2^(e - 128) (GGML_E8M0_TO_FP32_HALF,
+kernels/simd.vscale). So the integer dot and its float steps are ggml's vec_dot_mxfp4_q8_0
+(d = x.d * e8m0_half(e), sum += d * integer dot), and the weights take their file's size.
 
 with S the values per sub-block (32, or 16 for q2_K / q3_K / q6_K), n_sub = k / S and
 n_super = k / 32 (legacy formats, one sub-block each) or k / 256 (K-quants). Values are the
@@ -57,11 +58,16 @@ from kvchat.kernels.ggml_types import GGMLType, type_info
 R = 32  # rows interleaved per group: 2 x 16 i32 lanes
 # Bump when the packed bytes of the same file rows change. Packs cached on disk are keyed on it
 # and on a digest of this module, qlayout_pack.py and repack.py (runtime/weights/cache.py).
-LAYOUT_VERSION = 2  # 2: q6_K's high bits as crumbs (were two u64-mask bit planes)
+# 2: q6_K's high bits as crumbs (were two u64-mask bit planes); 3: mxfp4 as nibbles and exponent bytes
+LAYOUT_VERSION = 3
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
 # KVCHAT_GGML_ORDER=1: q4_1 in ggml's AVX2 float order (kernels/matmul_lanes.py): bit-identical to
 # llama.cpp's products, ~1.4x the kernel's time for one token on AVX2 (docs/performance.md, "Accuracy")
 GGML_ORDER = os.environ.get("KVCHAT_GGML_ORDER", "") == "1"
+# ggml's kvalues_mxfp4 (the e2m1 values doubled: integers) + 12, so that they are unsigned (<= 24:
+# the kernel's unsigned dot, no sign handling); 12 * sum(x) is taken off as a q4_0's 8 * sum(x)
+MXFP4_OFFSET = 12
+MXFP4_LUT = tuple(int(v) + MXFP4_OFFSET for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12))
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
@@ -79,6 +85,7 @@ class QFormat(NamedTuple):
     kmin: bool  # + (-dmin) * dx * sum_j mn_j * sum(x of sub-block j) (q4_K, q5_K, q2_K)
     planes: int = 0  # high bits above the nibble: 1 for the 5-bit formats (a bit plane), 2 for q6_K (crumbs)
     lanes: bool = False  # ggml's AVX2 order: 8 float lanes per output across blocks (kernels/matmul_lanes.py)
+    lut: tuple = ()  # nibble code -> stored value (16 entries, <= 63) when the file's codes index a table (mxfp4)
 
     @property
     def super_values(self) -> int:
@@ -103,8 +110,9 @@ FORMATS = {
     GGMLType.Q5_1: QFormat("q5_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, 1),
     GGMLType.Q8_0: QFormat("q8_0", 32, 1, 0, False, True, ACT_Q8_0, False, False),
     GGMLType.IQ4_NL: QFormat("iq4_nl", 32, 1, 0, False, True, ACT_Q8_0, False, False),
-    # mxfp4: the e2m1 values as table bytes (doubled: integers), its e8m0 scale as f32 in d (below)
-    GGMLType.MXFP4: QFormat("mxfp4", 32, 1, 0, False, True, ACT_Q8_0, False, False),
+    # mxfp4: the file's e2m1 codes as nibbles, mapped by the kernel to the doubled values + 12; its
+    # e8m0 exponent bytes as d (below)
+    GGMLType.MXFP4: QFormat("mxfp4", 32, 1, MXFP4_OFFSET, True, False, ACT_Q8_0, False, False, lut=MXFP4_LUT),
     GGMLType.Q2_K: QFormat("q2_K", 16, 16, 0, True, False, ACT_Q8_K, False, True),
     GGMLType.Q3_K: QFormat("q3_K", 16, 16, 4, True, False, ACT_Q8_K, False, False),
     GGMLType.Q4_K: QFormat("q4_K", 32, 8, 0, True, False, ACT_Q8_K, False, True),
@@ -206,30 +214,25 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
 
 
 def _repack_mxfp4(raw: np.ndarray, k: int, done=None) -> Packed:
-    """mxfp4 rows raw u8 [m, k / 32 * 17] -> Packed (q i8 [G, k / 32, 32 * R] table values in the
-    byte layout, d f32 [G, k / 32, R] scales; rows past m zero), REPACK_ROWS rows at a time with
-    numpy (no compiled pass: the existing formats' pack_rows stays as it is)."""
-    from kvchat.kernels.quants_legacy import E8M0_HALF, KVALUES_MXFP4
-
+    """mxfp4 rows raw u8 [m, k / 32 * 17] -> Packed (q u8 [G, k / 32, 16 * R]: the file's code
+    bytes in the nibble layout, d u8 [G, k / 32, R]: the exponent bytes; rows past m zero), REPACK_ROWS
+    rows at a time with numpy (no compiled pass: the existing formats' pack_rows stays as it is).
+    A block's 16 code bytes already pair value j (low nibble) with value 16 + j (high): the layout's
+    byte (step s, row r, i) is the row's code byte 4 s + i, so the bytes are only moved."""
     m = raw.shape[0]
     g = -(-m // R)
     nb = k // 32
-    q = np.zeros((g, nb, 32 * R), np.int8)
-    d = np.zeros((g, nb, R), np.float32)
+    q = np.zeros((g, nb, 16 * R), np.uint8)
+    d = np.zeros((g, nb, R), np.uint8)
     for r0 in range(0, m, REPACK_ROWS):
         part = raw[r0 : r0 + REPACK_ROWS]
         n = part.shape[0]
-        blocks = part.reshape(n, nb, 17)
-        qs = blocks[:, :, 1:]  # [n, nb, 16] u8
-        vals = np.zeros((-(-n // R) * R, nb, 32), np.int8)  # [rows, nb, 32] padded to whole groups
-        vals[:n, :, :16] = KVALUES_MXFP4[qs & 15]
-        vals[:n, :, 16:] = KVALUES_MXFP4[qs >> 4]
-        sc = np.zeros((vals.shape[0], nb), np.float32)
-        sc[:n] = E8M0_HALF[blocks[:, :, 0]]
-        g0, gn = r0 // R, vals.shape[0] // R
-        # [gn, R, nb, 8 steps, 4] -> [gn, nb, 8 steps, R, 4]: value 4s + i of row r at byte (s, r, i)
-        q[g0 : g0 + gn] = vals.reshape(gn, R, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(gn, nb, 32 * R)
-        d[g0 : g0 + gn] = sc.reshape(gn, R, nb).transpose(0, 2, 1)
+        blocks = np.zeros((-(-n // R) * R, nb, 17), np.uint8)  # [rows, nb, 17] padded to whole groups
+        blocks[:n] = part.reshape(n, nb, 17)
+        g0, gn = r0 // R, blocks.shape[0] // R
+        # [gn, R, nb, 4 steps, 4] -> [gn, nb, 4 steps, R, 4]
+        q[g0 : g0 + gn] = blocks[:, :, 1:].reshape(gn, R, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(gn, nb, 16 * R)
+        d[g0 : g0 + gn] = blocks[:, :, 0].reshape(gn, R, nb).transpose(0, 2, 1)
         if done is not None:
             done(part)
     return Packed(q, d, EMPTY_U16, EMPTY_I8, EMPTY_I8)

@@ -100,6 +100,33 @@ def vload(typingctx, a, i):
     return f32vec(a, i), codegen
 
 
+@intrinsic
+def vscale(typingctx, a, i):
+    """Elements i .. i+15 of a block-scale array as float32, exactly: f32 as is, u16 as f16 bit
+    patterns, u8 as e8m0 exponent bytes halved, 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF:
+    mxfp4's scale, its table values being doubled; e < 2 gives the subnormals 2^-128, 2^-127)."""
+    if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
+        return None
+    if a.dtype not in (types.float32, types.uint16, types.uint8):
+        return None
+    dt = a.dtype
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=1)
+        if dt == types.float32:
+            return v
+        if dt == types.uint16:
+            return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
+        vi = ir.VectorType(_I32, LANES)
+        e = builder.zext(v, vi)
+        normal = builder.shl(builder.sub(e, ir.Constant(vi, [1] * LANES)), ir.Constant(vi, [23] * LANES))
+        tiny = builder.shl(ir.Constant(vi, [0x00200000] * LANES), e)  # e = 0, 1: 2^-128, 2^-127
+        small = builder.icmp_unsigned("<", e, ir.Constant(vi, [2] * LANES))
+        return builder.bitcast(builder.select(small, tiny, normal), _VF)
+
+    return f32vec(a, i), codegen
+
+
 def _nibble_loader(high: bool):
     @intrinsic
     def load(typingctx, a, i):

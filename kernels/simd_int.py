@@ -211,6 +211,39 @@ def bmerge(typingctx, v, w, sh, mask):
 
 
 @intrinsic
+def blut(typingctx, isa, fmt, v):
+    """Each byte of v (a nibble, 0..15) replaced by entry v of fmt's 16-byte table (QFormat.lut:
+    mxfp4's values, kernels/qlayout.py); v itself when the format has no table. One pshufb per
+    32 bytes on avx2 / AVX-VNNI (a table per 128-bit lane), one on 64 bytes on AVX512; the
+    portable path selects entry by entry."""
+    lut = getattr(getattr(fmt, "fmt", None), "lut", None)
+    if not (isinstance(isa, IsaType) and v == b64 and lut is not None):
+        return None
+    path = isa.isa
+
+    def codegen(context, builder, sig, args):
+        w = args[2]
+        if not lut:
+            return w
+        if path == "vnni512":
+            table = ir.Constant(_VB, list(lut) * 4)
+            return _call(builder, "llvm.x86.avx512.pshuf.b.512", _VB, [_VB, _VB], [table, w])
+        if path in ("vnni256", "avx2"):
+            vb32 = ir.VectorType(_I8, 32)
+            table = ir.Constant(vb32, list(lut) * 2)
+            halves = [builder.bitcast(h, vb32) for h in _split(builder, builder.bitcast(w, _VI), 16, 2)]
+            out = [_call(builder, "llvm.x86.avx2.pshuf.b", vb32, [vb32, vb32], [table, h]) for h in halves]
+            return _join(builder, out[0], out[1], 32)
+        out = ir.Constant(_VB, None)
+        for j, value in enumerate(lut):
+            hit = builder.icmp_unsigned("==", w, _const(_VB, j, 64))
+            out = builder.select(hit, _const(_VB, value, 64), out)
+        return out
+
+    return b64(isa, fmt, v), codegen
+
+
+@intrinsic
 def izero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_VI, None)
@@ -426,6 +459,7 @@ __all__ = [
     "bmerge",
     "blo",
     "bhi",
+    "blut",
     "izero",
     "ibcast",
     "iadd",

@@ -253,22 +253,20 @@ def _load_one(gf: GGUFFile, spec, packs=None):
 
 def _experts(infos: list, n_expert: int, packs=None) -> ExpertMatrix | None:
     """One ExpertMatrix over the stacked expert tensors `infos` (rows of each expert concatenated
-    across the parts), or None when the parts differ in format or row length. Each expert's
-    packing is cached under the parts' names joined by "+" and "#<expert>"."""
+    across the parts), or None when the parts differ in format or row length. Its stacked
+    packing is cached under the parts' names joined by "+" and "#experts"."""
     t0, k0 = int(infos[0].ggml_type), int(infos[0].shape[0])
     if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
         return None
-    name = "+".join(i.name for i in infos)
+    name = "+".join(i.name for i in infos) + "#experts"
     ms = [int(i.data.shape[0]) // n_expert for i in infos]
-    m = sum(ms)
-    hits = [packs.get(f"{name}#{e}", t0, k0, m) for e in range(n_expert)] if packs is not None else [None]
-    if all(h is not None for h in hits):
-        em = ExpertMatrix([], t0, k0, n_expert, packed=hits, ms=ms)
+    hit = packs.get(name, t0, k0, sum(ms)) if packs is not None else None
+    if hit is not None:
+        em = ExpertMatrix([], t0, k0, n_expert, packed=hit, ms=ms)
     else:
         em = ExpertMatrix([i.data for i in infos], t0, k0, n_expert)
     if packs is not None:
-        for e, packing in enumerate(em.packings()):
-            packs.put(f"{name}#{e}", t0, k0, m, packing)
+        packs.put(name, t0, k0, sum(ms), em.packing())
     return em
 
 

@@ -125,7 +125,7 @@ def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
     of consecutive items for the threads. Chunk size and runs decide only which item computes
     an element, never its value (float layout here; the integer kernel in test_matmul_int)."""
     import kvchat.kernels.matmul as mm
-    from kvchat.kernels.matmul_kernels import matmul_blocks
+    from kvchat.kernels.matmul_kernels import matmul_blocks, matmul_blocks_serial
 
     raw = random_raw(GGMLType.F16, 32 * 5 + 3, 64, seed=4)
     qm = QMatrix(raw, GGMLType.F16, 64)
@@ -139,6 +139,9 @@ def test_work_split_covers_every_row_and_does_not_change_results(monkeypatch):
         y = np.full_like(want, np.nan)
         matmul_blocks(*qm._packed, x, y, 8, runs)
         assert np.array_equal(y, want), f"{runs} runs changed the result"
+    y = np.full_like(want, np.nan)
+    matmul_blocks_serial(*qm._packed, x, y, 8)  # the serial twin (small products)
+    assert np.array_equal(y, want)
 
 
 def test_bad_input_is_rejected():
@@ -223,15 +226,19 @@ def test_packed_layout_holds_the_file_bytes_once_with_f16_scales(t):
         assert qm.packed_nbytes == raw.nbytes + 4 * m * (k // 256)
 
 
-def test_mxfp4_is_held_as_table_bytes_with_f32_power_of_two_scales():
-    """mxfp4 (no f16 field): a byte per value (ggml's doubled e2m1 table) and one f32 scale 2^(e - 128) per block."""
-    k, m = 64, 40
+def test_mxfp4_is_held_in_its_files_bytes_codes_as_nibbles_and_exponent_bytes_as_scales():
+    """mxfp4: the file's 16 code bytes and 1 exponent byte of every block, moved, nothing widened
+    (the kernel maps the codes to ggml's doubled e2m1 values and reads e as 2^(e - 128))."""
+    k, m = 64, 64
     raw = random_raw(GGMLType.MXFP4, m, k, seed=7)
-    q, d, mm, sc, mn = QMatrix(raw, GGMLType.MXFP4, k)._packed
-    assert q.dtype == np.int8 and q.nbytes == 64 * k and d.dtype == np.float32 and mm.size == sc.size == mn.size == 0
-    e = raw.reshape(m, 2, 17)[:, :, 0].astype(np.int64)
-    np.testing.assert_array_equal(d[0, :, :32].T, np.exp2(e[:32] - 128.0).astype(np.float32))
-    assert set(np.unique(q)) <= {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12}
+    qm = QMatrix(raw, GGMLType.MXFP4, k)
+    q, d, mm, sc, mn = qm._packed
+    assert q.dtype == np.uint8 and d.dtype == np.uint8 and mm.size == sc.size == mn.size == 0
+    assert qm.packed_nbytes == raw.nbytes
+    blocks = raw.reshape(m, 2, 17)
+    np.testing.assert_array_equal(d[1, :, :].T, blocks[32:, :, 0])  # group 1's rows 32..63, block by block
+    # row 33's code bytes 4 s .. 4 s + 3 of block 1 sit at step s, lane 1 of group 1
+    np.testing.assert_array_equal(q[1, 1].reshape(4, 32, 4)[:, 1].reshape(-1), blocks[33, 1, 1:])
 
 
 # ---- batch invariance: every output element computed the same way whatever the batch ----------

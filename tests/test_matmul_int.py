@@ -29,8 +29,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 QTYPES = list(FORMATS)
 ISAS = supported_isas()
 # the other paths are tested on one type of each code shape (nibbles / unsigned bytes / signed
-# bytes, legacy / K-quant scales, both offset terms): each (path, type) is a compilation
-SHAPE_TYPES = (GGMLType.Q4_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K)
+# bytes / table nibbles, legacy / K-quant / exponent scales, both offset terms): each (path, type)
+# is a compilation
+SHAPE_TYPES = (GGMLType.Q4_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.MXFP4)
 
 
 def _path_cases():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvchat.kernels.ggml_types import GGMLType
+from kvchat.kernels.matmul import QMatrix
 from kvchat.kernels.matmul_id import ExpertMatrix
 from kvchat.kernels.moe_route import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, route_experts
 
@@ -101,7 +102,9 @@ def test_matmul_id_matches_per_expert_products_and_is_batch_invariant(qt):
     for t in (1, 13):
         np.testing.assert_array_equal(em.matmul_id(xs[t : t + 1], ids[t : t + 1])[0], ys[t])
         for s in range(k_used):
-            np.testing.assert_array_equal(em.experts[ids[t, s]].matmul(xs[t, s][None])[0], ys[t, s])
+            e = ids[t, s]
+            own = QMatrix(np.concatenate([raw[e * m : (e + 1) * m], raw2[e * 40 : (e + 1) * 40]]), int(qt), k)
+            np.testing.assert_array_equal(own.matmul(xs[t, s][None])[0], ys[t, s])
 
 
 def test_matmul_id_refuses_an_expert_id_out_of_range():

@@ -56,9 +56,7 @@ def launched(monkeypatch):
     return calls
 
 
-# kernels with no serial twin, which a held forward still launches: float weights' matmul (the tiny
-# models are F32; a quantized model's matrices take the integer kernels, which have their twin)
-ALWAYS_PARALLEL = {"llama": ["matmul_blocks"], "gemma3": ["matmul_blocks"], "llama-q8_0": []}
+ARCHS = ["llama", "gemma3", "llama-q8_0", "olmoe", "olmoe-q8_0"]  # F32 and quantized, dense and MoE
 
 
 def decode_logits(path, prompt):
@@ -73,11 +71,23 @@ def decode_logits(path, prompt):
     return first, step
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama-q8_0"])
-def test_a_held_forward_runs_only_serial_kernels_and_gives_the_same_logits(tiny_model, launched, arch):
+def model_of(arch, tiny_model, tmp_path):
     from kvchat.kernels.ggml_types import GGMLType
+    from tests.helpers.arch_refs import model_path
+    from tests.helpers.gguf_factory import quantized_copy
 
-    path = tiny_model("llama", weight_type=GGMLType.Q8_0) if arch == "llama-q8_0" else tiny_model(arch)
+    if arch == "llama-q8_0":
+        return tiny_model("llama", weight_type=GGMLType.Q8_0)
+    if arch == "olmoe":
+        return model_path("olmoe_s1")
+    if arch == "olmoe-q8_0":
+        return quantized_copy(model_path("olmoe_s1"), tmp_path / "olmoe_s1-q8_0.gguf")
+    return tiny_model(arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_held_forward_runs_only_serial_kernels_and_gives_the_same_logits(tiny_model, tmp_path, launched, arch):
+    path = model_of(arch, tiny_model, tmp_path)
     prompt = [(7 * i + 3) % 200 + 1 for i in range(64)]  # past every parallel threshold
     free = decode_logits(path, prompt)
     assert launched, "the free run launches parallel kernels"
@@ -87,7 +97,7 @@ def test_a_held_forward_runs_only_serial_kernels_and_gives_the_same_logits(tiny_
         held = decode_logits(path, prompt)
     finally:
         parallel.release()
-    assert sorted(set(launched)) == ALWAYS_PARALLEL.get(arch, []), launched
+    assert launched == [], launched  # every kernel has its serial twin (float matmuls and MoE routing too)
     for a, b in zip(free, held):
         np.testing.assert_array_equal(a, b)
 

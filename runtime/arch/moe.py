@@ -138,7 +138,7 @@ def moe_ffn(p: MoEPlan, h: np.ndarray, min_macs: int | None = None) -> np.ndarra
     k, f = p.k, p.n_ff
     if p.w_gate_up is not None and p.b_gate is None:
         gu = p.w_gate_up.matmul_id(h, ids, min_macs).reshape(n * k, 2 * f)  # [(t, s), gate | up]
-        act = glu_fused(gu, f, False) if p.act == "silu" else swiglu_oai(gu[:, :f], gu[:, f:])
+        act = glu_fused(gu, f, False, k) if p.act == "silu" else swiglu_oai(gu[:, :f], gu[:, f:])
     else:
         if p.w_gate_up is not None:
             gu = p.w_gate_up.matmul_id(h, ids, min_macs)  # [n, k, 2f]

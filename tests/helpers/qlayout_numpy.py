@@ -109,15 +109,10 @@ def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
         elif t == GGMLType.IQ4_NL:
             qs = blk[..., 2:]
             v = IQ4_NL_VALUES[np.concatenate([qs & 15, qs >> 4], -1)]
-        elif t == GGMLType.MXFP4:  # table bytes; the scale 2^(e - 128) as f32
-            from kvchat.kernels.quants_legacy import KVALUES_MXFP4
-
+        elif t == GGMLType.MXFP4:  # the codes as nibbles (the kernel maps them); the exponent bytes as d
             qs = blk[..., 1:]
-            v = KVALUES_MXFP4[np.concatenate([qs & 15, qs >> 4], -1)]
-            e = blk[..., 0].astype(np.int64)
-            d = np.where(e < 2, np.float32(2.0**-128) * np.float32(2.0) ** e, np.float32(2.0) ** (e - 128)).astype(
-                np.float32
-            )
+            v = np.concatenate([qs & 15, qs >> 4], -1)
+            d = np.ascontiguousarray(blk[..., 0])
         else:  # q5_0, q5_1: nibble plus a fifth bit from the 32-bit qh word
             off = 2 if t == GGMLType.Q5_0 else 4
             qh = _bits(np.ascontiguousarray(blk[..., off : off + 4]).view("<u4")[..., 0], 32)
