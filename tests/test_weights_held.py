@@ -28,7 +28,7 @@ _PACKED_PER_BLOCK = {
     GGMLType.Q5_1: 16 + 4 + 2 + 2,  # 24
     GGMLType.Q8_0: 32 + 2,  # 34
     GGMLType.IQ4_NL: 32 + 2,  # 18 in the file: table values held as i8 (left: nibble + lookup)
-    GGMLType.MXFP4: 32 + 4,  # 17 in the file: e2m1 table values as i8, the e8m0 scale as f32 (issue 25: left)
+    GGMLType.MXFP4: 16 + 1,  # as in the file: the e2m1 codes as nibbles, the e8m0 exponent byte
     GGMLType.Q2_K: 128 + 2 + 2 + 16 + 16,  # 84 in the file: 2-bit values held as nibbles
     GGMLType.Q3_K: 128 + 2 + 16,  # 110 in the file: 3-bit values held as nibbles
     GGMLType.Q4_K: 128 + 2 + 2 + 8 + 8,  # 144 in the file + 4 B: 6-bit scales / mins as i8
