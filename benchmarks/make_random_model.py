@@ -1,5 +1,8 @@
 """Write a llama-architecture F16 GGUF of any shape with seeded random weights, one tensor at a time.
 
+(--n-expert: an olmoe mixture of experts; --arch gpt-oss: a gpt-oss with MXFP4 experts and Q8_0
+matrices, benchmarks/random_gpt_oss.py.)
+
 Why: memory and speed claims for a large model (issue 11: "a 7B Q4 model must fit where llama.cpp
 fits") need a file of that shape, and no real 7B file is on the machine. Weights are random
 (normal * --scale, norms 1.0) so activations stay finite; the tokenizer (every tokenizer.* key)
@@ -47,6 +50,20 @@ def tokenizer_fields(src: Path) -> list[tuple[str, object, VT, VT | None]]:
             sub = field.types[1] if field.types[0] == VT.ARRAY else None
             out.append((key, field.contents(), field.types[0], sub))
     return out
+
+
+def pad_vocab(tok: list, n_vocab: int) -> list:
+    """The tokenizer keys with tokens.ggml.tokens (and token_type, scores) padded to n_vocab with
+    unused tokens ("<|unused_i|>", type 5: never matched as text), so that the embedding and the
+    output have a larger model's vocabulary (gpt-oss: 201088)."""
+    n = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    extra = max(0, n_vocab - n)
+    pads = {
+        "tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(extra)],
+        "tokenizer.ggml.token_type": [5] * extra,
+        "tokenizer.ggml.scores": [0.0] * extra,
+    }
+    return [(k, list(v) + pads[k] if k in pads else v, vt, sub) for k, v, vt, sub in tok]
 
 
 def tensor_plan(a: argparse.Namespace, n_vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -137,7 +154,17 @@ def _router(name: str) -> bool:
 
 
 def write_model(a: argparse.Namespace, tok: list[tuple[str, object, VT, VT | None]]) -> None:
+    if a.n_vocab:
+        tok = pad_vocab(tok, a.n_vocab)
     n_vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    if a.arch == "gpt-oss":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from random_gpt_oss import write
+
+        w = gguf.GGUFWriter(a.out, "gpt-oss")
+        write(w, a, n_vocab, tok)
+        w.close()
+        return
     arch = "olmoe" if a.n_expert else "llama"
     w = gguf.GGUFWriter(a.out, arch)
     w.add_name(a.name)
@@ -198,10 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ftype", choices=("f16", "q4_k_m"), default="f16", help="matrices in F16, or K-quant blocks")
     ap.add_argument("--n-expert", type=int, default=0, help="experts per layer (0: a dense llama; else olmoe)")
     ap.add_argument("--n-expert-used", type=int, default=8, help="experts a token is routed to")
+    ap.add_argument(
+        "--arch",
+        choices=("llama", "gpt-oss"),
+        default="llama",
+        help="gpt-oss: MXFP4 experts (benchmarks/random_gpt_oss.py)",
+    )
+    ap.add_argument("--head-dim", type=int, default=0, help="gpt-oss: values per head (0: n-embd / n-head)")
+    ap.add_argument("--n-vocab", type=int, default=0, help="pad the copied tokenizer with unused tokens to this size")
     a = ap.parse_args(argv)
-    if a.n_expert and not (0 < a.n_expert_used <= a.n_expert and a.n_head_kv == a.n_head):
+    if a.arch == "gpt-oss":
+        a.head_dim = a.head_dim or a.n_embd // a.n_head
+        if not a.n_expert or not 0 < a.n_expert_used <= a.n_expert or a.n_embd % 32 or a.n_ff % 32 or a.head_dim % 32:
+            ap.error("--arch gpt-oss needs --n-expert, 0 < --n-expert-used <= it, and multiples of 32 for the widths")
+        if a.n_head % a.n_head_kv:
+            ap.error("--n-head must divide by --n-head-kv")
+    elif a.n_expert and not (0 < a.n_expert_used <= a.n_expert and a.n_head_kv == a.n_head):
         ap.error("--n-expert needs 0 < --n-expert-used <= --n-expert and --n-head-kv equal to --n-head (olmoe)")
-    if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
+    if a.arch == "llama" and (a.n_embd % a.n_head or a.n_head % a.n_head_kv):
         ap.error("--n-embd must divide by --n-head, and --n-head by --n-head-kv")
     if a.ftype == "q4_k_m" and (a.n_embd % 256 or a.n_ff % 256):
         ap.error("--ftype q4_k_m needs --n-embd and --n-ff that are multiples of 256 (the K-quant block)")

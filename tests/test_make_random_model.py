@@ -281,3 +281,48 @@ def test_moe_options_that_cannot_make_olmoe_are_refused(gen, tok_source, tmp_pat
     with pytest.raises(SystemExit) as e:
         gen.main(argv(tmp_path / "x.gguf", tok_source, **dict(MOE, n_head_kv=2)))
     assert e.value.code == 2 and "--n-head-kv equal to --n-head" in capsys.readouterr().err
+
+
+# ---- gpt-oss (--arch gpt-oss): MXFP4 experts, Q8_0 matrices, a padded vocabulary ----------------
+
+GPT_OSS = dict(n_embd=128, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=8, n_expert_used=2)
+
+
+def test_a_gpt_oss_file_has_mxfp4_experts_a_padded_vocabulary_and_kvchat_decodes_it_in_any_ubatch(
+    gen, tok_source, tmp_path
+):
+    from tests.helpers.arch_refs import all_logits
+
+    Q = gguf.GGMLQuantizationType
+    out = tmp_path / "gpt-oss.gguf"
+    args = argv(out, tok_source, **GPT_OSS) + ["--arch", "gpt-oss", "--head-dim", "32", "--n-vocab", "1000"]
+    assert gen.main(args) == 0
+    r = gguf.GGUFReader(out)
+    kv = field_values(r, "")
+    assert kv["general.architecture"] == "gpt-oss" and kv["general.file_type"] == 38
+    assert (kv["gpt-oss.expert_count"], kv["gpt-oss.expert_used_count"], kv["gpt-oss.attention.key_length"]) == (
+        8,
+        2,
+        32,
+    )
+    tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
+    n_src = len(field_values(gguf.GGUFReader(tok_source), "tokenizer.")["tokenizer.ggml.tokens"])
+    assert len(tokens) == len(types) == 1000 and tokens[-1] == f"<|unused_{999 - n_src}|>" and types[-1] == 5
+    t = {x.name: x for x in r.tensors}
+    assert t["blk.1.ffn_gate_exps.weight"].tensor_type == Q.MXFP4
+    assert tuple(int(n) for n in t["blk.1.ffn_down_exps.weight"].shape) == (64, 128, 8)
+    assert t["blk.0.attn_q.weight"].tensor_type == Q.Q8_0 and t["output.weight"].tensor_type == Q.Q8_0
+    assert tuple(int(n) for n in t["blk.0.attn_q.weight"].shape) == (128, 4 * 32)
+    assert t["blk.0.ffn_gate_inp.weight"].tensor_type == Q.F32 and "blk.0.attn_sinks.weight" in t
+    for name in ("blk.0.ffn_up_exps.weight", "blk.1.attn_output.weight"):
+        x = gguf.quants.dequantize(t[name].data, t[name].tensor_type)
+        assert np.isfinite(x).all() and 0.01 < float(x.std()) < 0.04, (name, float(x.std()))  # --scale 0.02
+    model = Model.load(out)
+    try:
+        assert (model.hparams.n_expert, model.hparams.n_vocab) == (8, 1000)
+        ids = model.vocab.tokenize("hello world and the chat of a model", add_special=True)
+        one = all_logits(model, ids)
+        assert np.all(np.isfinite(one))
+        np.testing.assert_array_equal(all_logits(model, ids, n_ubatch=1, call=1), one)
+    finally:
+        model.close()
