@@ -89,15 +89,21 @@ def vload(typingctx, a, i):
 
     def codegen(context, builder, sig, args):
         v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=1)
-        if dt == types.float32:
-            return v
-        if dt == types.uint16:
-            return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
+        if dt in (types.float32, types.uint16):
+            return _float_lanes(builder, v, dt)
         if dt == types.int8:
             return builder.sitofp(v, _VF)
         return builder.uitofp(v, _VF)
 
     return f32vec(a, i), codegen
+
+
+def _float_lanes(builder, v, dt):
+    """LANES loaded f32 values as they are, or f16 bit patterns (u16) widened (one vcvtph2ps):
+    what vload and vscale share."""
+    if dt == types.float32:
+        return v
+    return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
 
 
 @intrinsic
@@ -113,10 +119,8 @@ def vscale(typingctx, a, i):
 
     def codegen(context, builder, sig, args):
         v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=1)
-        if dt == types.float32:
-            return v
-        if dt == types.uint16:
-            return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)
+        if dt in (types.float32, types.uint16):
+            return _float_lanes(builder, v, dt)
         vi = ir.VectorType(_I32, LANES)
         e = builder.zext(v, vi)
         normal = builder.shl(builder.sub(e, ir.Constant(vi, [1] * LANES)), ir.Constant(vi, [23] * LANES))
