@@ -54,15 +54,17 @@ def register(app: typer.Typer) -> None:
         stop = threading.Event()
         start = start_engine(settings, renderer, n_seq_max=parallel, kv_unified=kv_unified)
         resume = should_resume(settings, renderer)
+
+        def load(shown_by: Renderer):
+            return open_engine(
+                settings, shown_by, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True, start=start
+            )
+
         first, session, toolbar = None, None, None
         if start.behind is not None and not resume:  # a first run: the prompt now, the load behind it
             from kvchat.cli.chat.load_behind import LoadBehind, Toolbar, first_message
 
-            loading = LoadBehind(
-                lambda quiet: open_engine(
-                    settings, quiet, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True, start=start
-                )
-            )
+            loading = LoadBehind(load)
             name = start.path.name
             renderer.notice(f"first run: {name} loads and kernels compile behind the prompt; type your message")
             kv = f"{settings.cache_type_k}/{settings.cache_type_v}"
@@ -73,9 +75,7 @@ def register(app: typer.Typer) -> None:
                 return
             engine = loading.engine
         else:
-            engine = open_engine(
-                settings, renderer, stop, n_seq_max=parallel, kv_unified=kv_unified, compile_behind=True, start=start
-            )
+            engine = load(renderer)
         conv = make_conversation(engine, settings, renderer, stop, grammar=spec)
         conv.on_thinking = renderer.thinking
         repl = Repl(engine, conv, settings, renderer, target=target)
