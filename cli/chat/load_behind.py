@@ -80,16 +80,9 @@ def first_message(loading: LoadBehind, renderer, name: str, toolbar: Toolbar, se
     """Read messages until one is sent and the model has loaded: (text, prompt session or None);
     (None, session) when the user leaves first (Ctrl-D, /exit). Ctrl-C while waiting for the
     load: nothing is sent, the prompt comes back."""
-    from kvchat.cli.chat.repl import _read_stdin_line, make_prompt_session, read_message
+    from kvchat.cli.chat.repl import line_reader, read_message
 
-    session = None
-    if session_factory is not None:
-        read_line = session_factory
-    elif not sys.stdin.isatty():  # piped input: one message per line, no line editor
-        read_line = _read_stdin_line
-    else:
-        session = make_prompt_session(renderer, toolbar)
-        read_line = session.prompt
+    read_line, session = line_reader(session_factory, None, renderer, toolbar)
     while True:
         text = read_message(read_line, renderer)
         if text is None or text.strip().lower() in EXIT_COMMANDS:

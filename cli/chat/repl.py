@@ -110,6 +110,18 @@ def make_prompt_session(renderer, toolbar):
     return PromptSession(history=history, key_bindings=kb, bottom_toolbar=toolbar, enable_history_search=False)
 
 
+def line_reader(session_factory, session, renderer, toolbar):
+    """(read_line(prompt), the prompt session or None): the test's session_factory when given,
+    plain lines from a piped stdin (no line editor), else the line editor — `session` when one
+    is already open, a new one otherwise."""
+    if session_factory is not None:
+        return session_factory, session
+    if not sys.stdin.isatty():
+        return _read_stdin_line, session
+    session = session or make_prompt_session(renderer, toolbar)
+    return session.prompt, session
+
+
 def read_message(read_line, renderer) -> str | None:
     """One message through read_line(prompt) (None at end of input). A line starting with
     \"\"\" opens a block that a line ending with \"\"\" closes."""
@@ -177,13 +189,8 @@ class Repl(BranchCommands, FormatCommands):
         return read_message(self._line_reader(), self.r)
 
     def _line_reader(self):
-        if self._session_factory is not None:
-            return self._session_factory
-        if not sys.stdin.isatty():  # piped input: one message per line, no line editor
-            return _read_stdin_line
-        if self._prompt is None:
-            self._prompt = make_prompt_session(self.r, self.toolbar)
-        return self._prompt.prompt
+        read_line, self._prompt = line_reader(self._session_factory, self._prompt, self.r, self.toolbar)
+        return read_line
 
     def adopt_prompt(self, session) -> None:
         """Go on with the prompt session the chat read its first message with while loading
