@@ -46,6 +46,15 @@ class _StandIn:
         return None
 
 
+_dry_depth = 0  # dry_run() blocks open in this process
+
+
+def dry_running() -> bool:
+    """True inside dry_run(): a kernel called now is noted, not run (code with a non-numba
+    alternative, e.g. kernels/qlayout.py's numpy repack, takes the kernel then)."""
+    return _dry_depth > 0
+
+
 @contextmanager
 def dry_run():
     """Note, not compile, the kernels called in the block; yields the list of entries (filled in
@@ -70,10 +79,13 @@ def dry_run():
             placed.append((self, sig))
         return _StandIn.entry_point
 
+    global _dry_depth
     cls._compile_for_args = note_only
+    _dry_depth += 1
     try:
         yield entries
     finally:
+        _dry_depth -= 1
         if own is None:
             del cls._compile_for_args
         else:

@@ -20,6 +20,7 @@ import numpy as np
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul import QMatrix, release_file_pages
 from kvchat.kernels.matmul_id import ExpertMatrix
+from kvchat.kernels.qlayout import model_repack
 from kvchat.runtime.arch import get_arch, is_supported, read_hparams, unsupported_message
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
@@ -97,7 +98,7 @@ class Model:
             vocab = Vocab.from_gguf(gf)
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)
-            with weights_context() if weights_context is not None else nullcontext():
+            with weights_context() if weights_context is not None else nullcontext(), model_repack(gf.file_size):
                 weights = load_weights(gf, hp, arch)
             release_file_pages(
                 gf.raw

@@ -1,12 +1,13 @@
 """The compiled repack (kernels/qlayout_pack.py) writes the bytes of the numpy build it replaced
-(tests/helpers/qlayout_numpy.py), for every weight type, partial row groups and sliced matrices alike."""
+(kernels/qlayout_numpy.py), for every weight type, partial row groups and sliced matrices alike."""
 
 import numpy as np
 import pytest
 
 from kvchat.kernels import qlayout
+from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.qlayout import FORMATS, repack_int
-from tests.helpers.qlayout_numpy import repack_reference
+from kvchat.kernels.qlayout_numpy import repack_reference
 from tests.test_matmul import random_raw
 
 
@@ -44,3 +45,40 @@ def test_read_only_rows_pack_like_writable_ones():
     ro = raw.copy()
     ro.flags.writeable = False
     assert_same_packed(repack_int(ro, t, k), repack_int(raw, t, k))
+
+
+@pytest.mark.parametrize("t", list(FORMATS), ids=lambda t: t.name)
+def test_a_small_models_first_repack_takes_numpy_and_writes_the_same_bytes(t, monkeypatch):
+    from kvchat.kernels import qlayout_pack
+
+    k = 256
+    raw = random_raw(t, 100, k, seed=9)
+    raw[:, ::5] = 255
+    want = repack_int(raw, t, k)
+    monkeypatch.setattr(qlayout, "_compiled_pack_ready", lambda: False)
+    monkeypatch.setattr(qlayout, "REPACK_ROWS", 32)  # slices and a partial last row group
+
+    def refuse(*args):
+        raise AssertionError("the compiled pass ran")
+
+    monkeypatch.setattr(qlayout_pack, "pack_rows", refuse)
+    with qlayout.model_repack(qlayout.NUMPY_REPACK_BELOW - 1):
+        got = repack_int(raw, t, k)
+    assert_same_packed(got, want)
+    if t != GGMLType.MXFP4:  # mxfp4 only moves bytes, with numpy always
+        with qlayout.model_repack(qlayout.NUMPY_REPACK_BELOW), pytest.raises(AssertionError, match="compiled pass"):
+            repack_int(raw, t, k)  # a large model compiles the pass: it is 4x faster
+
+
+def test_the_compiled_pass_counts_as_ready_once_compiled_or_inside_a_dry_run():
+    from kvchat.kernels.compile_plan import dry_run
+
+    with dry_run():
+        assert qlayout._compiled_pack_ready()
+    t = next(iter(FORMATS))
+    raw = random_raw(t, 32, 256, seed=1)
+    repack_int(raw, t, 256)  # compiled (or loaded) here
+    assert qlayout._compiled_pack_ready()
+    with qlayout.model_repack(1):
+        assert not qlayout._numpy_repack
+    assert not qlayout._numpy_repack

@@ -1,8 +1,13 @@
-"""The numpy build of kernels/qlayout.py's layout, kept as the reference its compiled pass
-(kernels/qlayout_pack.py) must reproduce byte for byte (tests/test_qlayout_pack.py).
+"""The numpy build of kernels/qlayout.py's layout: the reference its compiled pass
+(kernels/qlayout_pack.py) reproduces byte for byte (tests/test_qlayout_pack.py), and the repack
+of a small model's first run.
 
 It is the repack as it was written first: every value unpacked with numpy, stacked, transposed
-and packed. Same arrays, same bytes; only slower (a dozen passes and temporaries per matrix).
+and packed. Same arrays, same bytes; only slower (a dozen passes and temporaries per matrix:
+Gemma-3-270M's 246 MB in 2.2 s CPU against 0.5 s compiled). The compiled pass costs ~6 s CPU
+of numba compile the first time it runs, more than numpy takes for a model under
+qlayout.NUMPY_REPACK_BELOW bytes; a model's repack is cached (runtime/weights/cache.py), so
+this path serves a first run only (qlayout.repack_int chooses).
 """
 
 from __future__ import annotations
@@ -90,6 +95,16 @@ def repack_reference(raw: np.ndarray, t: int, k: int) -> tuple[QFormat, Packed]:
     """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays), all rows at once."""
     t = GGMLType(t)
     return FORMATS[t], _repack_rows(raw, t, k, FORMATS[t])
+
+
+def fill_rows(raw: np.ndarray, t: int, k: int, g0: int, out: Packed) -> None:
+    """pack_rows' job with numpy: raw u8 [rows, row_bytes] (a slice starting at row g0 * R) ->
+    row groups g0 .. of out's arrays (rows past the slice's end zero)."""
+    t = GGMLType(t)
+    part = _repack_rows(raw, t, k, FORMATS[t])
+    for dst, src in zip(out, part):
+        if dst.size:
+            dst[g0 : g0 + src.shape[0]] = src.view(dst.dtype)
 
 
 def _repack_rows(raw: np.ndarray, t: GGMLType, k: int, fmt: QFormat) -> Packed:
