@@ -277,8 +277,8 @@ def load_group(gf: GGUFFile, specs: dict, fusions=(), packs=None) -> dict:
     fused projection's rows are held once."""
     out: dict = {}
     for f in fusions:
-        if not all(p in specs for p in f.parts):
-            continue
+        if not all(p in specs for p in f.parts) or any(p in out for p in f.parts):
+            continue  # not this schema's, or its parts already fused by an earlier fusion
         biases = [_vector(gf, specs[b].name) if b in specs else None for b in f.biases]
         has_bias = any(b is not None for b in biases)
         if f.bias_into is not None and (has_bias or f.bias_into not in specs):

@@ -71,6 +71,9 @@ class Schema:
 
 
 QKV_FUSION = Fuse("wqkv", ("wq", "wk", "wv"), biases=("bq", "bk", "bv"), bias_into="bqkv")
+# Q|K alone when QKV_FUSION could not fuse (V in another format: Q4_K_M's Q6_K V in half the
+# layers): one launch fewer a layer. Its biases are already folded into bqkv by QKV_FUSION.
+QK_FUSION = Fuse("wqk", ("wq", "wk"))
 GATE_UP_FUSION = Fuse("w_gate_up", ("w_gate", "w_up"), biases=("b_gate", "b_up"))
 
 
@@ -82,7 +85,7 @@ class Arch:
     qk_norm = False  # per-head RMSNorm of Q and K (attn_q_norm / attn_k_norm required)
     full_rotary = False  # rope.dimension_count must equal the head size
     rope_scaling_types: tuple[str, ...] = ()  # accepted beyond "none" / "linear"
-    fusions: tuple[Fuse, ...] = (QKV_FUSION, GATE_UP_FUSION)
+    fusions: tuple[Fuse, ...] = (QKV_FUSION, QK_FUSION, GATE_UP_FUSION)
     moe_act = "silu"  # activation of a mixture-of-experts FFN (runtime/arch/moe.py): "silu" | "swiglu_oai"
 
     # ---- hyper-parameters

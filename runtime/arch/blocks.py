@@ -13,7 +13,7 @@ import numpy as np
 
 from kvchat.kernels.attention import round_q_to_vec_dot_type
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.runtime.arch.layer_plan import LayerPlan, store_and_attend
+from kvchat.runtime.arch.layer_plan import LayerPlan, project_qkv, store_and_attend
 
 
 def opt(L, name: str):
@@ -23,22 +23,10 @@ def opt(L, name: str):
 
 
 def qkv_projection(L, h, sizes, min_macs: int | None = None):
-    """Q, K, V rows of h ([n, n_embd] f32) -> three [n, size] f32 arrays (column views of one
-    fused product when the layer has a fused QKV matrix)."""
-    bqkv = opt(L, "bqkv")
-    if opt(L, "wqkv") is not None:
-        qkv = L.wqkv.matmul(h, min_macs)  # [n, q + k + v] f32
-        if bqkv is not None:
-            qkv += bqkv
-        a, b = sizes[0], sizes[0] + sizes[1]
-        return qkv[:, :a], qkv[:, a:b], qkv[:, b:]
-    q, k, v = L.wq.matmul(h, min_macs), L.wk.matmul(h, min_macs), L.wv.matmul(h, min_macs)
-    if bqkv is not None:
-        a, b = sizes[0], sizes[0] + sizes[1]
-        q += bqkv[:a]
-        k += bqkv[a:b]
-        v += bqkv[b:]
-    return q, k, v
+    """Q, K, V rows of h ([n, n_embd] f32) -> three [n, size] f32 arrays (column views of a fused
+    product when the layer has a fused QKV or QK matrix: layer_plan.project_qkv)."""
+    a, b = sizes[0], sizes[0] + sizes[1]
+    return project_qkv(opt(L, "wqkv"), opt(L, "wqk"), L.wq, L.wk, L.wv, opt(L, "bqkv"), h, a, b, min_macs)
 
 
 def attend(p: LayerPlan, q, k, v, mctx, n_threads: int, kq_scale) -> np.ndarray:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from kvchat.runtime.arch.base import QKV_FUSION, Arch, Tensor
+from kvchat.runtime.arch.base import QK_FUSION, QKV_FUSION, Arch, Tensor
 from kvchat.runtime.arch.layer_plan import LayerSpec
 from kvchat.runtime.arch.moe import MoEHParams, moe_ffn_step, read_moe
 from kvchat.runtime.arch.moe_schema import EXPERT_GATE_UP_FUSION, moe_tensors
@@ -31,7 +31,7 @@ class GptOss(Arch):
     rope_type = "neox"
     rope_scaling_types = ("yarn",)
     moe_act = "swiglu_oai"
-    fusions = (QKV_FUSION, EXPERT_GATE_UP_FUSION)
+    fusions = (QKV_FUSION, QK_FUSION, EXPERT_GATE_UP_FUSION)
 
     def read_hparams(self, gf, fields):
         k = lambda name: f"{self.name}.{name}"  # noqa: E731

@@ -11,7 +11,7 @@ top-k weights normalized, SiLU-GLU experts feed_forward_length wide, and when
 from dataclasses import dataclass
 
 from kvchat.runtime.arch import granite
-from kvchat.runtime.arch.base import QKV_FUSION
+from kvchat.runtime.arch.base import QK_FUSION, QKV_FUSION
 from kvchat.runtime.arch.moe import MoEHParams, read_moe, with_moe
 from kvchat.runtime.arch.moe_schema import EXPERT_GATE_UP_FUSION, moe_tensors
 
@@ -23,7 +23,7 @@ class GraniteMoEHParams(granite.GraniteHParams, MoEHParams):
 
 class GraniteMoE(granite.Granite):
     name = "granitemoe"
-    fusions = (QKV_FUSION, EXPERT_GATE_UP_FUSION)
+    fusions = (QKV_FUSION, QK_FUSION, EXPERT_GATE_UP_FUSION)
 
     def read_hparams(self, gf, fields):
         hp = super().read_hparams(gf, fields)  # granite's multipliers

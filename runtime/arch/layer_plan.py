@@ -118,6 +118,7 @@ class LayerPlan:
         "post_mix_norm",
         "post_ffn_norm",
         "wqkv",
+        "wqk",
         "bqkv",
         "wq",
         "wk",
@@ -167,6 +168,7 @@ class LayerPlan:
         self.post_mix_norm = L.post_attn_norm if sandwich else None
         self.post_ffn_norm = L.post_ffn_norm if sandwich and spec.ffn is not None else None
         self.wqkv, self.bqkv, self.wq, self.wk, self.wv = g("wqkv"), g("bqkv"), g("wq"), g("wk"), g("wv")
+        self.wqk = g("wqk")  # Q|K fused when V has another format (QK_FUSION)
         self.wo, self.bo = g("wo"), g("bo")
         self.n_head, self.n_head_kv, self.head_dim = int(hp.n_head), int(hp.n_head_kv), int(hp.n_embd_head_k)
         self.qa = self.head_dim * self.n_head  # Q | K | V column boundaries of a fused QKV product
@@ -328,16 +330,28 @@ def qkv_of(p: LayerPlan, h: np.ndarray, min_macs: int | None = None):
 
 
 def _qkv_rows(p: LayerPlan, h: np.ndarray, min_macs):
-    if p.wqkv is not None:
-        qkv = p.wqkv.matmul(h, min_macs)  # [n, q + k + v] f32
-        if p.bqkv is not None:
-            qkv += p.bqkv
-        return qkv[:, : p.qa], qkv[:, p.qa : p.qb], qkv[:, p.qb :]
-    q, k, v = p.wq.matmul(h, min_macs), p.wk.matmul(h, min_macs), p.wv.matmul(h, min_macs)
-    if p.bqkv is not None:
-        q += p.bqkv[: p.qa]
-        k += p.bqkv[p.qa : p.qb]
-        v += p.bqkv[p.qb :]
+    return project_qkv(p.wqkv, p.wqk, p.wq, p.wk, p.wv, p.bqkv, h, p.qa, p.qb, min_macs)
+
+
+def project_qkv(wqkv, wqk, wq, wk, wv, bqkv, h: np.ndarray, a: int, b: int, min_macs):
+    """Q, K, V rows of h ([n, n_embd] f32), Q ending at column a and K at b of the concatenation:
+    one launch for a fused Q|K|V matrix, two for Q|K fused beside a V of another format, else
+    three; biases (bqkv, folded at load) added. Q and K are column views of a fused product."""
+    if wqkv is not None:
+        qkv = wqkv.matmul(h, min_macs)  # [n, q + k + v] f32
+        if bqkv is not None:
+            qkv += bqkv
+        return qkv[:, :a], qkv[:, a:b], qkv[:, b:]
+    if wqk is not None:
+        qk = wqk.matmul(h, min_macs)  # [n, q + k] f32
+        q, k = qk[:, :a], qk[:, a:]
+    else:
+        q, k = wq.matmul(h, min_macs), wk.matmul(h, min_macs)
+    v = wv.matmul(h, min_macs)
+    if bqkv is not None:
+        q += bqkv[:a]
+        k += bqkv[a:b]
+        v += bqkv[b:]
     return q, k, v
 
 

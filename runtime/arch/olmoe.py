@@ -7,7 +7,7 @@ layer: softmax gating, the top-k weights *not* normalized, SiLU-GLU experts feed
 wide (runtime/arch/moe.py). Its layers are llama's with the MoE FFN.
 """
 
-from kvchat.runtime.arch.base import QKV_FUSION, Arch, Tensor
+from kvchat.runtime.arch.base import QK_FUSION, QKV_FUSION, Arch, Tensor
 from kvchat.runtime.arch.layer_plan import LayerSpec
 from kvchat.runtime.arch.moe import MoEHParams, moe_ffn_step, read_moe
 from kvchat.runtime.arch.moe_schema import EXPERT_GATE_UP_FUSION, moe_tensors
@@ -17,7 +17,7 @@ class OLMoE(Arch):
     name = "olmoe"
     rope_type = "neox"
     full_rotary = True
-    fusions = (QKV_FUSION, EXPERT_GATE_UP_FUSION)
+    fusions = (QKV_FUSION, QK_FUSION, EXPERT_GATE_UP_FUSION)
 
     def read_hparams(self, gf, fields):
         if fields["n_head_kv"] != fields["n_head"]:  # k_norm spans n_embd values: llama.cpp's shape check

@@ -11,7 +11,7 @@ Multi-token-prediction layers are refused as qwen35 refuses them.
 from dataclasses import dataclass
 
 from kvchat.runtime.arch import qwen35
-from kvchat.runtime.arch.base import QKV_FUSION, Tensor
+from kvchat.runtime.arch.base import QK_FUSION, QKV_FUSION, Tensor
 from kvchat.runtime.arch.moe import MoEHParams, read_moe, with_moe
 from kvchat.runtime.arch.moe_schema import EXPERT_GATE_UP_FUSION, moe_tensors
 
@@ -23,7 +23,7 @@ class Qwen35MoEHParams(qwen35.Qwen35HParams, MoEHParams):
 
 class Qwen35MoE(qwen35.Qwen35):
     name = "qwen35moe"
-    fusions = (QKV_FUSION, EXPERT_GATE_UP_FUSION)
+    fusions = (QKV_FUSION, QK_FUSION, EXPERT_GATE_UP_FUSION)
 
     def read_hparams(self, gf, fields):
         hp = super().read_hparams(gf, fields)  # qwen35's: the linear layers' keys and checks

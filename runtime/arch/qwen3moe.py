@@ -5,7 +5,7 @@ layer: softmax gating, the top-k weights normalized to sum 1 (runtime/arch/moe.p
 experts, no shared expert. Its layers are llama's with the MoE FFN (LayerSpec(ffn=moe_ffn_step)).
 """
 
-from kvchat.runtime.arch.base import QKV_FUSION, Arch
+from kvchat.runtime.arch.base import QK_FUSION, QKV_FUSION, Arch
 from kvchat.runtime.arch.layer_plan import LayerSpec
 from kvchat.runtime.arch.moe import MoEHParams, moe_ffn_step, read_moe
 from kvchat.runtime.arch.moe_schema import EXPERT_GATE_UP_FUSION, moe_tensors
@@ -15,7 +15,7 @@ class Qwen3MoE(Arch):
     name = "qwen3moe"
     rope_type = "neox"
     qk_norm = True
-    fusions = (QKV_FUSION, EXPERT_GATE_UP_FUSION)
+    fusions = (QKV_FUSION, QK_FUSION, EXPERT_GATE_UP_FUSION)
 
     def read_hparams(self, gf, fields):
         return MoEHParams(**read_moe(gf, self.name, fields, gating="softmax", norm=True))
