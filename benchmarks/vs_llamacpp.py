@@ -2,7 +2,7 @@
 
     python benchmarks/vs_llamacpp.py --llama-bench PATH/llama-bench [-m smollm2 -m gemma3 | -m FILE.gguf]
         [--rounds 3] [--reps 2] [--threads 2] [--tests pp512,tg128,tg128@d4096] [--caches f16,q8_0]
-        [--variant NAME=VAR=VALUE,VAR=VALUE ...] [--busy N]
+        [--variant NAME=VAR=VALUE,VAR=VALUE ...] [--busy N] [--page-in]
 
 For every model, test and cache type, each round runs ``kvchat bench`` and then ``llama-bench``
 with the same settings (one process each, alternating, so that both see the same machine load)
@@ -13,7 +13,10 @@ shared: only the ratio of runs made side by side means anything; absolute t/s do
 (e.g. ``--variant before=OMP_WAIT_POLICY=passive,KVCHAT_MATMUL_PAR_MIN_MACS=4000000 --variant
 after=``: an empty list is the defaults), each against the same round's llama-bench. ``--busy N``
 keeps N busy-loop processes running for the whole run (a competing load: one core taken), and
-stops them at the end.
+stops them at the end. ``--page-in`` reads each tool's own model files into the page cache
+before each of its runs (kvchat: its weight pack; llama.cpp: the GGUF) and prints how much of
+each file was resident then (benchmarks/page_in.py): for a model whose GGUF and pack do not both
+fit in the page cache.
 
 Tests: ``ppN`` (a prompt of N tokens), ``tgN`` (N generated tokens), ``tgN@dD`` (N generated
 tokens after D tokens in the cache). Flash attention is on for both (the q8_0 V cache needs it).
@@ -33,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from page_in import kvchat_packs, page_in, resident  # noqa: E402
 from tree_env import ENTRY, check_tree, is_tree, tree_env  # noqa: E402
 
 MODELS = {
@@ -89,6 +93,13 @@ def variant_env(env: dict | None) -> tuple[dict, str]:
 def start_busy(n: int) -> list[subprocess.Popen]:
     """n processes that each keep one core busy until stopped."""
     return [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+
+
+def paged_in(what: str, files: list[Path], watch: list[Path]) -> None:
+    """files read into the page cache; prints the time and the resident share of every watched file."""
+    n, secs = page_in(files)
+    shares = ", ".join(f"{p.name} {100 * resident(p):.0f}%" for p in watch)
+    print(f"    page-in for {what}: {n / 1e9:.2f} GB in {secs:.1f} s; resident: {shares}", file=sys.stderr, flush=True)
 
 
 def run_kvchat(
@@ -172,6 +183,7 @@ def main() -> None:
         help="NAME=VAR=VALUE,... : a kvchat run with these environment variables (repeatable)",
     )
     ap.add_argument("--busy", type=int, default=0, help="busy-loop processes running meanwhile")
+    ap.add_argument("--page-in", action="store_true", help="read each tool's files into the page cache before its run")
     a = ap.parse_args()
     if not a.llama_bench.is_file():
         raise SystemExit(f"vs_llamacpp: no llama-bench at {a.llama_bench} (docs/performance.md says how to build one)")
@@ -194,7 +206,12 @@ def main() -> None:
                     theirs = []
                     for r in range(a.rounds):
                         for name, env in variants:
+                            if a.page_in:
+                                packs = kvchat_packs(model, {**os.environ, **env})
+                                paged_in(f"kvchat {name}", packs, packs + [model])
                             ours[name].append(run_kvchat(model, parse_test(test), cache, a.reps, a.threads, env))
+                        if a.page_in:
+                            paged_in("llama.cpp", [model], [model] + kvchat_packs(model, os.environ))
                         theirs.append(run_llama(a.llama_bench, model, parse_test(test), cache, a.reps, a.threads))
                         got = "  ".join(f"{name} {ours[name][-1]:.1f}" for name, _ in variants)
                         print(
