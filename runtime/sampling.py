@@ -187,16 +187,25 @@ class Sampler:
         check_logits(logits)
         p = self.params
         penalised = apply_repetition_penalty(logits, self._recent(history), p.repeat_penalty)
+        n = penalised.shape[0]
         if allowed is None:
-            ids = np.arange(penalised.shape[0], dtype=np.int64)  # [n_vocab] i64
+            ids = np.arange(n, dtype=np.int64)  # [n_vocab] i64
         else:
-            ids = np.nonzero(np.asarray(allowed, dtype=bool)[: penalised.shape[0]])[0].astype(np.int64)  # [n] i64
-            ids = ids[np.isfinite(penalised[ids])]  # -inf (--ignore-eos) stays impossible
-            if ids.size == 0:
+            ok = np.asarray(allowed, dtype=bool)[:n] & np.isfinite(penalised)  # -inf (--ignore-eos) stays out
+            n_ok = int(np.count_nonzero(ok))
+            if n_ok == 0:
                 from kvchat.runtime.errors import ModelOutputError
 
                 raise ModelOutputError("the grammar allows no token the model can produce here")
-            penalised = penalised[ids]
+            if 0 < p.top_k <= n_ok:
+                # the k best allowed tokens are the k best of the whole row with the others at
+                # -inf (at least k are finite): the same candidates, in the same order, without
+                # gathering a permissive mask's ~n_vocab ids and logits
+                ids = np.arange(n, dtype=np.int64)  # [n_vocab] i64
+                penalised = np.where(ok, penalised, -np.inf)  # [n_vocab] f64
+            else:
+                ids = np.flatnonzero(ok).astype(np.int64)  # [n_ok] i64
+                penalised = penalised[ids]  # [n_ok] f64
         ids, lg = top_k(ids, penalised, p.top_k)
         ids, lg = top_p(ids, lg, p.top_p)
         ids, lg = min_p(ids, lg, p.min_p)

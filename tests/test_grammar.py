@@ -247,3 +247,32 @@ def test_set_format_in_the_chat(tiny_vocab, tmp_path):
         r.cmd_set("format yaml")
     r.cmd_set("format off")
     assert r.conv.constraint is None
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 40, 59, 60, 61, 300])
+def test_masked_top_k_from_the_whole_row_picks_what_the_gathered_allowed_ids_do(top_k):
+    """Sampler.candidates takes a top-k of at most the allowed count from the whole row with the
+    others at -inf: the same ids and probabilities as top-k over the gathered allowed ids
+    (ties between equal logits included), whatever the count against k."""
+    from kvchat.runtime.sampling import min_p, softmax, temperature, top_p
+    from kvchat.runtime.sampling import top_k as top_k_step
+
+    rng = np.random.default_rng(top_k)
+    logits = np.round(rng.standard_normal(300) * 2, 1).astype(np.float32)  # many exact ties
+    logits[rng.random(300) < 0.05] = -np.inf  # --ignore-eos style impossible tokens
+    allowed = rng.random(300) < 0.3  # ~90 allowed, ~85 finite
+    ok = np.flatnonzero(allowed & np.isfinite(logits)).astype(np.int64)
+    for k in (top_k, ok.size, ok.size + 1):  # below, at and above the allowed count
+        for params in (
+            SamplingParams(temp=0.0, top_k=k),
+            SamplingParams(temp=0.9, top_k=k, top_p=0.9, seed=3),
+            SamplingParams(temp=0.9, top_k=k, top_p=1.0, min_p=0.0, seed=3),  # nothing after top-k cuts
+        ):
+            ids, probs = Sampler(params).candidates(logits, None, allowed)
+            ref_ids, lg = top_k_step(ok, logits[ok].astype(np.float64), k)
+            ref_ids, lg = top_p(ref_ids, lg, params.top_p)
+            ref_ids, lg = min_p(ref_ids, lg, params.min_p)
+            ref_ids, lg = temperature(ref_ids, lg, params.temp)
+            assert np.array_equal(ids, ref_ids) and np.array_equal(probs, softmax(lg))
+    runs = [[Sampler(SamplingParams(temp=1.2, top_k=top_k, seed=9)).sample(logits, None, allowed)] for _ in range(2)]
+    assert runs[0] == runs[1] and allowed[runs[0][0]]

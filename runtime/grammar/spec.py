@@ -2,7 +2,8 @@
 
 A `GrammarSpec` is one of: a JSON schema (`-j`, `--json-schema-file`, a request's "json_schema"),
 any JSON object (`--json`), or a GBNF grammar (`--grammar`, `--grammar-file`; llama.cpp's format,
-converted to Lark by llguidance's `gbnf_to_lark`; a Lark grammar passes as it is). `compile()` turns it into
+converted to Lark by llguidance's `gbnf_to_lark`, its character runs made single lexemes where
+that changes nothing but speed (lexemes.py); a Lark grammar passes as it is). `compile()` turns it into
 llguidance's grammar text and validates it without a tokenizer, so a bad schema or grammar is
 refused with one line saying what and where (`GrammarError`, exit 2) before the model loads.
 
@@ -75,10 +76,10 @@ def compile_grammar(spec: GrammarSpec) -> str:
             raise GrammarError(f"{spec.origin}: bad JSON schema: {_one_line(e)}") from None
         what = "JSON schema"
     elif spec.kind == "gbnf":
-        from llguidance.gbnf_to_lark import any_to_lark
+        from kvchat.runtime.grammar.lexemes import gbnf_to_lark_with_runs
 
         try:  # a Lark grammar (`start:` or `%llguidance`) passes as it is, as with llama.cpp's backend
-            grammar = M.grammar_from_lark(any_to_lark(spec.text))
+            grammar = M.grammar_from_lark(gbnf_to_lark_with_runs(spec.text))
         except Exception as e:  # GbnfToLarkError and kin: the message carries line and position
             raise GrammarError(f"{spec.origin}: bad GBNF grammar: {_one_line(e)}") from None
         what = "GBNF grammar"
