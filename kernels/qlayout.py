@@ -47,7 +47,6 @@ q8_K), which offset term (q8_1's s, or the K-quants' integer mins) and the bit p
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -162,40 +161,7 @@ class Packed(NamedTuple):
 
 
 REPACK_ROWS = 8192  # rows repacked (and their file pages released) at a time, a multiple of R
-NUMPY_REPACK_BELOW = 768 << 20  # a model smaller than this repacks with numpy until pack_rows is compiled
-_numpy_repack = False  # set by model_repack() for the load it wraps
-
-
-@contextmanager
-def model_repack(nbytes: int):
-    """Around one model's load (nbytes: its file): its matrices repack with numpy
-    (kernels/qlayout_numpy.py, the same bytes) when the model is under NUMPY_REPACK_BELOW and
-    numba holds no compiled pack_rows yet. Why: that compile costs ~6 s CPU, more than numpy's
-    repack of a model that small (Gemma-3-270M: 2.2 s), and a model is repacked once (its pack is
-    cached), so a first run would pay the compile for nothing; past the bound the compiled pass
-    (4x faster) pays for its compile, and then every later model uses it."""
-    global _numpy_repack
-    before = _numpy_repack
-    _numpy_repack = nbytes < NUMPY_REPACK_BELOW and not _compiled_pack_ready()
-    try:
-        yield
-    finally:
-        _numpy_repack = before
-
-
-def _compiled_pack_ready() -> bool:
-    """pack_rows compiled in this process or held by numba's cache for its one signature (or a
-    compile plan's dry run, where calling it costs nothing)."""
-    from kvchat.kernels.compile_plan import dry_running, is_cached
-    from kvchat.kernels.qlayout_pack import pack_rows
-
-    if dry_running() or pack_rows.signatures:
-        return True
-    q = np.zeros((1, 1, 1), np.uint8)
-    u16 = np.zeros((1, 1, 1), np.uint16)
-    i8 = np.zeros((1, 1, 1), np.int8)
-    args = (_read_only(np.zeros((1, 1), np.uint8)), 0, (0, 0, 0, True, 0), 0, q, u16, u16, i8, i8)
-    return is_cached(("kvchat.kernels.qlayout_pack", "pack_rows", tuple(pack_rows.typeof_pyval(a) for a in args)))
+_numpy_fill = None  # set by kernels/qlayout_numpy.model_repack() around a small model's first load
 
 
 def sub_block_bytes(fmt: QFormat) -> int:
@@ -219,8 +185,8 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
     """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays).
 
     The arrays are allocated once and filled REPACK_ROWS rows at a time by one compiled pass
-    (kernels/qlayout_pack.py: each byte written once, no temporaries; under model_repack() for a
-    small model's first run, by numpy: kernels/qlayout_numpy.py); ``done(rows)`` is called
+    (kernels/qlayout_pack.py: each byte written once, no temporaries; for a small model's first
+    run, by numpy: kernels/qlayout_numpy.model_repack()); ``done(rows)`` is called
     after each slice of raw has been read (the caller releases those file pages, kernels/matmul.py)."""
     from kvchat.kernels.qlayout_pack import pack_rows
 
@@ -243,10 +209,8 @@ def repack_int(raw: np.ndarray, t: int, k: int, done=None) -> tuple[QFormat, Pac
     layout = (fmt.sub, fmt.n_sub, fmt.planes, fmt.nib, type_info(t).type_size)
     for r0 in range(0, max(m, 1), REPACK_ROWS):
         part = raw[r0 : r0 + REPACK_ROWS]
-        if _numpy_repack:
-            from kvchat.kernels.qlayout_numpy import fill_rows
-
-            fill_rows(part, t, k, r0 // R, Packed(q, d, mm, sc, mn))
+        if _numpy_fill is not None:
+            _numpy_fill(part, t, k, r0 // R, Packed(q, d, mm, sc, mn))
         else:
             pack_rows(_read_only(part), int(t), layout, r0 // R, q, d, mm, sc, mn)
         if done is not None:

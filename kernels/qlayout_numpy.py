@@ -6,14 +6,17 @@ It is the repack as it was written first: every value unpacked with numpy, stack
 and packed. Same arrays, same bytes; only slower (a dozen passes and temporaries per matrix:
 Gemma-3-270M's 246 MB in 2.2 s CPU against 0.5 s compiled). The compiled pass costs ~6 s CPU
 of numba compile the first time it runs, more than numpy takes for a model under
-qlayout.NUMPY_REPACK_BELOW bytes; a model's repack is cached (runtime/weights/cache.py), so
-this path serves a first run only (qlayout.repack_int chooses).
+NUMPY_REPACK_BELOW bytes; a model's repack is cached (runtime/weights/cache.py), so
+this path serves a first run only (model_repack() chooses, around a model's load).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
+from kvchat.kernels import qlayout
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.qlayout import EMPTY_I8, EMPTY_U16, FORMATS, IQ4_NL_VALUES, Packed, QFormat, R
 
@@ -95,6 +98,41 @@ def repack_reference(raw: np.ndarray, t: int, k: int) -> tuple[QFormat, Packed]:
     """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays), all rows at once."""
     t = GGMLType(t)
     return FORMATS[t], _repack_rows(raw, t, k, FORMATS[t])
+
+
+NUMPY_REPACK_BELOW = 768 << 20  # a model smaller than this repacks with numpy until pack_rows is compiled
+
+
+@contextmanager
+def model_repack(nbytes: int):
+    """Around one model's load (nbytes: its file): its matrices repack with numpy (fill_rows,
+    the same bytes) when the model is under NUMPY_REPACK_BELOW and numba holds no compiled
+    pack_rows yet. Why: that compile costs ~6 s CPU, more than numpy's repack of a model that
+    small (Gemma-3-270M: 2.2 s), and a model is repacked once (its pack is cached), so a first
+    run would pay the compile for nothing; past the bound the compiled pass (4x faster) pays for
+    its compile, and every later model then uses it."""
+    before = qlayout._numpy_fill
+    if nbytes < NUMPY_REPACK_BELOW and not _compiled_pack_ready():
+        qlayout._numpy_fill = fill_rows
+    try:
+        yield
+    finally:
+        qlayout._numpy_fill = before
+
+
+def _compiled_pack_ready() -> bool:
+    """pack_rows compiled in this process or held by numba's cache for its one signature (or a
+    compile plan's dry run, where calling it costs nothing)."""
+    from kvchat.kernels.compile_plan import dry_running, is_cached
+    from kvchat.kernels.qlayout_pack import pack_rows
+
+    if dry_running() or pack_rows.signatures:
+        return True
+    u8, u16, i8 = (np.zeros((1, 1, 1), dt) for dt in (np.uint8, np.uint16, np.int8))
+    raw = np.zeros((1, 1), np.uint8)
+    raw.flags.writeable = False  # model-file rows: read-only (qlayout._read_only)
+    args = (raw, 0, (0, 0, 0, True, 0), 0, u8, u16, u16, i8, i8)
+    return is_cached(("kvchat.kernels.qlayout_pack", "pack_rows", tuple(pack_rows.typeof_pyval(a) for a in args)))
 
 
 def fill_rows(raw: np.ndarray, t: int, k: int, g0: int, out: Packed) -> None:

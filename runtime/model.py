@@ -20,7 +20,7 @@ import numpy as np
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul import QMatrix, release_file_pages
 from kvchat.kernels.matmul_id import ExpertMatrix
-from kvchat.kernels.qlayout import model_repack
+from kvchat.kernels.qlayout_numpy import model_repack
 from kvchat.runtime.arch import get_arch, is_supported, read_hparams, unsupported_message
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile

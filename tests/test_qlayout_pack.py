@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from kvchat.kernels import qlayout
+from kvchat.kernels import qlayout, qlayout_numpy
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.qlayout import FORMATS, repack_int
 from kvchat.kernels.qlayout_numpy import repack_reference
@@ -55,30 +55,37 @@ def test_a_small_models_first_repack_takes_numpy_and_writes_the_same_bytes(t, mo
     raw = random_raw(t, 100, k, seed=9)
     raw[:, ::5] = 255
     want = repack_int(raw, t, k)
-    monkeypatch.setattr(qlayout, "_compiled_pack_ready", lambda: False)
+    monkeypatch.setattr(qlayout_numpy, "_compiled_pack_ready", lambda: False)
     monkeypatch.setattr(qlayout, "REPACK_ROWS", 32)  # slices and a partial last row group
 
     def refuse(*args):
         raise AssertionError("the compiled pass ran")
 
     monkeypatch.setattr(qlayout_pack, "pack_rows", refuse)
-    with qlayout.model_repack(qlayout.NUMPY_REPACK_BELOW - 1):
+    with qlayout_numpy.model_repack(qlayout_numpy.NUMPY_REPACK_BELOW - 1):
         got = repack_int(raw, t, k)
     assert_same_packed(got, want)
     if t != GGMLType.MXFP4:  # mxfp4 only moves bytes, with numpy always
-        with qlayout.model_repack(qlayout.NUMPY_REPACK_BELOW), pytest.raises(AssertionError, match="compiled pass"):
+        with (
+            qlayout_numpy.model_repack(qlayout_numpy.NUMPY_REPACK_BELOW),
+            pytest.raises(AssertionError, match="compiled pass"),
+        ):
             repack_int(raw, t, k)  # a large model compiles the pass: it is 4x faster
 
 
-def test_the_compiled_pass_counts_as_ready_once_compiled_or_inside_a_dry_run():
+def test_the_compiled_pass_counts_as_ready_once_compiled_or_inside_a_dry_run(monkeypatch):
     from kvchat.kernels.compile_plan import dry_run
 
     with dry_run():
-        assert qlayout._compiled_pack_ready()
+        assert qlayout_numpy._compiled_pack_ready()
     t = next(iter(FORMATS))
     raw = random_raw(t, 32, 256, seed=1)
     repack_int(raw, t, 256)  # compiled (or loaded) here
-    assert qlayout._compiled_pack_ready()
-    with qlayout.model_repack(1):
-        assert not qlayout._numpy_repack
-    assert not qlayout._numpy_repack
+    assert qlayout_numpy._compiled_pack_ready()
+    with qlayout_numpy.model_repack(1):
+        assert qlayout._numpy_fill is None
+    with monkeypatch.context() as m:
+        m.setattr(qlayout_numpy, "_compiled_pack_ready", lambda: False)
+        with qlayout_numpy.model_repack(1):
+            assert qlayout._numpy_fill is qlayout_numpy.fill_rows
+    assert qlayout._numpy_fill is None
