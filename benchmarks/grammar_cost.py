@@ -3,7 +3,9 @@
 Usage: python benchmarks/grammar_cost.py [MODEL] [-n 128] [--rounds 3]
 Answers the same prompt greedily with -n N tokens, alternately free and under a grammar that
 never ends on its own (any text of letters, digits, spaces and punctuation, so every round makes
-N tokens), and a JSON schema run (which ends when the object closes). Per round it prints the
+N tokens) — compiled as kvchat compiles it (the character run as one llguidance lexeme,
+runtime/grammar/lexemes.py) and as llguidance's gbnf_to_lark alone writes it ("plain") — and a
+JSON schema run (which ends when the object closes). Per round it prints the
 time per generated token (wall and CPU of the whole answer loop: sampling, masking, decoding)
 and the grammar's own time per token (llguidance's mask, its unpacking, following the token:
 GrammarMatcher.seconds), then medians. The mask's share of tg is matcher time / free time.
@@ -47,6 +49,12 @@ def main() -> None:
     t0 = time.perf_counter()
     text = Constraint(GrammarSpec("gbnf", TEXT_GRAMMAR, "text"), model.vocab)
     t_tok = time.perf_counter() - t0
+    from kvchat.runtime.grammar import lexemes
+
+    rewrite, lexemes._rewrite = lexemes._rewrite, lambda text: None
+    plain = Constraint(GrammarSpec("gbnf", TEXT_GRAMMAR, "text"), model.vocab)
+    lexemes._rewrite = rewrite
+    assert plain.grammar != text.grammar
     person = Constraint(GrammarSpec("json_schema", PERSON, "person"), model.vocab)
     print(f"llguidance tokenizer for {model.vocab.n_vocab} tokens: {t_tok:.2f} s (once per run)")
 
@@ -61,24 +69,23 @@ def main() -> None:
         return stats.n_gen, stats.t_gen / stats.n_gen, m / stats.n_gen, conv.messages[-1]["content"], cpu
 
     answer(None, 8)  # warm
-    rows = {"free": [], "grammar": [], "json": []}
+    rows = {"free": [], "grammar": [], "plain": [], "json": []}
+    answers = {}
+    order = (("free", None), ("grammar", text), ("plain", plain), ("json", person))
     for r in range(args.rounds):
-        for name, c in (
-            (("free", None), ("grammar", text), ("json", person))
-            if r % 2 == 0
-            else (
-                ("json", person),
-                ("grammar", text),
-                ("free", None),
-            )
-        ):
+        for name, c in order if r % 2 == 0 else order[::-1]:
             n, per_tok, mask, content, _ = answer(c, args.n)
             rows[name].append((per_tok, mask))
+            answers.setdefault(name, set()).add(content)
             print(f"round {r} {name:8s} n={n:4d}  {per_tok * 1e3:7.2f} ms/token  grammar {mask * 1e3:6.3f} ms/token")
             if name == "json":
                 print(f"   json answer: {content}")
+    print(
+        "the class grammar's answers with and without the lexeme rewrite identical:",
+        answers["grammar"] == answers["plain"],
+    )
     free = statistics.median(p for p, _ in rows["free"])
-    for name in ("grammar", "json"):
+    for name in ("grammar", "plain", "json"):
         tok = statistics.median(p for p, _ in rows[name])
         mask = statistics.median(m for _, m in rows[name])
         print(
