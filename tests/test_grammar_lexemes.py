@@ -14,6 +14,7 @@ from kvchat.runtime.grammar.lexemes import first_bytes, gbnf_to_lark_with_runs
 from tests.helpers.cli_inproc import kvchat
 
 TEXT = "root ::= [a-zA-Z0-9 ,.;:!?'\"()-]+"  # benchmarks/grammar_cost.py's permissive class
+ENGLISH = 'root ::= en-char+ ([ \\t\\n] en-char+)*\nen-char ::= letter | punct\nletter ::= [a-zA-Z]\npunct ::= [,."\']'
 
 REWRITTEN = {
     TEXT: "start: /[a-zA-Z0-9 ,.;:!?'\"()-]+/",
@@ -21,6 +22,11 @@ REWRITTEN = {
     'root ::= ([a-z]+ ",")* [0-9]*': 'start: (/[a-z]+/ ",")* /[0-9]+/?',
     'root ::= [^"]+ "\\""': 'start: /[^"]+/ "\\""',
     'root ::= "<" [a-zé]* ">" | [0-9]+': 'start: "<" /[a-zé]+/? ">"\n     | /[0-9]+/',
+    # llama.cpp's grammars/english.gbnf's shape: a TERMINAL of one character, run again in a group
+    ENGLISH: "start: KVCHAT_RUN_0 (/[ \\t\\n]/ KVCHAT_RUN_0)*\nEN_CHAR: LETTER\n     | PUNCT\n"
+    "LETTER: /[a-zA-Z]/\nPUNCT: /[,.\"']/\nKVCHAT_RUN_0: EN_CHAR+",
+    'root ::= ("a" | "s" | [0-9])+ "." ("x" | "\\n")*': 'start: KVCHAT_RUN_0 "." KVCHAT_RUN_1?\n'
+    'KVCHAT_RUN_0: (("a" | "s" | /[0-9]/))+\nKVCHAT_RUN_1: (("x" | "\\n"))+',
 }
 LEFT_ALONE = [
     'root ::= [a-z]+ "s"',  # "s" could go on the run: the greedy lexeme would eat it
@@ -30,6 +36,8 @@ LEFT_ALONE = [
     'root ::= [a-z]+ "-" [a-z]{2}',  # a bounded class of the same characters
     'root ::= ([a-z]+)* "."',  # a run repeated again is followed by itself
     'root ::= ("a" [0-9]+)? [0-9]*',  # after the optional group's run, maybe the other one
+    'root ::= ("a" | [0-9])+ "a"',  # one character of the run's alternatives follows it
+    'root ::= ("<" [a-z]+) "s"',  # as the first, the group's end passed on to what follows it
 ]
 
 
@@ -94,7 +102,7 @@ def walk(lark_a, lark_b, depth):
 
 @pytest.mark.parametrize("gbnf", sorted(REWRITTEN))
 def test_rewritten_grammar_takes_the_same_strings(gbnf):
-    permissive = "[^" in gbnf or gbnf == TEXT  # most of ALPHABET at every byte: 4 deep is ~20k strings
+    permissive = "[^" in gbnf or gbnf in (TEXT, ENGLISH)  # most of ALPHABET at every byte: 4 deep is ~20k strings
     seen = walk(plain_lark(gbnf), gbnf_to_lark_with_runs(gbnf), depth=4 if permissive else 7)
     assert seen > 100  # the walk went deep into the runs
 
