@@ -191,7 +191,10 @@ class Sampler:
         if allowed is None:
             ids = np.arange(n, dtype=np.int64)  # [n_vocab] i64
         else:
-            ok = np.asarray(allowed, dtype=bool)[:n] & np.isfinite(penalised)  # -inf (--ignore-eos) stays out
+            # penalised is this call's own copy: the refused tokens go to -inf in place (putmask:
+            # ~3x cheaper than np.where here); -inf already there (--ignore-eos) stays out too
+            np.putmask(penalised, ~np.asarray(allowed, dtype=bool)[:n], -np.inf)
+            ok = np.isfinite(penalised)  # [n_vocab] bool
             n_ok = int(np.count_nonzero(ok))
             if n_ok == 0:
                 from kvchat.runtime.errors import ModelOutputError
@@ -202,7 +205,6 @@ class Sampler:
                 # -inf (at least k are finite): the same candidates, in the same order, without
                 # gathering a permissive mask's ~n_vocab ids and logits
                 ids = np.arange(n, dtype=np.int64)  # [n_vocab] i64
-                penalised = np.where(ok, penalised, -np.inf)  # [n_vocab] f64
             else:
                 ids = np.flatnonzero(ok).astype(np.int64)  # [n_ok] i64
                 penalised = penalised[ids]  # [n_ok] f64

@@ -274,5 +274,7 @@ def test_masked_top_k_from_the_whole_row_picks_what_the_gathered_allowed_ids_do(
             ref_ids, lg = min_p(ref_ids, lg, params.min_p)
             ref_ids, lg = temperature(ref_ids, lg, params.temp)
             assert np.array_equal(ids, ref_ids) and np.array_equal(probs, softmax(lg))
+    before = logits.copy()
     runs = [[Sampler(SamplingParams(temp=1.2, top_k=top_k, seed=9)).sample(logits, None, allowed)] for _ in range(2)]
     assert runs[0] == runs[1] and allowed[runs[0][0]]
+    assert np.array_equal(logits, before)  # the mask went into the sampler's own copy
