@@ -19,6 +19,7 @@ import numpy as np
 from kvchat.kernels import qlayout
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.qlayout import EMPTY_I8, EMPTY_U16, FORMATS, IQ4_NL_VALUES, Packed, QFormat, R
+from kvchat.kernels.repack import _bits, _k4_scales, _q3k_scales  # the block fields' decoding, shared
 
 
 def _f16_bits(b: np.ndarray) -> np.ndarray:
@@ -70,30 +71,6 @@ def _pack_values(v: np.ndarray, m: int, fmt: QFormat) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts, -1)) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
 
-def _bits(x: np.ndarray, n: int) -> np.ndarray:
-    """u32 [...] -> u8 [..., n]: bit i of each word."""
-    return ((x[..., None] >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
-
-
-def _k4_scales(s: np.ndarray):
-    """12 packed bytes of q4_K / q5_K -> (scales, mins) u8 [..., 8], 6 bits each."""
-    lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
-    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
-    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return np.concatenate([lo_sc, hi_sc], -1), np.concatenate([lo_mn, hi_mn], -1)
-
-
-def _q3k_scales(sc: np.ndarray) -> np.ndarray:
-    """12 packed bytes of q3_K -> signed scales i8 [..., 16] (6 bits, minus 32)."""
-    s = sc.astype(np.int32)
-    out = np.empty(sc.shape[:-1] + (16,), np.int8)
-    for j in range(16):
-        low = (s[..., j % 8] >> (4 * (j // 8))) & 15
-        high = (s[..., 8 + j % 4] >> (2 * (j // 4))) & 3
-        out[..., j] = (low | (high << 4)) - 32
-    return out
-
-
 def repack_reference(raw: np.ndarray, t: int, k: int) -> tuple[QFormat, Packed]:
     """raw u8 [m, row_bytes] of block type t -> (its QFormat, the packed arrays), all rows at once."""
     t = GGMLType(t)
@@ -129,8 +106,7 @@ def _compiled_pack_ready() -> bool:
     if dry_running() or pack_rows.signatures:
         return True
     u8, u16, i8 = (np.zeros((1, 1, 1), dt) for dt in (np.uint8, np.uint16, np.int8))
-    raw = np.zeros((1, 1), np.uint8)
-    raw.flags.writeable = False  # model-file rows: read-only (qlayout._read_only)
+    raw = qlayout._read_only(np.zeros((1, 1), np.uint8))  # as repack_int passes model-file rows
     args = (raw, 0, (0, 0, 0, True, 0), 0, u8, u16, u16, i8, i8)
     return is_cached(("kvchat.kernels.qlayout_pack", "pack_rows", tuple(pack_rows.typeof_pyval(a) for a in args)))
 
