@@ -22,7 +22,7 @@ import sys
 import numba
 import numpy as np
 
-from kvchat.kernels import parallel
+from kvchat.kernels import parallel, stand_in
 from kvchat.kernels.cpu import ISA
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
@@ -130,12 +130,19 @@ class QMatrix:
         self.nbytes = self.m * rb
         self._k_packed = padded_k(self.t, self.k)  # float rows are padded to whole 32-blocks
         self._k_ready = self.k if self._k_packed == self.k else -1  # x needs no padding: its width
-        self.fmt = None if self.t in FLOAT_TYPES else FORMATS.get(GGMLType(self.t))  # None: repack_int refuses it
+        # a first run may hold the rows in another format with the same numbers (kernels/stand_in.py)
+        held = stand_in.held_of(packed[0]) if packed is not None else stand_in.held_as(self.t)
+        held = self.t if held is None else held
+        self.fmt = None if self.t in FLOAT_TYPES else FORMATS.get(GGMLType(held))  # None: repack_int refuses it
         if packed is not None:
             self.kind, arrays = packed
             self._packed = tuple(arrays) if self.fmt is None else Packed(*arrays)
         elif self.fmt is None:
             self.kind, self._packed = repack(raw, t, k)
+            release_file_pages(raw)
+        elif held != self.t:
+            self.kind = stand_in.kind_of(held)
+            self.fmt, self._packed = repack_int(stand_in.as_held(raw, self.t, held), held, k)
             release_file_pages(raw)
         else:
             self.kind = "int"
@@ -166,19 +173,21 @@ class QMatrix:
             x = self._prepared(x)
         n = x.shape[0]
         y = np.empty((n, self.m), np.float32)  # [n, m]
-        serial = n * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
+        if n:
+            self._call(*self.kernel_call(x, y, min_macs))
+        return y
+
+    def kernel_call(self, x: np.ndarray, y: np.ndarray, min_macs: int | None = None) -> tuple:
+        """(kernel, arguments) of y = x @ W.T for a prepared x [n, k_packed] and y [n, m]: the serial
+        twin below min_macs multiply-adds (parallel.MATMUL_PAR_MIN_MACS when None), else the parallel one."""
+        serial = x.shape[0] * self._macs_per_token < (parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
         if self.fmt is None:
             if serial:
-                kernel, args = matmul_blocks_serial, self._args + (x, y, TOKEN_CHUNK)
-            else:
-                kernel, args = matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
-        elif serial:
-            kernel, args = matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
-        else:
-            kernel, args = matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)
-        if n:
-            self._call(kernel, args)
-        return y
+                return matmul_blocks_serial, self._args + (x, y, TOKEN_CHUNK)
+            return matmul_blocks, self._args + (x, y, TOKEN_CHUNK, _RUNS)
+        if serial:
+            return matmul_q_serial, self._args + (x, y, TOKEN_CHUNK)
+        return matmul_q, self._args + (x, y, TOKEN_CHUNK, _RUNS)
 
     def _prepared(self, x: np.ndarray) -> np.ndarray:
         """x as the kernels take it: C-contiguous f32 [n, k_packed] (zero columns past k)."""

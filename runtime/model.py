@@ -17,10 +17,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from kvchat.kernels import stand_in
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul import QMatrix, release_file_pages
 from kvchat.kernels.matmul_id import ExpertMatrix
 from kvchat.kernels.qlayout_numpy import model_repack
+from kvchat.kernels.stand_in import first_run_formats
 from kvchat.runtime.arch import get_arch, is_supported, read_hparams, unsupported_message
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.file import GGUFFile
@@ -80,12 +82,15 @@ class Model:
         self.vocab = vocab
         self.weights = weights
         self.arch = arch  # kvchat.runtime.arch.<name>.ARCH: schema, forward, create_memory
+        self.stand_ins: dict = {}  # file type -> the type its matrices are held as (kernels/stand_in.py)
 
     @classmethod
-    def load(cls, path, weights_context=None) -> "Model":
+    def load(cls, path, weights_context=None, stand_ins: bool = False) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it.
         weights_context: a context manager factory the weights load inside (a compile plan's dry
-        run: kvchat.runtime.startup.compile_worker), the header and vocabulary outside it."""
+        run: kvchat.runtime.startup.compile_worker), the header and vocabulary outside it.
+        stand_ins: a run whose kernels compile in workers may hold a format whose kernel is not
+        compiled in one it compiles anyway (kernels/stand_in.py); model.stand_ins lists them."""
         from kvchat.runtime.text.vocab import Vocab
 
         map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
@@ -98,7 +103,11 @@ class Model:
             vocab = Vocab.from_gguf(gf)
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)
-            with weights_context() if weights_context is not None else nullcontext(), model_repack(gf.file_size):
+            with (
+                weights_context() if weights_context is not None else nullcontext(),
+                model_repack(gf.file_size),
+                first_run_formats(matrix_types(gf), enabled=stand_ins) as held,
+            ):
                 weights = load_weights(gf, hp, arch)
             release_file_pages(
                 gf.raw
@@ -107,7 +116,9 @@ class Model:
         except BaseException:
             gf.close()
             raise
-        return cls(gf, hp, vocab, weights, arch)
+        model = cls(gf, hp, vocab, weights, arch)
+        model.stand_ins = held
+        return model
 
     def forward(self, ubatch, mctx, min_macs: int | None = None) -> np.ndarray:
         """Logits f32 [n_outputs, n_vocab] for the ubatch's tokens flagged as outputs; min_macs:
@@ -148,12 +159,32 @@ class Model:
 # ---- loading -------------------------------------------------------------------------------
 
 
+def _cached(packs, name: str, t: int, k: int, m: int) -> tuple | None:
+    """The weight cache's packing of a matrix, or None (it is repacked, and the file rewritten) —
+    also for a stand-in packing this load does not use (kernels/stand_in.usable)."""
+    hit = packs.get(name, t, k, m) if packs is not None else None
+    if hit is not None and not stand_in.usable(hit[0], t):
+        packs.missed, hit = True, None
+    return hit
+
+
+def matrix_types(gf: GGUFFile) -> set:
+    """The ggml types of the file's matrices that the matmul kernels read (not a token embedding
+    that only its rows are looked up from)."""
+    own_head = "output.weight" in gf.tensors
+    return {
+        int(ti.ggml_type)
+        for name, ti in gf.tensors.items()
+        if len(ti.shape) == 2 and not (own_head and name == "token_embd.weight")
+    }
+
+
 def _qmatrix(gf: GGUFFile, name: str, packs=None) -> QMatrix:
     """A matrix tensor as a QMatrix on its file rows: its packing mapped from the weight cache
     when that has it (the rows are then not read), else repacked (and recorded for the cache)."""
     ti = gf.tensors[name]
     t, k, m = int(ti.ggml_type), int(ti.shape[0]), int(ti.data.shape[0])
-    hit = packs.get(name, t, k, m) if packs is not None else None
+    hit = _cached(packs, name, t, k, m)
     qm = QMatrix(ti.data, t, k, packed=hit)
     if packs is not None:
         packs.put(name, t, k, m, qm.packing())
@@ -225,7 +256,7 @@ def _fused(infos: list, packs=None) -> QMatrix | None:
     if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
         return None
     name, m = "+".join(i.name for i in infos), sum(int(i.data.shape[0]) for i in infos)
-    hit = packs.get(name, t0, k0, m) if packs is not None else None
+    hit = _cached(packs, name, t0, k0, m)
     if hit is not None:
         qm = QMatrix(None, t0, k0, keep_raw=False, packed=hit, m=m)
     else:

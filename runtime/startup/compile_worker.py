@@ -8,8 +8,9 @@ Requests, answered in order:
   decode (n_prompt tokens, then one) under
   kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", (serial, parallel)) — the
   (kernel, signature) pairs the run calls that numba's cache does not hold yet, in call
-  order: first those it calls with every kernel held to its serial twin, then the rest — or
-  ("failed", text).
+  order: first those it calls with every kernel held to its serial twin, then the rest, and
+  last the kernels of the formats the load held as others (kernels/stand_in.py), which the
+  next load calls — or ("failed", text).
   The dry run leaves garbage in the model's outputs, so this process plans once and then only
   compiles; the model and context are dropped before the answer.
 - ("compile", i, entry): compile_plan.compile_entry(entry), which writes numba's cache; the
@@ -36,12 +37,14 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
     (kernels.parallel.hold_serial), which a first answer needs, then the rest."""
     from kvchat.kernels import parallel
     from kvchat.kernels.compile_plan import dry_run, is_cached
+    from kvchat.kernels.stand_in import native_entries
     from kvchat.runtime.context import Context
     from kvchat.runtime.generate import warm_up
     from kvchat.runtime.model import Model
 
     os.environ["KVCHAT_WEIGHT_CACHE"] = "0"  # dry weights are garbage: never saved as a pack
-    model = Model.load(model_path, weights_context=dry_run)  # the vocabulary's kernels compile for real
+    # the vocabulary's kernels compile for real; formats held as others as in the caller's load
+    model = Model.load(model_path, weights_context=dry_run, stand_ins=True)
     ctx = Context(model, cparams)
     bos = getattr(model.vocab, "bos", None)
     bos = bos if bos is not None and bos >= 0 else 0
@@ -53,8 +56,11 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
         parallel.release()
     with dry_run() as both:
         warm_up(ctx, bos, n_prompt=n_prompt)
+    native = [e for t in model.stand_ins for e in native_entries(t)]  # for the next load, last
     serial = [e for e in serial if not is_cached(e)]
-    return serial, [e for e in both if e not in serial and not is_cached(e)]
+    rest = [e for e in both if e not in serial]
+    rest += [e for e in native if e not in rest and e not in serial]
+    return serial, [e for e in rest if not is_cached(e)]
 
 
 def resident_bytes() -> int:
