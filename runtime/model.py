@@ -85,22 +85,24 @@ class Model:
         self.stand_ins: dict = {}  # file type -> the type its matrices are held as (kernels/stand_in.py)
 
     @classmethod
-    def load(cls, path, weights_context=None, stand_ins: bool = False) -> "Model":
+    def load(cls, path, weights_context=None, stand_ins: bool = False, vocab: bool = True) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it.
         weights_context: a context manager factory the weights load inside (a compile plan's dry
         run: kvchat.runtime.startup.compile_worker), the header and vocabulary outside it.
         stand_ins: a run whose kernels compile in workers may hold a format whose kernel is not
-        compiled in one it compiles anyway (kernels/stand_in.py); model.stand_ins lists them."""
+        compiled in one it compiles anyway (kernels/stand_in.py); model.stand_ins lists them.
+        vocab=False: no vocabulary (model.vocab None; the file's token texts are not read), for a
+        load that only decodes token ids (a compile plan's)."""
         from kvchat.runtime.text.vocab import Vocab
 
         map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
-        gf = open_gguf(path)  # a split model's parts open as one file
+        gf = open_gguf(path, read_strings=vocab)  # a split model's parts open as one file
         try:
             if not is_supported(gf.arch):
                 raise ModelFileError(f"{gf.path}: {unsupported_message(gf.arch)}")
             arch = get_arch(gf.arch)
             hp = read_hparams(gf)
-            vocab = Vocab.from_gguf(gf)
+            vocab = Vocab.from_gguf(gf) if vocab else None
             release_file_pages(gf.raw)  # the metadata's pages: the vocabulary holds its own copies
             release_library_pages()  # LLVM's pages, touched linking the first kernels (os_memory)
             with (

@@ -146,14 +146,29 @@ def test_string_value_past_end(tmp_path):
     expect_error(tmp_path, gguf_bytes(kvs=[ARCH, val]), "general.name", "5000")
 
 
-def test_string_in_array_past_end(tmp_path):
+@pytest.mark.parametrize("read_strings", [True, False], ids=["read", "stepped-over"])
+def test_string_in_array_past_end(tmp_path, read_strings):
     body = s("ok") + struct.pack("<Q", 1 << 20) + b"xx"
-    expect_error(
-        tmp_path,
-        gguf_bytes(kvs=[ARCH, kv_arr("tokenizer.ggml.tokens", VT.STRING, 2, body)]),
-        "tokenizer.ggml.tokens[1]",
-        "past the end",
-    )
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(gguf_bytes(kvs=[ARCH, kv_arr("tokenizer.ggml.tokens", VT.STRING, 2, body)]))
+    with pytest.raises(ModelFileError, match=r"tokenizer\.ggml\.tokens\[1\]: string runs past the end"):
+        GGUFFile(p, read_strings=read_strings)
+
+
+def test_a_file_opened_without_its_strings_has_their_lengths_and_everything_after_them(tmp_path):
+    p = write_tiny_model(tmp_path / "m.gguf", n_vocab=300)
+    full, bare = GGUFFile(p), GGUFFile(p, read_strings=False)
+    tokens = bare.metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(full.metadata["tokenizer.ggml.tokens"]) == 300
+    with pytest.raises(LookupError, match="without its strings"):
+        tokens[0]
+    assert bare.value_types == full.value_types and bare.data_offset == full.data_offset
+    for key, value in full.metadata.items():
+        if bare.value_types[key] != (VT.ARRAY, VT.STRING):
+            np.testing.assert_array_equal(bare.metadata[key], value)
+    assert list(bare.tensors) == list(full.tensors)
+    for name, ti in full.tensors.items():
+        np.testing.assert_array_equal(bare.tensors[name].data, ti.data)
 
 
 @pytest.mark.parametrize("n", [1 << 40, (1 << 30) - 1])

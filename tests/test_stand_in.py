@@ -126,3 +126,38 @@ def test_a_model_loaded_with_stand_ins_answers_as_the_native_load_and_its_pack_i
     m, kinds, got = load()  # a plain load maps the native pack
     assert kinds == {"int"} and pack.stat().st_mtime_ns == rewritten
     np.testing.assert_array_equal(got, want)
+
+
+PLAN = """
+import json, sys
+from kvchat.kernels.numba_start import install
+install()
+from kvchat.runtime.cparams import ContextParams
+from kvchat.runtime.startup.compile_worker import plan
+serial, rest = plan(sys.argv[1], ContextParams(n_ctx=128), 16)
+name = lambda e: e[1] + "".join(" " + a.fmt.name for a in e[2] if hasattr(a, "fmt"))
+print(json.dumps([[name(e) for e in serial], [name(e) for e in rest]]))
+"""
+
+
+def test_a_first_runs_plan_compiles_the_held_format_first_and_the_native_kernels_last(tmp_path):
+    """From an empty numba cache (a subprocess): the serial set's integer matmul is Q8_0's only,
+    the native Q5_0 twins close the plan, and the plan reads no token text (no vocabulary
+    kernel compiled: the caller compiles those)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    path = _mixed_model(tmp_path)
+    cache_dir = tmp_path / "numba"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), KVCHAT_CACHE=str(tmp_path / "kv"))
+    out = subprocess.run(
+        [sys.executable, "-c", PLAN, str(path)], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    serial, rest = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [e for e in serial if e.startswith("matmul_q")] == ["matmul_q_serial q8_0"]
+    assert rest[-2:] == ["matmul_q_serial q5_0", "matmul_q q5_0"]
+    assert not [p for p in cache_dir.rglob("*") if "gguf_strings" in p.name or "string_array" in p.name]

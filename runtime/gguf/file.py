@@ -53,7 +53,7 @@ from kvchat.runtime.gguf.format import (
     known_type,
     show_name,
 )
-from kvchat.runtime.gguf.string_array import StringArray
+from kvchat.runtime.gguf.string_array import StringArray, UnreadStrings
 
 __all__ = ["GGUFFile", "TensorInfo", "ModelFileError", "GGUFValueType"]
 
@@ -70,11 +70,15 @@ class GGUFFile:
     until the last view (e.g. held by model weights) is gone.
     """
 
-    def __init__(self, path: str | os.PathLike, *, split_part: bool = False):
+    def __init__(self, path: str | os.PathLike, *, split_part: bool = False, read_strings: bool = True):
         """`split_part`: a second or later file of a split model (llama.cpp's gguf-split), which
-        holds only the split.* keys and its share of the tensors, so no general.architecture."""
+        holds only the split.* keys and its share of the tensors, so no general.architecture.
+        `read_strings=False`: string arrays (the vocabulary) are only stepped over and held as
+        UnreadStrings (their length): a compile plan's load needs no token text, and reading
+        it compiles the vocabulary's kernels (~1.7 s CPU, runtime/startup/compile_worker.py)."""
         self.path = Path(path)
         self._split_part = split_part
+        self._read_strings = read_strings
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, tuple[int, int | None]] = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -196,6 +200,8 @@ class GGUFFile:
         Python objects)."""
         if n == 0:
             return []
+        if not self._read_strings:
+            return self._step_over_strings(cur, key, n)
         arr = np.frombuffer(self._mm, dtype=np.uint8)
         packed, bounds, end, bad, has_nul = scan_strings(arr, cur.pos, n)
         if bad >= 0:
@@ -205,6 +211,18 @@ class GGUFFile:
             blob = packed.tobytes()
             return [blob[bounds[i, 0] : bounds[i, 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return StringArray(packed.tobytes(), bounds[:, 0], bounds[:, 1])
+
+    def _step_over_strings(self, cur: Cursor, key: str, n: int) -> "UnreadStrings":
+        """Past n strings by their length prefixes (bounds-checked as scan_strings does), unread."""
+        pos, size, mm = cur.pos, self.file_size, self._mm
+        for i in range(n):
+            if pos + 8 > size:
+                self._fail(f"{key}[{i}]", f"string runs past the end of the file (at offset {pos})")
+            pos += 8 + int.from_bytes(mm[pos : pos + 8], "little")
+            if pos > size:
+                self._fail(f"{key}[{i}]", f"string runs past the end of the file (at offset {size})")
+        cur.pos = pos
+        return UnreadStrings(n)
 
     def _alignment(self) -> int:
         if "general.alignment" not in self.metadata:

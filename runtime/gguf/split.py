@@ -79,10 +79,13 @@ class SplitGGUF(GGUFFile):
         self.tensors, self.raw, self._mm = {}, None, None
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFFile:
+def open_gguf(path: str | os.PathLike, read_strings: bool = True) -> GGUFFile:
     """`GGUFFile(path)`, or a SplitGGUF over all parts when `path` is the first part of a split
-    model. ModelFileError (one line) when a part is missing, out of order or inconsistent."""
-    first = GGUFFile(path, split_part=True)  # a later part has no architecture: say which it is
+    model. ModelFileError (one line) when a part is missing, out of order or inconsistent.
+    read_strings: GGUFFile's (False: the vocabulary's texts stepped over, not read)."""
+    first = GGUFFile(
+        path, split_part=True, read_strings=read_strings
+    )  # a later part has no architecture: say which it is
     try:
         n_split = first.get_int(KEY_COUNT, 0)
         idx = first.get_int(KEY_NO, 0) if n_split > 1 else 0

@@ -24,6 +24,22 @@ from numba import njit
 _CHUNK = 16384  # strings decoded at a time when iterating (bounds the temporary str objects)
 
 
+class UnreadStrings(Sequence):
+    """The length of a string array a load stepped over (GGUFFile(read_strings=False)); its
+    texts were never read, so asking for one is a bug of the caller."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self, n: int):
+        self._n = int(n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        raise LookupError("this GGUF file was opened without its strings (read_strings=False)")
+
+
 class StringArray(Sequence):
     """A read-only sequence of n str: blob bytes, starts / ends int32 [n] (byte ranges)."""
 

@@ -4,8 +4,8 @@ kvchat.runtime.startup.compile_ahead over its stdin/stdout: pickled messages, on
 Requests, answered in order:
 - ("plan", model_path, cparams, n_prompt): load the model (its weights under a dry run too,
   without the weight cache: the caller loads them for real at the same time, so the plan does
-  not wait for the repack kernels), make a Context with those parameters and run a warm-up
-  decode (n_prompt tokens, then one) under
+  not wait for the repack kernels; without its vocabulary, whose kernels the caller compiles),
+  make a Context with those parameters and run a warm-up decode (n_prompt tokens, then one) under
   kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", (serial, parallel)) — the
   (kernel, signature) pairs the run calls that numba's cache does not hold yet, in call
   order: first those it calls with every kernel held to its serial twin, then the rest, and
@@ -43,11 +43,11 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
     from kvchat.runtime.model import Model
 
     os.environ["KVCHAT_WEIGHT_CACHE"] = "0"  # dry weights are garbage: never saved as a pack
-    # the vocabulary's kernels compile for real; formats held as others as in the caller's load
-    model = Model.load(model_path, weights_context=dry_run, stand_ins=True)
+    # no vocabulary (the caller compiles its kernels); formats held as others as in the caller's load
+    model = Model.load(model_path, weights_context=dry_run, stand_ins=True, vocab=False)
     ctx = Context(model, cparams)
-    bos = getattr(model.vocab, "bos", None)
-    bos = bos if bos is not None and bos >= 0 else 0
+    bos = model.gguf.get("tokenizer.ggml.bos_token_id")
+    bos = bos if isinstance(bos, int) and 0 <= bos < ctx.n_vocab else 0
     parallel.hold_serial()
     try:
         with dry_run() as serial:
