@@ -29,7 +29,12 @@ from kvchat.runtime.gguf.file import GGUFFile
 from kvchat.runtime.gguf.split import open_gguf
 from kvchat.runtime.hparams import HParams
 from kvchat.runtime.weights.cache import open_store
-from kvchat.runtime.weights.os_memory import map_large_allocations, release_library_pages, trim_heap
+from kvchat.runtime.weights.os_memory import (
+    heap_for_step_arrays,
+    map_large_allocations,
+    release_library_pages,
+    trim_heap,
+)
 
 # llama_ftype ids (general.file_type) -> the names llama.cpp prints (llama_model_ftype_name)
 LLAMA_FTYPE_NAMES = {
@@ -116,8 +121,10 @@ class Model:
             )  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
             trim_heap()
         except BaseException:
+            heap_for_step_arrays()
             gf.close()
             raise
+        heap_for_step_arrays()  # a decode step's arrays reuse heap pages: no page faults (os_memory)
         model = cls(gf, hp, vocab, weights, arch)
         model.stand_ins = held
         return model

@@ -7,6 +7,12 @@ raises that threshold to the size of each mapping freed (up to 32 MiB), so from 
 repack on, the temporaries come from the heap, interleave with the long-lived repacked arrays,
 and their freed pages stay resident (Gemma-3: 21 MB after load, `malloc_trim` gives them back).
 A fixed threshold keeps every large array in its own mapping, so freeing it frees its pages.
+
+After the load the threshold is raised again (`heap_for_step_arrays`): with it fixed at 256 KiB
+a decode step's arrays each got a fresh mapping, and touching one costs a page fault per 4 KiB
+page (expensive in this VM): Gemma-3 270M's two 1 MiB logits rows took 515 faults and 1-2.5 ms
+of a ~15 ms token; a 512-token prompt ~110 000 faults (SmolLM2 pp512 242 -> 361 t/s without
+them; docs/performance.md, session 14). From the heap they reuse the last step's pages.
 """
 
 from __future__ import annotations
@@ -15,8 +21,13 @@ import ctypes
 import os
 import sys
 
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 256 << 10  # arrays from 256 KiB up get their own mapping (glibc's start: 128 KiB)
+TRIM_THRESHOLD = 128 << 10  # glibc's default: a free heap top above this goes back to the OS
+# after a load: glibc's own defaults as its dynamic threshold reaches them (the largest it moves to,
+# DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, and twice that kept as free heap top)
+STEP_MMAP_THRESHOLD = 32 << 20  # arrays under 32 MiB (a step's logits, a prompt's activations) from the heap
+STEP_TRIM_THRESHOLD = 64 << 20
 
 _libc = None
 
@@ -34,11 +45,24 @@ def _glibc():
     return _libc
 
 
-def map_large_allocations() -> None:
-    """Fix glibc's mmap threshold (module docstring); later large allocations are mapped."""
+def _set(mmap_threshold: int, trim_threshold: int) -> None:
     lib = _glibc()
     if lib:
-        lib.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD))
+        lib.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(mmap_threshold))
+        lib.mallopt(ctypes.c_int(_M_TRIM_THRESHOLD), ctypes.c_int(trim_threshold))
+
+
+def map_large_allocations() -> None:
+    """Fix glibc's mmap threshold for a load (module docstring); later large allocations are mapped."""
+    _set(MMAP_THRESHOLD, TRIM_THRESHOLD)
+
+
+def heap_for_step_arrays() -> None:
+    """After a load (module docstring): arrays under STEP_MMAP_THRESHOLD come from the heap, and
+    a free heap top up to STEP_TRIM_THRESHOLD stays, so a decode step's arrays reuse the last
+    step's pages instead of faulting in fresh ones. (glibc's own dynamic threshold would do the
+    same, but a mallopt setting switches it off for the process.)"""
+    _set(STEP_MMAP_THRESHOLD, STEP_TRIM_THRESHOLD)
 
 
 def trim_heap() -> None:
