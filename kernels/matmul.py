@@ -27,7 +27,7 @@ from kvchat.kernels.cpu import ISA
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
 from kvchat.kernels.matmul_kernels import matmul_blocks, matmul_blocks_serial
-from kvchat.kernels.qlayout import FORMATS, Packed, repack_int
+from kvchat.kernels.qlayout import FORMATS, Packed, R, repack_int
 from kvchat.kernels.quants import dequantize
 from kvchat.kernels.repack import padded_k, repack
 
@@ -90,6 +90,35 @@ def call_compiled(entries: dict, kernel, args) -> None:
         entries[kernel] = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in args)].entry_point
         return
     ep(*args)
+
+
+def format_entries(t: int) -> list:
+    """The compile-plan entries (kernels/compile_plan.py) of ggml type t's integer matmul: its
+    serial kernel, then its parallel one — what a load holding t in its own format calls (the
+    plan lists them for the next load when this one held t as another: kernels/stand_in.py)."""
+    from kvchat.kernels.qlayout_numpy import repack_reference
+
+    k = 256  # one K-quant super-block, eight legacy blocks: a row of any format
+    _, packed = repack_reference(np.zeros((R, row_bytes(int(t), k)), np.uint8), int(t), k)
+    qm = QMatrix(None, int(t), k, packed=("int", tuple(packed)), m=R)
+    x, y = np.zeros((1, k), np.float32), np.empty((1, R), np.float32)
+    entries = []
+    for min_macs in (1 << 62, 0):  # serial, parallel
+        kernel, args = qm.kernel_call(x, y, min_macs)
+        py = kernel.py_func
+        entries.append((py.__module__, py.__qualname__, tuple(kernel.typeof_pyval(a) for a in args)))
+    return entries
+
+
+def format_ready(t: int) -> bool:
+    """Type t's serial integer matmul compiled in this process or held by numba's cache."""
+    from kvchat.kernels.compile_plan import is_cached
+
+    module, qualname, sig = format_entries(t)[0]
+    compiled = matmul_q_serial.overloads.get(sig)
+    return (compiled is not None and not compiled.objectmode) or is_cached(
+        (module, qualname, sig)
+    )  # objectmode: a dry run's stand-in
 
 
 class QMatrix:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvchat.kernels.ggml_types import GGMLType, row_bytes
+from kvchat.kernels.ggml_types import GGMLType
 
 # a format -> the format that holds its blocks exactly (same scale, same integers, same float steps)
 STAND_INS = {GGMLType.Q5_0: GGMLType.Q8_0, GGMLType.Q4_0: GGMLType.Q8_0}
@@ -82,48 +82,20 @@ def as_held(raw: np.ndarray, t: int, held: int) -> np.ndarray:
 
 
 @contextmanager
-def first_run_formats(types, enabled: bool = True):
-    """Around one model's load: types are its matrices' file types; yields {file type: held type}
-    for the stand-ins chosen — a format is held as STAND_INS's when its own serial kernel is not
-    compiled (in this process or numba's cache) and the held format's is needed or ready anyway."""
+def first_run_formats(types, ready, enabled: bool = True):
+    """Around one model's load: types are its matrices' file types, ready(t) whether type t's
+    serial kernel is compiled (kernels/matmul.format_ready); yields {file type: held type} for the
+    stand-ins chosen — a format is held as STAND_INS's when its own kernel is not compiled and
+    the held format's is needed or ready anyway."""
     global _held
     chosen = {}
     if enabled:
         types = {int(t) for t in types}
         for t, held in STAND_INS.items():
-            if int(t) in types and (int(held) in types or native_ready(held)) and not native_ready(t):
+            if int(t) in types and (int(held) in types or ready(held)) and not ready(t):
                 chosen[int(t)] = int(held)
     before, _held = _held, chosen
     try:
         yield dict(chosen)
     finally:
         _held = before
-
-
-def native_entries(t: int) -> list:
-    """The compile-plan entries (kernels/compile_plan.py) of type t's integer matmul: its serial
-    kernel, then its parallel one — what a later load holding t natively calls."""
-    from kvchat.kernels.matmul import QMatrix
-    from kvchat.kernels.qlayout_numpy import repack_reference
-
-    k = 256  # one K-quant super-block, eight legacy blocks: any format's row
-    raw = np.zeros((32, row_bytes(int(t), k)), np.uint8)
-    _, packed = repack_reference(raw, int(t), k)
-    qm = QMatrix(None, int(t), k, packed=("int", tuple(packed)), m=32)
-    x, y = np.zeros((1, k), np.float32), np.empty((1, 32), np.float32)
-    entries = []
-    for min_macs in (1 << 62, 0):  # serial, parallel
-        kernel, args = qm.kernel_call(x, y, min_macs)
-        py = kernel.py_func
-        entries.append((py.__module__, py.__qualname__, tuple(kernel.typeof_pyval(a) for a in args)))
-    return entries
-
-
-def native_ready(t: int) -> bool:
-    """Type t's serial integer-matmul kernel compiled in this process or in numba's cache."""
-    from kvchat.kernels.compile_plan import find_kernel, is_cached
-
-    entry = native_entries(t)[0]
-    kernel = find_kernel(entry[0], entry[1])
-    compiled = kernel.overloads.get(entry[2]) if kernel is not None else None
-    return (compiled is not None and not compiled.objectmode) or is_cached(entry)  # a dry run's stand-in: objectmode

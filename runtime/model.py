@@ -19,7 +19,7 @@ import numpy as np
 
 from kvchat.kernels import stand_in
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
-from kvchat.kernels.matmul import QMatrix, release_file_pages
+from kvchat.kernels.matmul import QMatrix, format_ready, release_file_pages
 from kvchat.kernels.matmul_id import ExpertMatrix
 from kvchat.kernels.qlayout_numpy import model_repack
 from kvchat.kernels.stand_in import first_run_formats
@@ -113,7 +113,7 @@ class Model:
             with (
                 weights_context() if weights_context is not None else nullcontext(),
                 model_repack(gf.file_size),
-                first_run_formats(matrix_types(gf), enabled=stand_ins) as held,
+                first_run_formats(matrix_types(gf), format_ready, enabled=stand_ins) as held,
             ):
                 weights = load_weights(gf, hp, arch)
             release_file_pages(

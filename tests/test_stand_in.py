@@ -9,10 +9,11 @@ import pytest
 
 from kvchat.kernels import stand_in
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.matmul import QMatrix
+from kvchat.kernels.matmul import QMatrix, format_entries, format_ready
 from kvchat.kernels.qlayout import FORMATS, QFormatType
 from kvchat.kernels.quants import dequantize
-from kvchat.kernels.stand_in import as_held, first_run_formats, native_entries, native_ready
+from kvchat.kernels.stand_in import as_held, first_run_formats
+from kvchat.runtime import model as model_module
 from kvchat.runtime.model import Model
 from tests.helpers.gguf_factory import quantized_copy, write_tiny_model
 from tests.test_matmul import random_raw
@@ -57,31 +58,34 @@ def test_a_matrix_held_as_q8_0_multiplies_bit_identically_for_every_batch_and_bo
             np.testing.assert_array_equal(held.matmul(x, min_macs), native.matmul(x, min_macs))
 
 
-def test_a_format_is_held_as_another_only_while_its_own_kernel_is_not_compiled(monkeypatch):
+def test_a_format_is_held_as_another_only_while_its_own_kernel_is_not_compiled():
     ready = {Q8_0: False, Q5_0: False, Q4_0: False}
-    monkeypatch.setattr(stand_in, "native_ready", lambda t: ready[t])
-    with first_run_formats({Q5_0, Q8_0, Q4_K}) as held:
+
+    def first_run(types, **kw):
+        return first_run_formats(types, lambda t: ready[t], **kw)
+
+    with first_run({Q5_0, Q8_0, Q4_K}) as held:
         assert held == {Q5_0: Q8_0} and stand_in.held_as(Q5_0) == Q8_0 and stand_in.held_as(Q4_K) is None
     assert stand_in.held_as(Q5_0) is None  # only during the load
-    with first_run_formats({Q5_0, Q4_K}) as held:
+    with first_run({Q5_0, Q4_K}) as held:
         assert held == {}  # Q8_0 neither needed nor compiled: nothing saved
     ready[Q8_0] = True
-    with first_run_formats({Q5_0, Q4_0, Q4_K}) as held:
+    with first_run({Q5_0, Q4_0, Q4_K}) as held:
         assert held == {Q5_0: Q8_0, Q4_0: Q8_0}
     ready[Q5_0] = True
-    with first_run_formats({Q5_0, Q8_0}) as held:
+    with first_run({Q5_0, Q8_0}) as held:
         assert held == {}
     ready[Q5_0] = False
-    with first_run_formats({Q5_0, Q8_0}, enabled=False) as held:
+    with first_run({Q5_0, Q8_0}, enabled=False) as held:
         assert held == {}
 
 
 def test_the_native_entries_name_both_twins_of_the_format_and_follow_an_in_process_compile():
-    serial, par = native_entries(Q5_0)
+    serial, par = format_entries(Q5_0)
     assert (serial[1], par[1]) == ("matmul_q_serial", "matmul_q")
     assert QFormatType(FORMATS[Q5_0]) in serial[2] and QFormatType(FORMATS[Q5_0]) in par[2]
     QMatrix(random_raw(Q5_0, 32, 256), Q5_0, 256).matmul(np.ones((1, 256), np.float32), 1 << 62)
-    assert native_ready(Q5_0)  # compiled (or loaded from numba's cache) in this process now
+    assert format_ready(Q5_0)  # compiled (or loaded from numba's cache) in this process now
 
 
 def _mixed_model(tmp_path):
@@ -103,7 +107,7 @@ def test_a_model_loaded_with_stand_ins_answers_as_the_native_load_and_its_pack_i
     assert native.stand_ins == {} and {qm.t for qm in _matrices(native).values()} == {Q5_0, Q8_0}
     monkeypatch.delenv("KVCHAT_WEIGHT_CACHE")
     ready = {Q5_0: False}
-    monkeypatch.setattr(stand_in, "native_ready", lambda t: ready.get(t, True))
+    monkeypatch.setattr(model_module, "format_ready", lambda t: ready.get(t, True))
 
     def load(**kw):
         m = Model.load(path, **kw)

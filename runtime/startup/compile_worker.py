@@ -37,7 +37,7 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
     (kernels.parallel.hold_serial), which a first answer needs, then the rest."""
     from kvchat.kernels import parallel
     from kvchat.kernels.compile_plan import dry_run, is_cached
-    from kvchat.kernels.stand_in import native_entries
+    from kvchat.kernels.matmul import format_entries
     from kvchat.runtime.context import Context
     from kvchat.runtime.generate import warm_up
     from kvchat.runtime.model import Model
@@ -56,7 +56,7 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
         parallel.release()
     with dry_run() as both:
         warm_up(ctx, bos, n_prompt=n_prompt)
-    native = [e for t in model.stand_ins for e in native_entries(t)]  # for the next load, last
+    native = [e for t in model.stand_ins for e in format_entries(t)]  # for the next load, last
     serial = [e for e in serial if not is_cached(e)]
     rest = [e for e in both if e not in serial]
     rest += [e for e in native if e not in rest and e not in serial]
