@@ -144,7 +144,21 @@ NO_SINKS = np.zeros(0, dtype=np.float32)  # no attention sinks: the kernels skip
 
 
 def attention_checked(
-    q, k, type_k, v, type_v, mask, tok_stream, start, n_head_kv, scale, softcap, flash, n_threads, sinks=NO_SINKS
+    q,
+    k,
+    type_k,
+    v,
+    type_v,
+    mask,
+    tok_stream,
+    start,
+    n_head_kv,
+    scale,
+    softcap,
+    flash,
+    n_threads,
+    sinks=NO_SINKS,
+    par_min=None,
 ):
     """attention() for a caller whose arguments are already in the kernels' types, as the
     forward pass's are (runtime/arch/blocks.py): q C-contiguous f32 [n_tokens, n_head, dk],
@@ -152,7 +166,9 @@ def attention_checked(
     C-contiguous i64 [n_tokens] in [0, n_kv), type_k / type_v / n_head_kv ints, scale and softcap
     np.float32, flash a bool, sinks C-contiguous f32 [n_head] or NO_SINKS. Same kernels, same
     results; the conversions and checks a generated
-    token does not need (30 layers a token) are left to attention()."""
+    token does not need (30 layers a token) are left to attention(). par_min: the work from which
+    the call splits over the threads (None: kernels.parallel.ATTN_PAR_MIN_MACS; a generated
+    token's step may pass a lower one, layer_plan.Launch)."""
     n_tokens, n_head, dk = q.shape
     n_kv = mask.shape[1]
     key = (
@@ -166,7 +182,7 @@ def attention_checked(
         type_v,
         v.shape[2] if flash else v.shape[1],
         n_threads,
-        parallel.ATTN_PAR_MIN_MACS,
+        parallel.ATTN_PAR_MIN_MACS if par_min is None else par_min,
     )
     plan = _LAUNCHES.get(key)
     if plan is None:

@@ -18,7 +18,9 @@ doubles the steps the next one must wait (`drift_gap`, up to `max_period`); a fl
 
 The arms differ only in the matmul threshold the step's forward is given (`model.forward(ub, mctx,
 min_macs)`, which every matmul of the step takes as its argument; SERIAL: the configured
-`kvchat.kernels.parallel.MATMUL_PAR_MIN_MACS`, PARALLEL: `PARALLEL_ARM_MACS`); nothing global
+`kvchat.kernels.parallel.MATMUL_PAR_MIN_MACS`, PARALLEL: `PARALLEL_ARM_MACS`; the step's
+attention threshold is the lower of it and the configured one, runtime/arch/layer_plan.Launch, so
+on PARALLEL a generated token's attention splits over the threads too); nothing global
 changes during a step. Serial and parallel matmul kernels give
 bit-identical rows (tests/test_launch_tuner.py), so the choice changes speed, never tokens.
 Only generated tokens are tuned: Context.decode_one runs its step through `forward`; decode()

@@ -4,6 +4,7 @@ never changes a token or a logit (tiny quantized models, both arms' kernels real
 import numpy as np
 import pytest
 
+import kvchat.kernels.attention as ka
 import kvchat.kernels.matmul as km
 from kvchat.kernels import parallel
 from kvchat.kernels.ggml_types import GGMLType
@@ -194,13 +195,17 @@ def test_generation_is_bit_identical_whichever_arm_each_step_runs(tiny_model, mo
 
         first = decode_tokens(ctx, prompt, 0)
         kernels.clear()  # the prompt's matmuls (9 tokens: serial twins) are not the tuner's
+        ka._LAUNCHES.clear()  # nor its attention launches
         toks = [s.token for s in generate(ctx, sample, logits=first, pos0=len(prompt), max_tokens=24)]
-        return toks, np.stack(logits), set(kernels)
+        attn = {plan[0] for key, plan in ka._LAUNCHES.items() if key[1] == 1}  # one-token attention kernels
+        return toks, np.stack(logits), set(kernels), attn
 
-    ser_toks, ser_logits, ser_kernels = gen(Pinned(S))
-    par_toks, par_logits, par_kernels = gen(Pinned(P))
-    mix_toks, mix_logits, _ = gen(LaunchTuner(enabled=True))  # probes: both arms, interleaved
+    ser_toks, ser_logits, ser_kernels, ser_attn = gen(Pinned(S))
+    par_toks, par_logits, par_kernels, par_attn = gen(Pinned(P))
+    mix_toks, mix_logits, _, _ = gen(LaunchTuner(enabled=True))  # probes: both arms, interleaved
     assert km.matmul_q in par_kernels and km.matmul_q_serial in ser_kernels
     assert km.matmul_q_serial not in par_kernels  # every one-token layer matmul went parallel
+    # a tiny model's attention is below the configured threshold: serial on SERIAL, split on PARALLEL
+    assert par_attn == {ka._flash_attn_par} and ser_attn == {ka.flash_attn_ser}
     assert ser_toks == par_toks == mix_toks and len(ser_toks) == 24
     assert np.array_equal(ser_logits, par_logits) and np.array_equal(ser_logits, mix_logits)

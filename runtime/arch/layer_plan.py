@@ -52,12 +52,17 @@ _Q_AS_IS = (int(GGMLType.F32), int(GGMLType.F16))  # K types whose K·Q takes Q 
 
 class Launch(NamedTuple):
     """How this forward's kernels launch, passed down to every step: numba's thread count (read
-    once per forward) and the matmul threshold of the step (multiply-adds from which a matmul
+    once per forward), the matmul threshold of the step (multiply-adds from which a matmul
     runs its parallel twin: kernels.parallel's, or the launch tuner's choice for a generated
-    token, kernels/launch_tuner.py)."""
+    token, kernels/launch_tuner.py) and the attention threshold (kernels.parallel's, lowered to
+    the matmul threshold when that is lower: on the tuner's PARALLEL arm a generated token's
+    attention splits over the threads too, as its matmuls do — OLMoE-shaped, 16 heads of 128 over
+    256 cells, 110 -> 62 µs a layer on two threads — and the tuner's step times decide whether that
+    arm is worth it)."""
 
     n_threads: int
     min_macs: int
+    attn_min_macs: int
 
 
 # ---- what an architecture declares ---------------------------------------------------------
@@ -249,9 +254,10 @@ def forward(model, ubatch, mctx, min_macs: int | None = None) -> np.ndarray:
     out_ids = output_ids(ubatch)
     last = len(plans) - 1
     if parallel.serial_held():  # a first run's answer before its parallel kernels are compiled
-        run = Launch(1, parallel.MATMUL_PAR_MIN_MACS)
+        run = Launch(1, parallel.MATMUL_PAR_MIN_MACS, parallel.ATTN_PAR_MIN_MACS)
     else:
-        run = Launch(numba.get_num_threads(), parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs)
+        mm = parallel.MATMUL_PAR_MIN_MACS if min_macs is None else min_macs
+        run = Launch(numba.get_num_threads(), mm, min(parallel.ATTN_PAR_MIN_MACS, mm))
     h = rms_norm(x, plans[0].attn_norm, eps)
     for p in plans:
         cur = p.mixer(p, h, pos, mctx, run)
@@ -363,14 +369,14 @@ def attention_step(p: LayerPlan, h: np.ndarray, pos: np.ndarray, mctx, run: Laun
     store = io.store
     if store is not None:  # plain K/V rows: QK-norm, RoPE and the cache write in one launch
         q = prepare_qkv_store(q_in, k_in, v_in, pos, p.rope_args, p.n_head, p.n_head_kv, p.head_dim, store)
-        return attend_io(p, q, io, run.n_threads)
+        return attend_io(p, q, io, run.n_threads, par_min=run.attn_min_macs)
     q, k, v = prepare_qkv_planned(
         q_in, k_in, v_in, p.n_head, p.n_head_kv, p.head_dim, pos, p.rope, p.neox, p.q_norm, p.k_norm, p.eps
     )
-    return store_and_attend(p, q, k, v, mctx, io, run.n_threads)
+    return store_and_attend(p, q, k, v, mctx, io, run.n_threads, par_min=run.attn_min_macs)
 
 
-def store_and_attend(p: LayerPlan, q, k, v, mctx, io, n_threads: int, kq_scale=None) -> np.ndarray:
+def store_and_attend(p: LayerPlan, q, k, v, mctx, io, n_threads: int, kq_scale=None, par_min=None) -> np.ndarray:
     """Attention of roped q [n, n_head, dk] after storing k [n, n_head_kv, dk] and v
     [n, n_embd_v_gqa] through the memory context (cpy_k / cpy_v), with the K/V rotation of a
     quantized cache (runtime/memory/attn_rotation.py) when io asks for it; [n, n_head * dv]."""
@@ -382,12 +388,13 @@ def store_and_attend(p: LayerPlan, q, k, v, mctx, io, n_threads: int, kq_scale=N
         v = rotate(v, rot_v)
     mctx.cpy_k(p.il, k.reshape(n, -1))
     mctx.cpy_v(p.il, v)
-    return attend_io(p, q, io, n_threads, kq_scale)
+    return attend_io(p, q, io, n_threads, kq_scale, par_min)
 
 
-def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None) -> np.ndarray:
+def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None, par_min=None) -> np.ndarray:
     """Attention of q [n, n_head, dk] f32 over the layer's cache views in io (mctx.attn_io),
-    K/V of this ubatch already stored; [n, n_head * dv] f32 (rotated back for a rotated V)."""
+    K/V of this ubatch already stored; [n, n_head * dv] f32 (rotated back for a rotated V).
+    par_min: the attention threshold of the step (Launch.attn_min_macs; None: kernels.parallel's)."""
     type_k = io.type_k
     k_cache, v_cache = io.k, io.v
     if io.view is not None:  # a unified cache shared with other sequences: each in its own stream
@@ -412,6 +419,7 @@ def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None) -> np.ndarray:
         io.flash,
         n_threads,
         p.sinks,
+        par_min,
     )
     return rotate(out, io.rot_v) if io.rot_v else out  # [n, n_head * dv]
 
