@@ -112,3 +112,36 @@ def test_matmul_id_refuses_an_expert_id_out_of_range():
     em = ExpertMatrix([raw], int(GGMLType.F32), 32, 4)
     with pytest.raises(IndexError, match="expert id"):
         em.matmul_id(np.zeros((1, 32), np.float32), np.array([[4]], np.int32))
+
+
+def test_swiglu_oai_is_ggmls_f32_formula_with_libm_expf_on_strided_halves():
+    """gpt-oss's activation, value by value as ggml_compute_forward_swiglu_oai_f32 computes it in
+    f32 (expf correctly rounded = the float64 exp rounded once), on the gate and up halves of a
+    fused [n, k, 2f] product (strided views, as moe_ffn passes them), specials included."""
+    import math
+
+    from kvchat.runtime.arch.moe import swiglu_oai
+
+    f32 = np.float32
+    rng = np.random.default_rng(5)
+    n, k, f = 3, 4, 40
+    gu = (rng.standard_normal((n, k, 2 * f)) * rng.choice([1e-3, 1.0, 4.0, 30.0], (n, k, 1))).astype(np.float32)
+    gu.reshape(-1)[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 7.0, -7.0, 60.0]
+    gu[0, 0, f : f + 4] = [np.nan, np.inf, -np.inf, -9.0]
+    with np.errstate(all="ignore"):
+        out = swiglu_oai(gu[:, :, :f], gu[:, :, f:])
+    assert out.shape == (n, k, f) and out.dtype == np.float32
+
+    def one(g, u):
+        x = min(g, f32(7.0)) if not math.isnan(g) else g
+        y = f32(min(max(u, f32(-7.0)), f32(7.0))) if not math.isnan(u) else u
+        t = f32(f32(1.702) * f32(-x))
+        try:
+            e = f32(math.exp(float(t)))
+        except OverflowError:
+            e = f32(np.inf)
+        return f32(f32(x / f32(f32(1.0) + e)) * f32(y + f32(1.0)))
+
+    with np.errstate(all="ignore"):
+        ref = np.array([one(g, u) for g, u in zip(gu[:, :, :f].reshape(-1), gu[:, :, f:].reshape(-1))], np.float32)
+    assert np.array_equal(out.reshape(-1), ref, equal_nan=True)

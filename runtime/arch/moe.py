@@ -96,6 +96,7 @@ class MoEPlan:
         "act",
         "shexp",
         "w_gate_inp_shexp",
+        "b_gate_up",
     )
 
     def __init__(self, hp, L, act: str = "silu"):
@@ -104,6 +105,11 @@ class MoEPlan:
         self.w_gate_up, self.w_gate, self.w_up = g("w_gate_up_exps"), g("w_gate_exps"), g("w_up_exps")
         self.w_down = g("w_down_exps")
         self.b_gate, self.b_up, self.b_down = g("b_gate_exps"), g("b_up_exps"), g("b_down_exps")
+        # gate and up biases side by side per expert [n_expert, 2 n_ff], as the fused gate|up rows:
+        # one gather and one add on a decoded token's [k, 2 n_ff] product (gpt-oss)
+        self.b_gate_up = None
+        if self.w_gate_up is not None and self.b_gate is not None:
+            self.b_gate_up = np.ascontiguousarray(np.concatenate([self.b_gate, self.b_up], axis=1), dtype=np.float32)
         self.k, self.n_ff = int(hp.n_expert_used), int(hp.n_ff_exp)
         self.gating = GATING_NAMES.get(hp.expert_gating, GATING_SOFTMAX)
         self.norm, self.scale = bool(hp.expert_weights_norm), float(hp.expert_weights_scale)
@@ -139,6 +145,10 @@ def moe_ffn(p: MoEPlan, h: np.ndarray, min_macs: int | None = None) -> np.ndarra
     if p.w_gate_up is not None and p.b_gate is None:
         gu = p.w_gate_up.matmul_id(h, ids, min_macs).reshape(n * k, 2 * f)  # [(t, s), gate | up]
         act = glu_fused(gu, f, False, k) if p.act == "silu" else swiglu_oai(gu[:, :f], gu[:, f:])
+    elif p.b_gate_up is not None and p.act != "silu":  # gpt-oss: ggml_add_id on both halves at once
+        gu = p.w_gate_up.matmul_id(h, ids, min_macs)  # [n, k, 2f]
+        gu += p.b_gate_up[ids]
+        act = swiglu_oai(gu[:, :, :f], gu[:, :, f:])  # [n, k, f]
     else:
         if p.w_gate_up is not None:
             gu = p.w_gate_up.matmul_id(h, ids, min_macs)  # [n, k, 2f]
@@ -182,12 +192,18 @@ def swiglu_oai(g: np.ndarray, u: np.ndarray, alpha: float = 1.702, limit: float 
     x = min(g, limit), y = clamp(u, -limit, limit), out = x / (1 + expf(alpha * -x)) * (y + 1), in
     float32 with libm's expf (correctly rounded: the float64 exp rounded once). Its output is the
     down projection's input, quantized per block for a quantized expert (MXFP4: q8_0), so a last-bit
-    difference here can move a quantization step. g, u [n, f] f32 -> [n, f] f32."""
+    difference here can move a quantization step. g, u [..., f] f32 (strided views allowed) ->
+    [..., f] f32. Each step is one f32 numpy operation, written into the arrays it made (a decoded
+    gpt-oss token: 4 x 2880 values a layer, where the passes and copies cost as much as the exp)."""
     f32 = np.float32
     x = np.minimum(g, f32(limit))
+    e = np.exp(np.multiply(x, f32(-alpha)), dtype=np.float64).astype(np.float32)  # alpha * -x, exactly
+    e += f32(1.0)
+    x /= e
     y = np.clip(u, f32(-limit), f32(limit))
-    e = np.exp((f32(alpha) * -x).astype(np.float64)).astype(np.float32)
-    return ((x / (f32(1.0) + e)) * (y + f32(1.0))).astype(np.float32)
+    y += f32(1.0)
+    x *= y
+    return x
 
 
 def token_read_bytes(gf, hp) -> int:
