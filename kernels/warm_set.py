@@ -26,6 +26,7 @@ import pickle
 PREFIX = "kvchat-warm-"
 SUFFIX = ".pkl"
 FORMAT = 1
+KEEP = 64  # sets kept beside numba's cache, the most recently written: one per model file and context
 
 _used: dict = {}  # (module, qualname, signature) -> the dispatcher's py_func, in load order
 
@@ -98,7 +99,28 @@ def record(name: str) -> bool:
         return False
     from kvchat.kernels.nrt_cache import dump_atomically
 
-    return dump_atomically(_path(name), (FORMAT, entries), PREFIX)
+    path = _path(name)
+    if not dump_atomically(path, (FORMAT, entries), PREFIX):
+        return False
+    _prune(path.parent)
+    return True
+
+
+def _prune(folder) -> None:
+    """Remove all but the KEEP most recently written sets in folder: a set is named after a
+    model file and context (a test suite writes hundreds), and a forgotten one costs only a
+    two-token warm-up at that model's next start."""
+    sets = []
+    for p in folder.glob(f"{PREFIX}*{SUFFIX}"):
+        try:
+            sets.append((p.stat().st_mtime_ns, p))
+        except OSError:
+            pass  # removed meanwhile by another process
+    for _, p in sorted(sets, reverse=True)[KEEP:]:
+        try:
+            p.unlink()
+        except OSError:
+            pass
 
 
 def covered(name: str) -> bool:

@@ -536,3 +536,23 @@ def test_a_recorded_warm_up_is_not_trusted_when_a_kernels_index_is_stale(tmp_pat
     monkeypatch.setattr(cache_file, "_source_stamp", ("another", "source"))
     assert not warm_set.covered("probe")
     assert not warm_set.covered("never-recorded")
+
+
+def test_only_the_most_recent_warm_sets_are_kept(tmp_path, monkeypatch):
+    """record() keeps KEEP sets: the oldest go, a new one and the other recent ones stay."""
+    import os
+
+    import kvchat.kernels.warm_set as warm_set
+
+    monkeypatch.setattr(warm_set, "_path", lambda name: tmp_path / f"{warm_set.PREFIX}{name}{warm_set.SUFFIX}")
+    monkeypatch.setattr(warm_set, "KEEP", 3)
+    monkeypatch.setattr(warm_set, "_used", {("numpy", "dot", ()): __import__("numpy").dot})
+    for i in range(5):
+        old = tmp_path / f"{warm_set.PREFIX}old{i}{warm_set.SUFFIX}"
+        old.write_bytes(b"x")
+        os.utime(old, ns=(10**18 + i, 10**18 + i))  # written one after another, long ago
+    other = tmp_path / "index.nbi"
+    other.write_bytes(b"numba's own file")
+    assert warm_set.record("new")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["index.nbi"] + [f"{warm_set.PREFIX}{n}{warm_set.SUFFIX}" for n in ("new", "old3", "old4")])
