@@ -56,15 +56,35 @@ def test_the_chat_takes_input_while_compiling_and_answers_as_a_warm_chat(tiny_ch
     assert warm.exit() == 0
 
 
+def _pack_kinds(cache) -> set:
+    """The packing kinds in the one weight pack under KVCHAT_CACHE `cache` (runtime/weights/cache.py)."""
+    from kvchat.runtime.weights.cache import _read_table
+
+    (pack,) = (cache / "packed").glob("*.kvpack")
+    with open(pack, "rb") as f:
+        table = _read_table(f, pack.stat().st_size)
+    return {e["kind"] for e in table["tensors"].values()}
+
+
 def test_run_shows_the_progress_on_stderr_and_only_the_answer_on_stdout(tiny_chat, tmp_path):
+    """On a Q5_0 + Q8_0 copy of the tiny chat model: the first run holds the Q5_0 rows as Q8_0
+    (kernels/stand_in.py) and answers byte for byte as the next run, which holds them natively."""
+    from kvchat.kernels.ggml_types import GGMLType
+    from tests.helpers.gguf_factory import quantized_copy
+
+    layers = quantized_copy(tiny_chat, tmp_path / "q5.gguf", GGMLType.Q5_0, only=lambda n: n.startswith("blk."))
+    model = quantized_copy(layers, tmp_path / "mixed.gguf", GGMLType.Q8_0)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), KVCHAT_CACHE=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "run", "-m", str(tiny_chat)]
+    env["KVCHAT_WEIGHT_CACHE"] = "1"  # the packs show how the rows were held
+    cmd = [sys.executable, "-c", "from kvchat.cli.app import main; main()", "run", "-m", str(model)]
     cmd += ["-p", "Hello", "-n", "8", "--temp", "0", "--no-prompt-cache"]
     cold = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=COMPILE_TIMEOUT)
     assert cold.returncode == 0, cold.stderr
     steps = [tuple(map(int, m)) for m in re.findall(PROGRESS, cold.stderr)]
     assert steps and steps[-1][0] == steps[-1][1] > 0  # counted up to every planned kernel
     assert [d for d, _ in steps] == sorted(d for d, _ in steps)
+    assert _pack_kinds(tmp_path / "cache") == {"int", "int:Q8_0"}  # Q8_0 rows as they are, Q5_0 ones held as Q8_0
     warm = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert warm.returncode == 0 and not re.search(PROGRESS, warm.stderr)
     assert cold.stdout == warm.stdout and warm.stdout.strip()
+    assert _pack_kinds(tmp_path / "cache") == {"int"}  # the native Q5_0 kernels were planned last
