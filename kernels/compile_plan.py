@@ -104,6 +104,41 @@ def compile_entry(entry) -> None:
     kernel.compile(sig)
 
 
+def entry_of(kernel, args) -> tuple:
+    """The entry a call of `kernel` with these arguments compiles (numba's types of them)."""
+    py = kernel.py_func
+    return py.__module__, py.__qualname__, tuple(kernel.typeof_pyval(a) for a in args)
+
+
+def ready(kernel, args) -> bool:
+    """True when calling `kernel` with these arguments compiles nothing: compiled in this process
+    (not a dry run's stand-in) or held by numba's cache."""
+    entry = entry_of(kernel, args)
+    compiled = kernel.overloads.get(entry[2])
+    return not compiled.objectmode if compiled is not None else is_cached(entry)
+
+
+_behind = 0  # compiling_behind() blocks open in this process
+
+
+def compiling_behind() -> bool:
+    """True inside behind_workers(): this run's kernels compile in worker processes, so code
+    with a plain-Python twin (the vocabulary's kernels) runs that twin while its kernel is not
+    ready, and the plan compiles the kernel for the next run."""
+    return _behind > 0
+
+
+@contextmanager
+def behind_workers(active: bool = True):
+    """Mark a block (a first run's model load) as compiling_behind() when active."""
+    global _behind
+    _behind += bool(active)
+    try:
+        yield
+    finally:
+        _behind -= bool(active)
+
+
 def is_cached(entry) -> bool:
     """True when numba's cache holds this entry for this source, numba and CPU (a load would
     find it); False on any doubt."""

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvchat.kernels import stand_in
+from kvchat.kernels.compile_plan import behind_workers
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.matmul import QMatrix, format_ready, release_file_pages
 from kvchat.kernels.matmul_id import ExpertMatrix
@@ -90,14 +91,21 @@ class Model:
         self.stand_ins: dict = {}  # file type -> the type its matrices are held as (kernels/stand_in.py)
 
     @classmethod
-    def load(cls, path, weights_context=None, stand_ins: bool = False, vocab: bool = True) -> "Model":
+    def load(cls, path, weights_context=None, first_run: bool = False, vocab: bool = True) -> "Model":
         """Open, validate and map a GGUF model. ModelFileError (one line) if we cannot run it.
         weights_context: a context manager factory the weights load inside (a compile plan's dry
         run: kvchat.runtime.startup.compile_worker), the header and vocabulary outside it.
-        stand_ins: a run whose kernels compile in workers may hold a format whose kernel is not
-        compiled in one it compiles anyway (kernels/stand_in.py); model.stand_ins lists them.
+        first_run: a run whose kernels compile in workers: it may hold a format whose kernel is
+        not compiled in one it compiles anyway (kernels/stand_in.py; model.stand_ins lists them)
+        and reads the vocabulary with the kernels' Python twins while they are not compiled
+        (kernels/compile_plan.compiling_behind); the plan compiles those kernels for the next run.
         vocab=False: no vocabulary (model.vocab None; the file's token texts are not read), for a
         load that only decodes token ids (a compile plan's)."""
+        with behind_workers(first_run):
+            return cls._load(path, weights_context, first_run, vocab)
+
+    @classmethod
+    def _load(cls, path, weights_context, first_run: bool, vocab: bool) -> "Model":
         from kvchat.runtime.text.vocab import Vocab
 
         map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
@@ -113,7 +121,7 @@ class Model:
             with (
                 weights_context() if weights_context is not None else nullcontext(),
                 model_repack(gf.file_size),
-                first_run_formats(matrix_types(gf), format_ready, enabled=stand_ins) as held,
+                first_run_formats(matrix_types(gf), format_ready, enabled=first_run) as held,
             ):
                 weights = load_weights(gf, hp, arch)
             release_file_pages(

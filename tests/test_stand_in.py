@@ -114,16 +114,16 @@ def test_a_model_loaded_with_stand_ins_answers_as_the_native_load_and_its_pack_i
         kinds = {qm.kind for qm in _matrices(m).values() if qm.t == Q5_0}
         return m, kinds, _logits(m)
 
-    m, kinds, got = load(stand_ins=True)  # a first run: repacked as Q8_0, the pack written
+    m, kinds, got = load(first_run=True)  # a first run: repacked as Q8_0, the pack written
     assert m.stand_ins == {Q5_0: Q8_0} and kinds == {"int:Q8_0"}
     np.testing.assert_array_equal(got, want)
     (pack,) = [cache / p for p in _packs(cache)]
     written = pack.stat().st_mtime_ns
-    m, kinds, got = load(stand_ins=True)  # the same again: the stand-in pack mapped, not rewritten
+    m, kinds, got = load(first_run=True)  # the same again: the stand-in pack mapped, not rewritten
     assert kinds == {"int:Q8_0"} and pack.stat().st_mtime_ns == written
     np.testing.assert_array_equal(got, want)
     ready[Q5_0] = True  # the plan's native kernels are cached now
-    m, kinds, got = load(stand_ins=True)
+    m, kinds, got = load(first_run=True)
     assert m.stand_ins == {} and kinds == {"int"} and pack.stat().st_mtime_ns != written
     np.testing.assert_array_equal(got, want)
     rewritten = pack.stat().st_mtime_ns
@@ -146,8 +146,8 @@ print(json.dumps([[name(e) for e in serial], [name(e) for e in rest]]))
 
 def test_a_first_runs_plan_compiles_the_held_format_first_and_the_native_kernels_last(tmp_path):
     """From an empty numba cache (a subprocess): the serial set's integer matmul is Q8_0's only,
-    the native Q5_0 twins close the plan, and the plan reads no token text (no vocabulary
-    kernel compiled: the caller compiles those)."""
+    the native Q5_0 twins and the vocabulary's kernels close the plan (a first run reads its
+    vocabulary with their Python twins), and the plan reads no token text (none compiled)."""
     import json
     import os
     import subprocess
@@ -163,5 +163,50 @@ def test_a_first_runs_plan_compiles_the_held_format_first_and_the_native_kernels
     )
     serial, rest = json.loads(out.stdout.strip().splitlines()[-1])
     assert [e for e in serial if e.startswith("matmul_q")] == ["matmul_q_serial q8_0"]
-    assert rest[-2:] == ["matmul_q_serial q5_0", "matmul_q q5_0"]
+    assert rest[-4:] == ["matmul_q_serial q5_0", "matmul_q q5_0", "scan_strings", "_build_table"]
     assert not [p for p in cache_dir.rglob("*") if "gguf_strings" in p.name or "string_array" in p.name]
+
+
+VOCAB = """
+import sys
+from kvchat.kernels.numba_start import install
+install()
+from kvchat.kernels import gguf_strings
+from kvchat.kernels.compile_plan import behind_workers, compile_entry
+from kvchat.runtime.gguf import file, string_array
+from kvchat.runtime.model import Model
+from kvchat.runtime.startup.compile_worker import vocab_entries
+
+TWINS = {"scan": gguf_strings.scan_strings_py, "table": string_array._build_table_py}
+file.scan_strings_py = lambda *a: (print("python scan") or TWINS["scan"](*a))
+string_array._build_table_py = lambda *a: (print("python table") or TWINS["table"](*a))
+with behind_workers():
+    a = Model.load(sys.argv[1]).vocab.tokenize("Hello there", add_special=False)
+print("compiled")
+for e in vocab_entries():
+    compile_entry(e)
+with behind_workers():
+    b = Model.load(sys.argv[1]).vocab.tokenize("Hello there", add_special=False)
+print(a == b)
+"""
+
+
+def test_a_first_run_reads_its_vocabulary_in_python_until_the_planned_kernels_are_compiled(tmp_path):
+    """From an empty numba cache (a subprocess): a first run's load takes the Python twins of the
+    vocabulary's kernels; once the plan's entries for them are compiled, the same load calls the
+    kernels (the entries have the real calls' types), and both tokenize alike."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    path = write_tiny_model(tmp_path / "m.gguf", n_vocab=300)  # a BPE vocabulary: tokens and merges
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), KVCHAT_CACHE=str(tmp_path / "kv"))
+    out = subprocess.run(
+        [sys.executable, "-c", VOCAB, str(path)], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    first, second = out[: out.index("compiled")], out[out.index("compiled") + 1 :]
+    assert "python scan" in first and "python table" in first
+    assert "python scan" not in second and "python table" not in second
+    assert second[-2] == "True"

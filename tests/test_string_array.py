@@ -86,3 +86,32 @@ def test_bpe_merge_rank_equals_the_tuple_dict_of_the_converter_split_for_every_p
     for left in pieces:
         for right in pieces:
             assert bpe.rank(left, right) == old.get((left, right)), (left, right)
+
+
+def test_the_python_twins_of_the_vocabulary_kernels_give_the_same_arrays():
+    """scan_strings_py / _build_table_py (a first run's, kernels/compile_plan.compiling_behind)
+    against the kernels: random texts with repeats and NULs, valid and truncated buffers."""
+    import struct
+
+    from kvchat.kernels.gguf_strings import scan_strings, scan_strings_py
+    from kvchat.runtime.gguf.string_array import StringArray, _build_table, _build_table_py, table_args
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        texts = [
+            bytes(rng.integers(0, 3, int(rng.integers(0, 5))).astype(np.uint8)) for _ in range(int(rng.integers(0, 30)))
+        ]
+        lead = bytes(int(rng.integers(0, 4)))
+        data = lead + b"".join(struct.pack("<Q", len(t)) + t for t in texts)
+        if texts and rng.random() < 0.3:
+            data = data[: int(rng.integers(len(lead), len(data)))]  # runs past the end
+        buf = np.frombuffer(data, np.uint8)
+        want, got = scan_strings(buf, len(lead), len(texts)), scan_strings_py(buf, len(lead), len(texts))
+        assert want[2:] == got[2:]
+        if want[3] < 0:
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+        strings = StringArray.from_strings([t.decode("latin-1") for t in texts] or ["x"])
+        args = table_args(strings, 1 << max(4, (2 * len(strings) - 1).bit_length()))
+        for a, b in zip(_build_table_py(*args), _build_table(*args), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -192,7 +192,7 @@ def open_engine(
     path, first_run, cparams, behind = start.path, start.first_run, start.cparams, start.behind
     try:
         with renderer.spinner(f"loading {Path(path).name}" + (f" ({FIRST_RUN})" if first_run else "")):
-            model = Model.load(path, stand_ins=behind is not None)  # as the planning worker loads it
+            model = Model.load(path, first_run=behind is not None)  # as the planning worker loads it
         ctx = Context(model, cparams, abort_callback=stop_event.is_set)
     except BaseException:
         if behind is not None:

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from kvchat.kernels.compile_plan import compiling_behind, ready
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.gguf_strings import scan_strings
+from kvchat.kernels.gguf_strings import scan_strings, scan_strings_py
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.format import (
     DEFAULT_ALIGNMENT,
@@ -203,7 +204,13 @@ class GGUFFile:
         if not self._read_strings:
             return self._step_over_strings(cur, key, n)
         arr = np.frombuffer(self._mm, dtype=np.uint8)
-        packed, bounds, end, bad, has_nul = scan_strings(arr, cur.pos, n)
+        args = (
+            arr,
+            cur.pos,
+            n,
+        )  # a first run compiling in workers walks them in Python while the kernel is not compiled
+        scan = scan_strings_py if compiling_behind() and not ready(scan_strings, args) else scan_strings
+        packed, bounds, end, bad, has_nul = scan(*args)
         if bad >= 0:
             self._fail(f"{key}[{bad}]", f"string runs past the end of the file (at offset {end})")
         cur.pos = end

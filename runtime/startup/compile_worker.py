@@ -9,8 +9,9 @@ Requests, answered in order:
   kvchat.kernels.compile_plan.dry_run(): the answer is ("planned", (serial, parallel)) — the
   (kernel, signature) pairs the run calls that numba's cache does not hold yet, in call
   order: first those it calls with every kernel held to its serial twin, then the rest, and
-  last the kernels of the formats the load held as others (kernels/stand_in.py), which the
-  next load calls — or ("failed", text).
+  last the kernels of the formats the load held as others (kernels/stand_in.py) and the
+  vocabulary's, which the caller's first run replaces by Python twins and the next load calls —
+  or ("failed", text).
   The dry run leaves garbage in the model's outputs, so this process plans once and then only
   compiles; the model and context are dropped before the answer.
 - ("compile", i, entry): compile_plan.compile_entry(entry), which writes numba's cache; the
@@ -44,7 +45,7 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
 
     os.environ["KVCHAT_WEIGHT_CACHE"] = "0"  # dry weights are garbage: never saved as a pack
     # no vocabulary (the caller compiles its kernels); formats held as others as in the caller's load
-    model = Model.load(model_path, weights_context=dry_run, stand_ins=True, vocab=False)
+    model = Model.load(model_path, weights_context=dry_run, first_run=True, vocab=False)
     ctx = Context(model, cparams)
     bos = model.gguf.get("tokenizer.ggml.bos_token_id")
     bos = bos if isinstance(bos, int) and 0 <= bos < ctx.n_vocab else 0
@@ -56,11 +57,28 @@ def plan(model_path: str, cparams, n_prompt: int) -> tuple[list, list]:
         parallel.release()
     with dry_run() as both:
         warm_up(ctx, bos, n_prompt=n_prompt)
-    native = [e for t in model.stand_ins for e in format_entries(t)]  # for the next load, last
+    native = [e for t in model.stand_ins for e in format_entries(t)] + vocab_entries()  # for the next load, last
     serial = [e for e in serial if not is_cached(e)]
     rest = [e for e in both if e not in serial]
     rest += [e for e in native if e not in rest and e not in serial]
     return serial, [e for e in rest if not is_cached(e)]
+
+
+def vocab_entries() -> list:
+    """The vocabulary's kernels, as a GGUF file and a string index call them: a first run reads its
+    vocabulary with their Python twins (kernels/compile_plan.compiling_behind), so the plan lists
+    them for the next run."""
+    import numpy as np
+
+    from kvchat.kernels.compile_plan import entry_of
+    from kvchat.kernels.gguf_strings import scan_strings
+    from kvchat.runtime.gguf.string_array import StringArray, _build_table, table_args
+
+    mapped = np.frombuffer(bytes(8), np.uint8)  # read-only, as GGUFFile's view of its map
+    return [
+        entry_of(scan_strings, (mapped, 0, 1)),
+        entry_of(_build_table, table_args(StringArray.from_strings(["a"]), 16)),
+    ]
 
 
 def resident_bytes() -> int:
