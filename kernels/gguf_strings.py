@@ -50,21 +50,31 @@ def scan_strings(buf, pos, n):
     return packed, bounds, p, -1, has_nul
 
 
-def scan_strings_py(buf, pos, n):
-    """scan_strings(buf, pos, n), the same arrays and values, without numba."""
+def string_lengths(buf, pos, n):
+    """The first pass of scan_strings in Python: (lengths i64 [n], end position in buf, index of
+    the first string that runs past the end or -1; at that index the position its check stopped
+    at, as scan_strings returns it)."""
     size = buf.shape[0]
     mv = memoryview(buf)
     lens = np.empty(n, np.int64)
     p = pos
     for i in range(n):
         if p + 8 > size:
-            return np.empty(0, np.uint8), np.empty((n, 2), np.int64), p, i, False
+            return lens, p, i
         ln = int.from_bytes(mv[p : p + 8], "little")
         p += 8
         if ln >= 1 << 63 or ln > size - p:
-            return np.empty(0, np.uint8), np.empty((n, 2), np.int64), p, i, False
+            return lens, p, i
         lens[i] = ln
         p += ln
+    return lens, p, -1
+
+
+def scan_strings_py(buf, pos, n):
+    """scan_strings(buf, pos, n), the same arrays and values, without numba."""
+    lens, p, bad = string_lengths(buf, pos, n)
+    if bad >= 0:
+        return np.empty(0, np.uint8), np.empty((n, 2), np.int64), p, bad, False
     bounds = np.empty((n, 2), np.int64)
     bounds[:, 1] = np.cumsum(lens + 1) - 1  # texts joined by one separator byte
     bounds[:, 0] = bounds[:, 1] - lens

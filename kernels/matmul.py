@@ -92,33 +92,34 @@ def call_compiled(entries: dict, kernel, args) -> None:
     ep(*args)
 
 
-def format_entries(t: int) -> list:
-    """The compile-plan entries (kernels/compile_plan.py) of ggml type t's integer matmul: its
-    serial kernel, then its parallel one — what a load holding t in its own format calls (the
-    plan lists them for the next load when this one held t as another: kernels/stand_in.py)."""
+def _format_call(t: int, min_macs: int) -> tuple:
+    """(kernel, arguments) of a small matrix of ggml type t in its own format: the types of the
+    call a load holding t natively makes (serial below min_macs, else parallel)."""
     from kvchat.kernels.qlayout_numpy import repack_reference
 
     k = 256  # one K-quant super-block, eight legacy blocks: a row of any format
     _, packed = repack_reference(np.zeros((R, row_bytes(int(t), k)), np.uint8), int(t), k)
     qm = QMatrix(None, int(t), k, packed=("int", tuple(packed)), m=R)
-    x, y = np.zeros((1, k), np.float32), np.empty((1, R), np.float32)
-    entries = []
-    for min_macs in (1 << 62, 0):  # serial, parallel
-        kernel, args = qm.kernel_call(x, y, min_macs)
-        py = kernel.py_func
-        entries.append((py.__module__, py.__qualname__, tuple(kernel.typeof_pyval(a) for a in args)))
-    return entries
+    return qm.kernel_call(np.zeros((1, k), np.float32), np.empty((1, R), np.float32), min_macs)
+
+
+_SERIAL, _PARALLEL = 1 << 62, 0  # min_macs that pick a twin
+
+
+def format_entries(t: int) -> list:
+    """The compile-plan entries (kernels/compile_plan.py) of ggml type t's integer matmul: its
+    serial kernel, then its parallel one — what a load holding t in its own format calls (the
+    plan lists them for the next load when this one held t as another: kernels/stand_in.py)."""
+    from kvchat.kernels.compile_plan import entry_of
+
+    return [entry_of(*_format_call(t, min_macs)) for min_macs in (_SERIAL, _PARALLEL)]
 
 
 def format_ready(t: int) -> bool:
     """Type t's serial integer matmul compiled in this process or held by numba's cache."""
-    from kvchat.kernels.compile_plan import is_cached
+    from kvchat.kernels.compile_plan import ready
 
-    module, qualname, sig = format_entries(t)[0]
-    compiled = matmul_q_serial.overloads.get(sig)
-    return (compiled is not None and not compiled.objectmode) or is_cached(
-        (module, qualname, sig)
-    )  # objectmode: a dry run's stand-in
+    return ready(*_format_call(t, _SERIAL))
 
 
 class QMatrix:

@@ -100,7 +100,7 @@ def model_repack(nbytes: int):
 def _compiled_pack_ready() -> bool:
     """pack_rows compiled in this process or held by numba's cache for its one signature (or a
     compile plan's dry run, where calling it costs nothing)."""
-    from kvchat.kernels.compile_plan import dry_running, is_cached
+    from kvchat.kernels.compile_plan import dry_running, ready
     from kvchat.kernels.qlayout_pack import pack_rows
 
     if dry_running() or pack_rows.signatures:
@@ -108,7 +108,7 @@ def _compiled_pack_ready() -> bool:
     u8, u16, i8 = (np.zeros((1, 1, 1), dt) for dt in (np.uint8, np.uint16, np.int8))
     raw = qlayout._read_only(np.zeros((1, 1), np.uint8))  # as repack_int passes model-file rows
     args = (raw, 0, (0, 0, 0, True, 0), 0, u8, u16, u16, i8, i8)
-    return is_cached(("kvchat.kernels.qlayout_pack", "pack_rows", tuple(pack_rows.typeof_pyval(a) for a in args)))
+    return ready(pack_rows, args)
 
 
 def fill_rows(raw: np.ndarray, t: int, k: int, g0: int, out: Packed) -> None:

@@ -62,7 +62,7 @@ def usable(kind: str, t: int) -> bool:
 
 def as_held(raw: np.ndarray, t: int, held: int) -> np.ndarray:
     """raw u8 [m, row_bytes] of type t -> the same rows as type held (STAND_INS), exactly."""
-    if (GGMLType(t), GGMLType(held)) not in ((k, v) for k, v in STAND_INS.items()):
+    if STAND_INS.get(GGMLType(t)) != held:
         raise ValueError(f"stand_in: {GGMLType(t).name} is not held as {GGMLType(held).name}")
     m = raw.shape[0]
     size = 22 if t == GGMLType.Q5_0 else 18

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvchat.kernels.compile_plan import compiling_behind, ready
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.gguf_strings import scan_strings, scan_strings_py
+from kvchat.kernels.gguf_strings import scan_strings, scan_strings_py, string_lengths
 from kvchat.runtime.errors import ModelFileError
 from kvchat.runtime.gguf.format import (
     DEFAULT_ALIGNMENT,
@@ -204,11 +204,8 @@ class GGUFFile:
         if not self._read_strings:
             return self._step_over_strings(cur, key, n)
         arr = np.frombuffer(self._mm, dtype=np.uint8)
-        args = (
-            arr,
-            cur.pos,
-            n,
-        )  # a first run compiling in workers walks them in Python while the kernel is not compiled
+        args = (arr, cur.pos, n)
+        # a first run compiling in workers walks them in Python while the kernel is not compiled
         scan = scan_strings_py if compiling_behind() and not ready(scan_strings, args) else scan_strings
         packed, bounds, end, bad, has_nul = scan(*args)
         if bad >= 0:
@@ -221,14 +218,10 @@ class GGUFFile:
 
     def _step_over_strings(self, cur: Cursor, key: str, n: int) -> "UnreadStrings":
         """Past n strings by their length prefixes (bounds-checked as scan_strings does), unread."""
-        pos, size, mm = cur.pos, self.file_size, self._mm
-        for i in range(n):
-            if pos + 8 > size:
-                self._fail(f"{key}[{i}]", f"string runs past the end of the file (at offset {pos})")
-            pos += 8 + int.from_bytes(mm[pos : pos + 8], "little")
-            if pos > size:
-                self._fail(f"{key}[{i}]", f"string runs past the end of the file (at offset {size})")
-        cur.pos = pos
+        _, end, bad = string_lengths(np.frombuffer(self._mm, dtype=np.uint8), cur.pos, n)
+        if bad >= 0:
+            self._fail(f"{key}[{bad}]", f"string runs past the end of the file (at offset {end})")
+        cur.pos = end
         return UnreadStrings(n)
 
     def _alignment(self) -> int:
