@@ -102,13 +102,16 @@ class Model:
         vocab=False: no vocabulary (model.vocab None; the file's token texts are not read), for a
         load that only decodes token ids (a compile plan's)."""
         with behind_workers(first_run):
-            return cls._load(path, weights_context, first_run, vocab)
+            map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
+            try:
+                return cls._load(path, weights_context, first_run, vocab)
+            finally:
+                heap_for_step_arrays()  # a decode step's arrays reuse heap pages: no page faults (os_memory)
 
     @classmethod
     def _load(cls, path, weights_context, first_run: bool, vocab: bool) -> "Model":
         from kvchat.runtime.text.vocab import Vocab
 
-        map_large_allocations()  # freed load temporaries leave the resident set (runtime/weights/os_memory.py)
         gf = open_gguf(path, read_strings=vocab)  # a split model's parts open as one file
         try:
             if not is_supported(gf.arch):
@@ -129,10 +132,8 @@ class Model:
             )  # all repacked: drop the file's pages (huge pages a tensor only partly covered too)
             trim_heap()
         except BaseException:
-            heap_for_step_arrays()
             gf.close()
             raise
-        heap_for_step_arrays()  # a decode step's arrays reuse heap pages: no page faults (os_memory)
         model = cls(gf, hp, vocab, weights, arch)
         model.stand_ins = held
         return model
