@@ -57,6 +57,27 @@ def _interleave(a: np.ndarray, m: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
 
 
+def _interleave_rows(w: np.ndarray, kp: int) -> np.ndarray:
+    """Float weights [m, k] -> [G, kp // 32, 32, R] (what _interleave makes of [m, kp // 32, 32]),
+    zeros past row m and column k, in slices of ROWS_PER_SLICE rows: the scratch stays small
+    where _interleave would hold two padded copies of a whole matrix (a 262144-row output head is
+    335 MB in f16)."""
+    m, k = w.shape
+    g, nb = -(-m // R), kp // 32
+    out = np.zeros((g, nb, 32, R), w.dtype)
+    step = ROWS_PER_SLICE // R
+    for g0 in range(0, g, step):
+        g1 = min(g, g0 + step)
+        r0, r1 = g0 * R, min(m, g1 * R)
+        blk = np.zeros(((g1 - g0) * R, kp), w.dtype)  # [rows, kp]
+        blk[: r1 - r0, :k] = w[r0:r1]
+        out[g0:g1] = blk.reshape(g1 - g0, R, nb, 32).transpose(0, 2, 3, 1)
+    return out
+
+
+ROWS_PER_SLICE = 8192
+
+
 def _scales(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """Interleaved block scales/offsets f32 [m, nb] -> [G, nb, R], stored as f16 bit patterns
     (u16, decoded in the kernel) when every value of every array is exactly an f16 — q4_0/1,
@@ -121,17 +142,14 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.n
     m = raw.shape[0]
     t = GGMLType(t)
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-        if t == GGMLType.F32:
-            w = raw.view(np.float32)
-        elif t == GGMLType.F16:
-            w = raw.view(np.float16).astype(np.float32)
-        else:
-            w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        kp = padded_k(t, k)
-        wp = np.zeros((m, kp), np.float32)
-        wp[:, :k] = w.reshape(m, k)
         no_scale = np.zeros((0, 0, 0), np.float32)
-        return "f32", (_interleave(wp.reshape(m, kp // 32, 32), m), no_scale, no_scale)
+        if t == GGMLType.F16:  # held in its own two bytes: the kernel widens them (one vcvtph2ps a vector)
+            return "f16", (_interleave_rows(raw.view(np.uint16).reshape(m, k), padded_k(t, k)), no_scale, no_scale)
+        if t == GGMLType.F32:
+            w = raw.view(np.float32).reshape(m, k)
+        else:  # bf16 -> f32 (exact); the kernels' u16 loads read f16 bit patterns, not bf16
+            w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(m, k)
+        return "f32", (_interleave_rows(w, padded_k(t, k)), no_scale, no_scale)
 
     if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
         nb = k // 32

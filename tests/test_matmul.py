@@ -331,3 +331,36 @@ def test_float_rows_not_a_multiple_of_32(t):
     x = np.random.default_rng(12).standard_normal((9, k)).astype(np.float32)
     assert_matmul_close(qm, reference(raw, t, k), x)
     _assert_rows_equal(qm.matmul(x), np.stack([qm.matmul(r) for r in x]), f"{t.name} k=45")
+
+
+def test_f16_weights_are_held_in_their_two_bytes_and_multiply_as_their_f32_values():
+    """An F16 matrix keeps its file's 2-byte values (interleaved, zero-padded to whole 32-blocks
+    and row groups), not a widened f32 copy, and every product equals, bit for bit, the one of
+    an F32 matrix holding the same values (the kernel widens each vector exactly)."""
+    k, m = 70, 75
+    raw16 = random_raw(GGMLType.F16, m, k, seed=21)
+    qm16 = QMatrix(raw16, GGMLType.F16, k)
+    w32 = raw16.view(np.float16).astype(np.float32)  # [m, k], exact
+    qm32 = QMatrix(w32.view(np.uint8).reshape(m, -1), GGMLType.F32, k)
+    q16, q32 = qm16._packed[0], qm32._packed[0]
+    assert qm16.kind == "f16" and q16.dtype == np.uint16 and q16.shape == q32.shape  # [G, nb, 32, R]
+    assert qm16.packed_nbytes * 2 == qm32.packed_nbytes and qm16.packed_nbytes == 3 * 3 * 32 * 32 * 2
+    np.testing.assert_array_equal(q16.view(np.float16).astype(np.float32), q32)
+    x = np.random.default_rng(22).standard_normal((64, k)).astype(np.float32)
+    for n in (1, 2, 3, 4, 7, 64):
+        np.testing.assert_array_equal(qm16.matmul(x[:n]), qm32.matmul(x[:n]))
+        np.testing.assert_array_equal(qm16.matmul(x[:n], min_macs=0), qm32.matmul(x[:n]))  # the parallel twin
+
+
+def test_float_interleave_in_slices_equals_the_whole_matrix_at_once(monkeypatch):
+    """The float weights' interleave in row slices (bounded scratch) lays out exactly what one
+    pass over the whole padded matrix does, also where a slice ends inside the last row group."""
+    from kvchat.kernels import repack
+
+    w = np.random.default_rng(23).standard_normal((200, 45)).astype(np.float32)
+    whole = repack._interleave_rows(w, 64)
+    monkeypatch.setattr(repack, "ROWS_PER_SLICE", 64)
+    np.testing.assert_array_equal(repack._interleave_rows(w, 64), whole)
+    wp = np.zeros((200, 64), np.float32)
+    wp[:, :45] = w
+    np.testing.assert_array_equal(whole, repack._interleave(wp.reshape(200, 2, 32), 200))
