@@ -1,6 +1,6 @@
 """The numba kernel behind kernels/matmul.py, on the row-interleaved layouts of kernels/repack.py.
 
-One kernel, ``matmul_blocks``, for every layout (nib, i8, f32, f16) and every number of tokens, so
+One kernel, ``matmul_blocks``, for every layout (nib, i8, f32, f16, bf16) and every number of tokens, so
 that each output element ``y[t, r]`` is computed by the same operations in the same order
 whatever n is, whatever the other rows of x are and whatever the thread count — the property
 that makes decoding token by token give the logits of decoding in one batch (an f16 KV cache
@@ -53,7 +53,7 @@ def _pair_impl(q, base, j, h):
 
         return nib
 
-    def one_per_element(q, base, j, h):  # i8 values, f32 weights or f16 weights (u16, widened by vload)
+    def one_per_element(q, base, j, h):  # i8 values, f32 weights or f16 / bf16 weights (u16 / i16, widened by vload)
         o = base + j * R
         p = o + h * R
         return vload(q, o), vload(q, o + 16), vload(q, p), vload(q, p + 16)
@@ -118,7 +118,7 @@ def block_sums(x, B):
 @njit(parallel=True, cache=True)
 def matmul_blocks(q, d, mn, x, y, token_chunk, n_runs):
     """y = x @ W.T for a packed matrix. q [G, nb, QB, R]: u8 nibble pairs (QB = 16 bytes for 32
-    values), i8 values, f32 weights or f16 weights as u16 bit patterns (QB = B values); d, mn
+    values), i8 values, f32 weights or f16 / bf16 weights as u16 / i16 bits (QB = B values); d, mn
     [G, nb, R] f32 or u16 (f16 bits), each possibly empty [0, 0, 0] (no scale: float weights; no
     offset: symmetric formats);
     x f32 [n, nb * B] C-contiguous -> y f32 [n, m], m <= G * R. The (row group, token chunk)

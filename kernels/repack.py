@@ -143,13 +143,11 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.n
     t = GGMLType(t)
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         no_scale = np.zeros((0, 0, 0), np.float32)
-        if t == GGMLType.F16:  # held in its own two bytes: the kernel widens them (one vcvtph2ps a vector)
-            return "f16", (_interleave_rows(raw.view(np.uint16).reshape(m, k), padded_k(t, k)), no_scale, no_scale)
-        if t == GGMLType.F32:
-            w = raw.view(np.float32).reshape(m, k)
-        else:  # bf16 -> f32 (exact); the kernels' u16 loads read f16 bit patterns, not bf16
-            w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(m, k)
-        return "f32", (_interleave_rows(w, padded_k(t, k)), no_scale, no_scale)
+        # f16 and bf16 stay in their own two bytes: the kernel widens them as it loads a vector
+        # (simd.vload: u16 elements are f16 bit patterns, i16 elements bf16 ones)
+        kind, dt = {GGMLType.F32: ("f32", np.float32), GGMLType.F16: ("f16", np.uint16)}.get(t, ("bf16", np.int16))
+        w = raw.view(dt).reshape(m, k)
+        return kind, (_interleave_rows(w, padded_k(t, k)), no_scale, no_scale)
 
     if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
         nb = k // 32

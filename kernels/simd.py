@@ -80,17 +80,21 @@ def vbcast(typingctx, x):
 @intrinsic
 def vload(typingctx, a, i):
     """Elements i .. i+15 of a as float32, exactly: f32 as is, u16 as f16 bit patterns (one
-    vcvtph2ps), i8 / u8 converted from the integer."""
+    vcvtph2ps), i16 as bf16 bit patterns (the upper half of an f32), i8 / u8 converted from the
+    integer."""
     if not (isinstance(a, types.Array) and isinstance(i, types.Integer)):
         return None
     dt = a.dtype
-    if dt not in (types.float32, types.uint16, types.int8, types.uint8):
+    if dt not in (types.float32, types.uint16, types.int16, types.int8, types.uint8):
         return None
 
     def codegen(context, builder, sig, args):
         v = builder.load(_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=1)
         if dt in (types.float32, types.uint16):
             return _float_lanes(builder, v, dt)
+        if dt == types.int16:
+            vi = ir.VectorType(_I32, LANES)
+            return builder.bitcast(builder.shl(builder.zext(v, vi), ir.Constant(vi, [16] * LANES)), _VF)
         if dt == types.int8:
             return builder.sitofp(v, _VF)
         return builder.uitofp(v, _VF)

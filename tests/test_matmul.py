@@ -333,23 +333,23 @@ def test_float_rows_not_a_multiple_of_32(t):
     _assert_rows_equal(qm.matmul(x), np.stack([qm.matmul(r) for r in x]), f"{t.name} k=45")
 
 
-def test_f16_weights_are_held_in_their_two_bytes_and_multiply_as_their_f32_values():
-    """An F16 matrix keeps its file's 2-byte values (interleaved, zero-padded to whole 32-blocks
-    and row groups), not a widened f32 copy, and every product equals, bit for bit, the one of
-    an F32 matrix holding the same values (the kernel widens each vector exactly)."""
+@pytest.mark.parametrize("t", [GGMLType.F16, GGMLType.BF16], ids=lambda t: t.name)
+def test_half_weights_are_held_in_their_two_bytes_and_multiply_as_their_f32_values(t):
+    """An F16 or BF16 matrix keeps its file's 2-byte values (interleaved, zero-padded to whole
+    32-blocks and row groups), not a widened f32 copy, and every product equals, bit for bit,
+    the one of an F32 matrix holding the same values (the kernel widens each vector exactly)."""
     k, m = 70, 75
-    raw16 = random_raw(GGMLType.F16, m, k, seed=21)
-    qm16 = QMatrix(raw16, GGMLType.F16, k)
-    w32 = raw16.view(np.float16).astype(np.float32)  # [m, k], exact
+    raw = random_raw(t, m, k, seed=21)
+    qm = QMatrix(raw, t, k)
+    w32 = reference(raw, t, k).astype(np.float32)  # [m, k], exact
     qm32 = QMatrix(w32.view(np.uint8).reshape(m, -1), GGMLType.F32, k)
-    q16, q32 = qm16._packed[0], qm32._packed[0]
-    assert qm16.kind == "f16" and q16.dtype == np.uint16 and q16.shape == q32.shape  # [G, nb, 32, R]
-    assert qm16.packed_nbytes * 2 == qm32.packed_nbytes and qm16.packed_nbytes == 3 * 3 * 32 * 32 * 2
-    np.testing.assert_array_equal(q16.view(np.float16).astype(np.float32), q32)
+    q, q32 = qm._packed[0], qm32._packed[0]
+    assert qm.kind == t.name.lower() and q.itemsize == 2 and q.shape == q32.shape  # [G, nb, 32, R]
+    assert qm.packed_nbytes * 2 == qm32.packed_nbytes == 3 * 3 * 32 * 32 * 4
     x = np.random.default_rng(22).standard_normal((64, k)).astype(np.float32)
     for n in (1, 2, 3, 4, 7, 64):
-        np.testing.assert_array_equal(qm16.matmul(x[:n]), qm32.matmul(x[:n]))
-        np.testing.assert_array_equal(qm16.matmul(x[:n], min_macs=0), qm32.matmul(x[:n]))  # the parallel twin
+        np.testing.assert_array_equal(qm.matmul(x[:n]), qm32.matmul(x[:n]))
+        np.testing.assert_array_equal(qm.matmul(x[:n], min_macs=0), qm32.matmul(x[:n]))  # the parallel twin
 
 
 def test_float_interleave_in_slices_equals_the_whole_matrix_at_once(monkeypatch):
