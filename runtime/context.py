@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-from kvchat.kernels.launch_tuner import SERIAL, LaunchTuner
+from kvchat.kernels.launch_tuner import PARALLEL, SERIAL, LaunchTuner
 from kvchat.runtime.arch import create_memory
 from kvchat.runtime.batch import Batch, BatchAllocator, OneToken
 from kvchat.runtime.cparams import ContextParams, resolve_cparams
@@ -129,10 +129,15 @@ class Context:
         one-token steps around it (kernels/launch_tuner.py): on SERIAL every kernel of the step
         runs on this thread (numba's thread count 1 for the call, matmuls on their serial twins);
         a few rows are too little work for a parallel launch, which under load waits for a
-        descheduled worker (SmolLM2 Q8_0, 8 rows, loaded machine: 165 -> 90 ms). Same bits either
-        way (every kernel's serial and parallel twins are array_equal)."""
-        if not self.launch.enabled or self.launch.arm != SERIAL:
+        descheduled worker (SmolLM2 Q8_0, 8 rows, loaded machine: 165 -> 90 ms). On PARALLEL the
+        matmuls take that arm's threshold, as the one-token steps do: decode()'s configured one
+        (4M multiply-adds) ran every matmul of a few-row SmolLM2 F16 batch on one thread, a
+        one-row verify 1.5x a one-token step. Same bits either way (every kernel's serial and
+        parallel twins are array_equal); nothing is timed for the tuner."""
+        if not self.launch.enabled:
             return self.decode(batch)
+        if self.launch.arm != SERIAL:
+            return self._decode_checked(batch, self._parallel_forward)
         import numba
 
         n_threads = numba.get_num_threads()
@@ -144,6 +149,9 @@ class Context:
 
     def _serial_forward(self, ub, mctx):
         return self.model.forward(ub, mctx, min_macs=SERIAL_STEP_MACS)
+
+    def _parallel_forward(self, ub, mctx):
+        return self.model.forward(ub, mctx, min_macs=LaunchTuner.min_macs(PARALLEL))
 
     def decode_one(self, token: int, pos: int, seq: int = 0) -> int:
         """decode(Batch.one_seq([token], pos, seq)) for a generated token: the same return code,

@@ -10,7 +10,8 @@ import numba
 import numpy as np
 import pytest
 
-from kvchat.kernels.launch_tuner import SERIAL
+from kvchat.kernels import parallel
+from kvchat.kernels.launch_tuner import PARALLEL, SERIAL, LaunchTuner
 from kvchat.runtime.batch import Batch
 from kvchat.runtime.context import Context
 from kvchat.runtime.cparams import ContextParams
@@ -95,6 +96,18 @@ def test_verify_batch_rows_are_bit_identical_to_one_token_decodes(model):
     assert ctx.decode_tuned(Batch.one_seq(np.array(toks, np.int32), p0, 0, all_logits=True)) == 0
     assert np.array_equal(ctx.get_logits(), rows) and ctx.state_seq_get_data(0) == state
     assert numba.get_num_threads() == n_threads  # restored after the call
+    # on PARALLEL the matmuls take that arm's threshold (every one split), not decode()'s configured one
+    assert ctx.memory.seq_restore(0, ckpt)
+    ctx.launch.arm = PARALLEL
+    seen = []
+    forward = ctx.model.forward
+    ctx.model.forward = lambda ub, mctx, **kw: seen.append(kw.get("min_macs")) or forward(ub, mctx, **kw)
+    try:
+        assert ctx.decode_tuned(Batch.one_seq(np.array(toks, np.int32), p0, 0, all_logits=True)) == 0
+    finally:
+        del ctx.model.forward
+    assert seen == [LaunchTuner.min_macs(PARALLEL)] and seen[0] < parallel.MATMUL_PAR_MIN_MACS
+    assert np.array_equal(ctx.get_logits(), rows) and ctx.state_seq_get_data(0) == state
     assert ctx.memory.seq_restore(0, ckpt)
     for i, t in enumerate(toks):
         one = decode_tokens(ctx, [t], p0 + i)
