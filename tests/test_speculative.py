@@ -173,6 +173,47 @@ def test_draft_length_falls_to_plain_steps_when_drafts_fail_and_probes_again():
     assert dl.next() == 8  # all accepted: the longest drafts
 
 
+def test_one_slow_draft_does_not_stop_drafting_for_the_rest_of_the_run():
+    """A proposal that took 10x (a descheduled thread on a shared machine) makes drafting look
+    unprofitable for a while; the estimates are medians, so two normal probes bring it back, and
+    probes come at most PROBE_MAX plain steps apart."""
+    from kvchat.runtime.speculative.speculator import PROBE_MAX
+
+    dl = DraftLength(draft_max=4)
+    for n, t in ((1, 0.028), (2, 0.033), (3, 0.036), (5, 0.047)):
+        for _ in range(3):
+            dl.record_decode(n, t)
+    dl.record_decode(4, 0.300)  # a batch size's first decode loads its code paths: not a sample
+    dl.record_draft(2, 2, False, 2 * 0.500)  # the first draft steps load the draft's kernels: neither
+    dl.record_draft(2, 2, False, 2 * 0.100)  # 100 ms a drafted token: 10x the draft's real cost
+    assert dl.next() == 0 and dl.t_draft == 0.100 and 4 not in dl.t_size
+    steps, drafted = 0, []
+    while len(drafted) < 3:
+        k = dl.next()
+        steps += 1
+        if k:
+            drafted.append(steps)
+            dl.record_draft(k, k, False, k * 0.010)  # the draft's real cost, all accepted
+        assert steps <= 4 * PROBE_MAX, "no probe"
+    assert drafted[1] - drafted[0] <= PROBE_MAX
+    assert dl.next() >= 2 and dl.t_draft == 0.010  # drafting again, the outlier out of the median
+
+
+def test_a_model_draft_times_its_draft_steps_not_its_catch_up_on_a_backlog(model):
+    """A drafted token costs a one-token decode of the draft; the draft's catch-up on a backlog
+    (the prompt, the tokens of plain steps) is one batch and says nothing about that cost."""
+    from kvchat.runtime.speculative.draft_model import ModelDraft
+
+    src = ModelDraft(context(model))
+    h = list(PROMPT)
+    d = src.propose(h, 1)  # catch-up on the whole prompt, no one-token decode
+    assert len(d) == 1 and src.step_times == (0, 0.0)
+    d = src.propose(h + d, 3)  # steady: one new token decoded, then two draft steps
+    assert len(d) == 3 and src.step_times[0] == 3 and src.step_times[1] > 0
+    h = h + d + [7]  # all accepted and a sampled token: a backlog of two
+    assert len(src.propose(h, 3)) == 3 and src.step_times[0] == 2
+
+
 def test_ngram_draft_continues_the_latest_match():
     src = NgramDraft(ngram_max=3, ngram_min=1)
     h = [5, 6, 7, 8, 9, 1, 5, 6, 7, 4, 2, 5, 6, 7]

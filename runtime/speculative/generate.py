@@ -67,14 +67,16 @@ class SpecGeneration(Generation):
             if 0 <= self.max_tokens <= self.n_sampled:
                 return StopReason.LIMIT
             k = self._draft_budget()
-            drafts, t_draft = [], 0.0
+            drafts, t_draft = [], (0, 0.0)
             if k > 0:
                 t0 = time.perf_counter()
                 try:
                     drafts = [int(d) for d in self.spec.source.propose(self.history, k)][:k]
                 except Interrupted:  # Ctrl-C inside the draft model's decode: the plain step stops too
                     drafts = []
-                t_draft = time.perf_counter() - t0 - getattr(self.spec.source, "backlog_seconds", 0.0)
+                # (draft steps, their seconds): a model draft times its own one-token decodes; a
+                # lookup (n-gram) costs its whole call, one step per drafted token
+                t_draft = getattr(self.spec.source, "step_times", None) or (len(drafts), time.perf_counter() - t0)
             if not drafts:
                 stop = self._plain(token)
                 if stop is not None:
@@ -110,7 +112,7 @@ class SpecGeneration(Generation):
             self.on_decoded(token, self.logits)
         return None
 
-    def _verify(self, token: int, drafts: list[int], t_draft: float):
+    def _verify(self, token: int, drafts: list[int], t_draft: tuple):
         """Decode [token] + drafts, yield the accepted drafts; returns the next token (drawn
         from a row already) or a StopReason."""
         batch = [token] + drafts
@@ -170,7 +172,7 @@ class SpecGeneration(Generation):
         else:
             self.logits = rows[len(drafts)]
         rejected = isinstance(result, int) and not isinstance(result, StopReason)
-        self.spec.length.record_draft(len(drafts), kept - 1, rejected, t_draft)
+        self.spec.length.record_draft(len(drafts), kept - 1, rejected, t_draft[1], n_steps=t_draft[0])
         self._trim(batch, kept, ckpt)
         self.pos += kept
         self.n_decoded += kept

@@ -5,12 +5,17 @@ The draft length follows a cost model, so that bad drafts cost (almost) nothing:
 per-token acceptance probability p, a verify of the sampled token and k drafts yields
 1 + p + ... + p^k tokens on average and costs t(k + 1) + k·t_draft, where t(n) is the target's
 time for an n-token batch (measured: t(1) + (n - 1)·t_row, fitted from the batches seen) and
-t_draft the draft source's time per token (measured; ~0 for n-gram lookups; a draft model's catch-up
-on a backlog — the prompt, the tokens of plain steps — is not counted in it). k is the value in
+t_draft the draft source's time per token (measured; ~0 for n-gram lookups; a draft model's one-token
+decodes: its catch-up on a backlog — the prompt, the tokens of plain steps — is one batch, not a
+draft step, and is not counted). k is the value in
 0..draft_max with the most tokens per second; below draft_min it is 0 (a plain one-token step),
-and after PROBE_EVERY plain steps a draft of draft_min (at least 1) is tried again, so that the
-estimates can recover (the wait doubles after each probe that does not pay, up to PROBE_MAX).
-p is counted with decay (recent drafts weigh most).
+and after PROBE_EVERY plain steps a draft of draft_min (at least 2, one of them a model draft's
+step) is tried again, so that the estimates can recover (the wait doubles after each probe that
+does not pay, up to PROBE_MAX).
+p is counted with decay (recent drafts weigh most). Both times are medians of their last N_TIMES
+measurements: on a shared machine one step can take 3x (a descheduled thread), and a mean seeded
+by such a probe kept a run from drafting for its remaining few hundred tokens (a Gemma-3 F16 copy
+with self:q4_0 at 0.73x plain in one run, 1.66x in the next).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 
 PROBE_EVERY = 16  # plain steps before a probing draft when drafting does not pay (doubles per probe)
-PROBE_MAX = 256  # ... up to this many: a model draft's probe first catches up on every skipped token
-DECAY = 0.9  # weight of the past in the acceptance counts and draft time average (per verify)
-N_TIMES = 9  # target decode times kept per batch size (their median is the estimate)
+PROBE_MAX = 64  # ... up to this many: a model draft's probe first catches up on every skipped token (one
+# batch, ~1/20 of the plain steps' time on Gemma-3 here), so a wrong "does not pay" lasts 64 tokens at most
+DECAY = 0.9  # weight of the past in the acceptance counts (per verify)
+N_TIMES = 9  # target decode times kept per batch size, draft times per token (their medians are the estimates)
 
 
 @dataclass
@@ -53,7 +59,9 @@ class DraftLength:
         self.acc, self.trials = 1.0, 2.0  # prior p = 0.5 (pseudo-counts)
         self.t_size: dict[int, float] = {}  # batch size n -> median seconds of a target decode of n tokens
         self._times: dict[int, deque] = {}  # batch size n -> its last N_TIMES decode times
-        self.t_draft = 0.0  # mean seconds per drafted token
+        self.t_draft = 0.0  # median seconds per drafted token over the last N_TIMES proposals
+        self._draft_times: deque = deque(maxlen=N_TIMES)
+        self._draft_warm = False
         self.n_plain = 0  # plain steps since the last draft
         self.probe_every = PROBE_EVERY  # plain steps before the next probe
 
@@ -93,7 +101,8 @@ class DraftLength:
             if self.n_plain >= self.probe_every:
                 self.n_plain = 0
                 self.probe_every = min(PROBE_MAX, 2 * self.probe_every)  # each probe that fails waits longer
-                return max(1, self.draft_min)
+                # two drafts: a model draft's second one is a draft step, the sample of its cost
+                return max(min(2, self.draft_max), self.draft_min)
             return 0
         self.n_plain = 0
         self.probe_every = PROBE_EVERY
@@ -103,18 +112,27 @@ class DraftLength:
         """A target decode of n tokens took `seconds`. t_size[n] is the median of the last
         N_TIMES: a step that waited for a descheduled worker (the launch tuner probing its
         parallel arm under load costs 3x) must not move the estimate."""
-        last = self._times.setdefault(n, deque(maxlen=N_TIMES))
+        last = self._times.get(n)
+        if last is None:  # the first batch of a size loads its kernels' code paths: not a sample
+            self._times[n] = deque(maxlen=N_TIMES)
+            return
         last.append(seconds)
         self.t_size[n] = statistics.median(last)
 
-    def record_draft(self, n_drafted: int, n_accepted: int, rejected: bool, seconds: float) -> None:
-        """A proposal of n_drafted tokens (taking `seconds`), of which the first n_accepted were
-        accepted (`rejected`: the next one was not; False when all were, or the run stopped)."""
+    def record_draft(
+        self, n_drafted: int, n_accepted: int, rejected: bool, seconds: float, n_steps: int | None = None
+    ) -> None:
+        """A proposal of n_drafted tokens, of which the first n_accepted were accepted (`rejected`:
+        the next one was not; False when all were, or the run stopped); its n_steps draft steps
+        (n_drafted when None) took `seconds` (none: no sample of a step's cost)."""
         self.acc = DECAY * self.acc + n_accepted
         self.trials = DECAY * self.trials + n_accepted + (1 if rejected else 0)
-        if n_drafted:
-            per = seconds / n_drafted
-            self.t_draft = per if self.t_draft == 0.0 else DECAY * self.t_draft + (1 - DECAY) * per
+        n_steps = n_drafted if n_steps is None else n_steps
+        if n_steps and not self._draft_warm:
+            self._draft_warm = True  # the first draft steps load the draft's kernels: not a sample
+        elif n_steps:
+            self._draft_times.append(seconds / n_steps)
+            self.t_draft = statistics.median(self._draft_times)
 
 
 class Speculator:
