@@ -23,10 +23,11 @@ from kvchat.kernels.attention_tiles import (
     tile_live,
     tile_scores,
 )
+from kvchat.kernels.ggml_math import expf_ggml
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
+from kvchat.kernels.simd import LANES, vbcast, vfma, vhsum, vload, vmul, vround_bf16, vround_f16, vstore, vzero
 
-_F32 = int(GGMLType.F32)
+_F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 
 
 @njit(cache=True, inline="always")
@@ -89,30 +90,35 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
         for qi in range(nq):
             tmax[qi, ti] = tile_scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
     has_sinks = sinks.shape[0] > 0
-    for qi in range(nq):  # masked softmax per query row: lane l sums cells l, l+16, ... in order
+    for qi in range(nq):  # masked softmax per query row, as ggml_soft_max_f32 computes it
         m = NEG_INF
         for ti in range(n_tiles):
             m = max(m, tmax[qi, ti])
         if has_sinks:
             m = max(m, sinks[h0 + qi % hpg])
-        sv = vzero()
+        s = np.float64(0.0)  # each 16 cells' exps summed in one tree, the trees summed in double
         s0 = start[t0 + qi // hpg] // KT
         for i in range(n_tiles):
             ti = (s0 + i) % n_tiles
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
-                for j in range(KT):  # libm expf: here faster than exp_le0, which LLVM leaves scalar
-                    p[o + j] = np.float32(math.exp(p[o + j] - m))
-                sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
-        s = vhsum(sv)
+                for j in range(KT):  # ggml_v_expf of this CPU (masked cells: exp(-inf) = 0)
+                    p[o + j] = expf_ggml(p[o + j] - m)
+                s += np.float64(vhsum(vload(p, o)))
+                s += np.float64(vhsum(vload(p, o + LANES)))
         if has_sinks:
-            s += np.float32(math.exp(sinks[h0 + qi % hpg] - m))
-        inv = np.float32(1.0) / s if s > 0.0 else np.float32(0.0)
+            s += np.float64(np.float32(math.exp(sinks[h0 + qi % hpg] - m)))
+        inv = vbcast(np.float32(1.0 / s) if s > 0.0 else np.float32(0.0))  # 1/sum in double, then f32
         for ti in range(n_tiles):
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
-                for j in range(KT):
-                    p[o + j] *= inv
+                for h in range(0, KT, LANES):  # p = e * inv, then in V's dot type (f16 / bf16)
+                    x = vmul(vload(p, o + h), inv)
+                    if type_v == _F16:
+                        x = vround_f16(x)
+                    elif type_v == _BF16:
+                        x = vround_bf16(x)
+                    vstore(p, o + h, x)
     vrow = np.zeros(n_kvp, dtype=np.float32)  # one row of V^T: component c of every cell
     for c in range(dv):
         dequant_cache_row(type_v, vt[st, hk * dv + c, 0 : n_kv * eb], vrow[:n_kv])

@@ -36,9 +36,11 @@ def _make_rows(x, name, rng):
     return np.ascontiguousarray(raw).view(np.uint8).reshape(x.shape[0], -1), vals
 
 
-def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sinks=None):
+def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sinks=None, p_type=None):
     """q [T,H,D]; kvals/vvals [S, n_kv, n_head_kv, D] f64; mask [T, n_kv] -> [T, H*Dv] f64; sinks [H]:
-    one more logit per head in the softmax, with no value (gpt-oss)."""
+    one more logit per head in the softmax, with no value (gpt-oss). p_type "f16" / "bf16": the
+    probabilities rounded to that type before P·V, as ggml's classic path (flash off) rounds them
+    to an f16 / bf16 V's dot type."""
     T, H, D = q.shape
     g = H // n_head_kv
     out = np.zeros((T, H, vvals.shape[-1]))
@@ -53,7 +55,10 @@ def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sin
             m = sc.max() if sinks is None else max(sc.max(), float(sinks[h]))
             p = np.exp(sc - m)
             total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
-            out[t, h] = (p / total) @ vvals[s, :, h // g, :]
+            pr = (p / total).astype(np.float32)
+            if p_type is not None:
+                pr = gq.dequantize(gq.quantize(pr[None], _qt(p_type)), _qt(p_type))[0]
+            out[t, h] = pr.astype(np.float64) @ vvals[s, :, h // g, :]
     return out.reshape(T, -1)
 
 
@@ -135,7 +140,8 @@ def test_classic_path_with_transposed_v(type_k, type_v):
         flash=False,
         round_q=False,
     )
-    ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0)
+    p_type = None if type_v == "f32" else type_v  # ggml's KQV: P in V's dot type
+    ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0, p_type=p_type)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     flash = attention(
         q,
@@ -150,7 +156,35 @@ def test_classic_path_with_transposed_v(type_k, type_v):
         flash=True,
         round_q=False,
     )
-    np.testing.assert_allclose(got, flash, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(flash, _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dk", [64, 256, 24], ids=["d64", "d256", "d24"])
+def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk):
+    """Flash off, f16 K and V: the classic kernel computes llama.cpp's non-flash graph exactly as
+    ggml-cpu's AVX-512 build does (tests/helpers/ggml_order.classic_attention_reference: Q and the
+    probabilities rounded to f16 by mul_mat, ggml_v_expf, the softmax sum in double), every
+    output bit for bit, whatever the batch around a row."""
+    from tests.helpers.ggml_order import classic_attention_reference
+
+    n_tokens, n_head, n_head_kv, n_kv, kv_size = 21, 6, 2, 96, 128
+    rng = np.random.default_rng(dk)
+    q = (rng.standard_normal((n_tokens, n_head, dk)) * 2).astype(np.float32)
+    kx = rng.standard_normal((kv_size, n_head_kv * dk)).astype(np.float32)
+    vx = rng.standard_normal((kv_size, n_head_kv * dk)).astype(np.float32)
+    kraw, kval = _make_rows(kx, "f16", rng)
+    vt_raw, _ = _make_rows(np.ascontiguousarray(vx.T), "f16", rng)  # V^T [n_embd_v_gqa, kv_size]
+    mask = _causal_mask(n_tokens, n_kv, n_kv - n_tokens - 5, rng)
+    ts = np.zeros(n_tokens, np.int32)
+    args = (kraw.reshape(1, kv_size, -1)[:, :n_kv], GGMLType.F16, vt_raw.reshape(1, n_head_kv * dk, -1), GGMLType.F16)
+    got = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=False, round_q=True)
+    k = kval.reshape(kv_size, n_head_kv, dk)[:n_kv].astype(np.float32)
+    v = vx.astype(np.float16).astype(np.float32).reshape(kv_size, n_head_kv, dk)[:n_kv]
+    want = classic_attention_reference(q, k, v, mask, 0.125)
+    np.testing.assert_array_equal(got, want)
+    for t in (0, 7, n_tokens - 1):  # a row alone: the same bits
+        alone = attention(q[t : t + 1], *args, mask[t : t + 1], ts[:1], n_head_kv, 0.125, flash=False, round_q=True)
+        np.testing.assert_array_equal(alone[0], want[t])
 
 
 def test_mixed_k_v_types_softcap_and_two_streams():
