@@ -2,9 +2,10 @@
 flash_attn_ext): KQ for all cells, a masked softmax, then KQV against the transposed V cache
 [n_embd_v_gqa, kv_size] (f32/f16/bf16 elements only). Its hot loop is `_classic_unit`'s: per
 (kv head, head group, token block) unit, K tiles decoded once and scored for every query, then
-per query the softmax sums and one fma chain per V component over the visible tiles, from the
-query's start tile on. kernels/attention.py dispatches to it and states the batch-invariance
-rules it keeps.
+per query the softmax (ggml's soft_max_f32: its exp, 16-cell trees summed in double) and 16 fma
+lane chains per V component over the visible tiles, from the query's start tile on, the
+probabilities in V's dot type as ggml's mul_mat converts them. kernels/attention.py dispatches
+to it and states the batch-invariance rules and the numerics it keeps.
 """
 
 import math
