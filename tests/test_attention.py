@@ -187,6 +187,34 @@ def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk):
         np.testing.assert_array_equal(alone[0], want[t])
 
 
+@pytest.mark.parametrize("dk", [64, 24], ids=["d64", "d24"])
+def test_ggml_order_flash_is_ggmls_tiled_flash_bit_for_bit(dk, monkeypatch):
+    """KVCHAT_GGML_ORDER=1, flash on, f16 K and V: kernels/attention_ggml.py computes ggml's tiled
+    flash attention (the prefill path of llama.cpp's CPU flash attention) bit for bit
+    (tests/helpers/ggml_order.flash_tiled_reference), each row the same alone, serial or parallel."""
+    import kvchat.kernels.attention as att
+    from tests.helpers.ggml_order import flash_tiled_reference
+
+    monkeypatch.setattr(att, "GGML_ORDER", True)
+    n_tokens, n_head, n_head_kv, n_kv = 70, 6, 2, 150
+    rng = np.random.default_rng(dk + 1)
+    q = (rng.standard_normal((n_tokens, n_head, dk)) * 2).astype(np.float32)
+    kx = rng.standard_normal((n_kv, n_head_kv * dk)).astype(np.float32)
+    vx = rng.standard_normal((n_kv, n_head_kv * dk)).astype(np.float32)
+    kraw, kval = _make_rows(kx, "f16", rng)
+    vraw, vval = _make_rows(vx, "f16", rng)
+    mask = _causal_mask(n_tokens, n_kv, n_kv - n_tokens - 5, rng)
+    ts = np.zeros(n_tokens, np.int32)
+    args = (kraw.reshape(1, n_kv, -1), GGMLType.F16, vraw.reshape(1, n_kv, -1), GGMLType.F16)
+    got = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=True)
+    k = kval.reshape(n_kv, n_head_kv, dk).astype(np.float32)
+    v = vval.reshape(n_kv, n_head_kv, dk).astype(np.float32)
+    np.testing.assert_array_equal(got, flash_tiled_reference(q, k, v, mask, 0.125))
+    for t in (0, 33, n_tokens - 1):
+        alone = attention(q[t : t + 1], *args, mask[t : t + 1], ts[:1], n_head_kv, 0.125, flash=True, n_threads=1)
+        np.testing.assert_array_equal(alone[0], got[t])
+
+
 def test_mixed_k_v_types_softcap_and_two_streams():
     n_tokens, n_head, n_head_kv, dk, n_kv = 6, 4, 2, 64, 64
     q, kraw, kval, vraw, vval, mask, ts = _setup(

@@ -187,3 +187,60 @@ def classic_attention_reference(q, k, v, mask, scale) -> np.ndarray:
         p = _to_f16((ex * (1.0 / total).astype(np.float32)[:, None]).astype(np.float32))  # [T, n_kv]
         out[:, h, :] = _lane_dot(v[None, :, h // g, :].transpose(0, 2, 1), p[:, None, :])  # [T, Dv]
     return out.reshape(T, H * dv)
+
+
+def flash_tiled_reference(q, k, v, mask, scale) -> np.ndarray:
+    """llama.cpp's flash attention as ggml-cpu's tiled kernel computes it (ops.cpp
+    ggml_compute_forward_flash_attn_ext_tiled: ubatches of >= 64 queries, f16/f32 K and V, no
+    soft-cap, no sinks), AVX-512 build, per query row over 64-cell tiles from cell 0: scores one fma
+    chain over the head in order (Q in f32) times scale plus mask; an all -inf tile skipped; where
+    the max rises, acc and S times libm expf(M - M'); p = ggml_v_expf(score - M'), S = f32(S + the
+    16-cell trees summed in double); acc[e] one fma chain over the cells, carried over the tiles;
+    out = acc * (1.0f / S). q [T, H, D] f32; k [n_kv, Hkv, D], v [n_kv, Hkv, Dv] as f32; mask
+    [T, n_kv] -> [T, H * Dv] f32."""
+    import ctypes
+
+    expf = _libm().expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    q = np.asarray(q, np.float32)
+    T, H, D = q.shape
+    n_kv, hkv, dv = v.shape
+    g = H // hkv
+    out = np.zeros((T, H, dv), np.float32)
+    for t in range(T):
+        for h in range(H):
+            m_run, s_run = np.float32(-np.inf), np.float32(0.0)
+            acc = np.zeros(dv, np.float32)
+            for j0 in range(0, n_kv, 64):
+                nj = min(64, n_kv - j0)
+                kk = np.zeros((64, D), np.float32)
+                kk[:nj] = k[j0 : j0 + nj, h // g]
+                vv = np.zeros((64, dv), np.float32)
+                vv[:nj] = v[j0 : j0 + nj, h // g]
+                sc = np.zeros(64, np.float32)
+                for e in range(D):
+                    sc = fma32(np.full(64, q[t, h, e], np.float32), kk[:, e], sc)
+                sc = (sc * np.float32(scale)).astype(np.float32)
+                mk = np.full(64, -np.inf, np.float32)
+                mk[:nj] = mask[t, j0 : j0 + nj]
+                sc = (sc + mk).astype(np.float32)
+                tmax = sc.max()
+                if tmax == -np.inf:
+                    continue
+                m_new = max(m_run, tmax)
+                if m_new > m_run:
+                    ms = np.float32(expf(float(np.float32(m_run - m_new))))  # libm expf; 0 on the first tile
+                    acc = (acc * ms).astype(np.float32)
+                    s_run = np.float32(s_run * ms)
+                m_run = m_new
+                x = (sc - m_new).astype(np.float32)
+                p = expf_reference(np.where(np.isinf(x), np.float32(-1e3), x))
+                sd = 0.0
+                for c in range(4):
+                    sd += float(_tree16(p[16 * c : 16 * c + 16]))
+                s_run = np.float32(float(s_run) + sd)
+                for j in range(64):
+                    acc = fma32(vv[j], np.full(dv, p[j], np.float32), acc)
+            inv = np.float32(0.0) if s_run == 0 else np.float32(np.float32(1.0) / s_run)
+            out[t, h] = (acc * inv).astype(np.float32)
+    return out.reshape(T, H * dv)
