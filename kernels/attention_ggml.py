@@ -57,10 +57,10 @@ def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, s
     cap = softcap != 0.0
     sc_scale = scale / softcap if cap else scale
     ta = t0
-    while ta < t1:  # runs of tokens that start their walk in the same tile share its decode
+    while ta < t1:  # runs of tokens of one stream that start their walk in the same tile share its decode
         s0 = start[ta] // TILE
         tz = ta + 1
-        while tz < t1 and start[tz] // TILE == s0:
+        while tz < t1 and start[tz] // TILE == s0 and tok_stream[tz] == tok_stream[ta]:
             tz += 1
         nq = (tz - ta) * gq  # row qi: token ta + qi // gq, head hk * gq + qi % gq
         st = tok_stream[ta]

@@ -215,6 +215,25 @@ def test_ggml_order_flash_is_ggmls_tiled_flash_bit_for_bit(dk, monkeypatch):
         np.testing.assert_array_equal(alone[0], got[t])
 
 
+def test_ggml_order_flash_two_streams_rows_are_their_streams(monkeypatch):
+    """KVCHAT_GGML_ORDER=1 flash with two streams in one call: each row is its stream's tiled
+    flash attention (the reference over that stream's cells), and the row computed alone."""
+    import kvchat.kernels.attention as att
+    from tests.helpers.ggml_order import flash_tiled_reference
+
+    monkeypatch.setattr(att, "GGML_ORDER", True)
+    n_tokens, n_head, n_head_kv, dk, n_kv = 9, 4, 2, 64, 80
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", n_tokens, n_head, n_head_kv, dk, n_kv, 96, 2, seed=9)
+    args = (kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16)
+    got = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=True)
+    for t in range(n_tokens):
+        s = ts[t]
+        want = flash_tiled_reference(
+            q[t : t + 1], kval[s].astype(np.float32), vval[s].astype(np.float32), mask[t : t + 1], 0.125
+        )
+        np.testing.assert_array_equal(got[t], want[0])
+
+
 def test_mixed_k_v_types_softcap_and_two_streams():
     n_tokens, n_head, n_head_kv, dk, n_kv = 6, 4, 2, 64, 64
     q, kraw, kval, vraw, vval, mask, ts = _setup(
