@@ -254,6 +254,7 @@ def attention_checked(
             tb,
             split,
             n_units,
+            GGML_ORDER,  # the softmax sum in ggml's form (see attention_classic), opt-in
             out,
         )  # classic: (tb, heads per group, n_units)
     return out.reshape(n_tokens, n_head * dv)

@@ -26,7 +26,7 @@ from kvchat.kernels.attention_tiles import (
 )
 from kvchat.kernels.ggml_math import expf_ggml
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.simd import LANES, vbcast, vfma, vhsum, vload, vmul, vround_bf16, vround_f16, vstore, vzero
+from kvchat.kernels.simd import LANES, vadd, vbcast, vfma, vhsum, vload, vmul, vround_bf16, vround_f16, vstore, vzero
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 
@@ -43,7 +43,9 @@ def _unit_coords(u, n_tb, n_sub):
 
 
 @njit(cache=True, inline="always")
-def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out):
+def _classic_unit(
+    u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, gsum, out
+):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
     u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
     each output are 16 lane chains over the visible tiles in cell order from the query's start
@@ -97,19 +99,35 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
             m = max(m, tmax[qi, ti])
         if has_sinks:
             m = max(m, sinks[h0 + qi % hpg])
-        s = np.float64(0.0)  # each 16 cells' exps summed in one tree, the trees summed in double
+        # gsum (KVCHAT_GGML_ORDER=1): ggml_soft_max_f32's form, each 16 cells' exps (ggml_v_expf) in
+        # one tree, the trees summed in double; else libm expf, lane l sums cells l, l + 16, ... in
+        # order, then one tree (insensitive to where a sliding window's cells sit in its ring)
+        s = np.float64(0.0)
+        sv = vzero()
         s0 = start[t0 + qi // hpg] // KT
         for i in range(n_tiles):
             ti = (s0 + i) % n_tiles
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
-                for j in range(KT):  # ggml_v_expf of this CPU (masked cells: exp(-inf) = 0)
-                    p[o + j] = expf_ggml(p[o + j] - m)
-                s += np.float64(vhsum(vload(p, o)))
-                s += np.float64(vhsum(vload(p, o + LANES)))
+                if gsum:  # ggml_v_expf of this CPU (masked cells: exp(-inf) = 0)
+                    for j in range(KT):
+                        p[o + j] = expf_ggml(p[o + j] - m)
+                else:  # libm expf
+                    for j in range(KT):
+                        p[o + j] = np.float32(math.exp(p[o + j] - m))
+                if gsum:
+                    s += np.float64(vhsum(vload(p, o)))
+                    s += np.float64(vhsum(vload(p, o + LANES)))
+                else:
+                    sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
+        if not gsum:
+            s = np.float64(vhsum(sv))
         if has_sinks:
             s += np.float64(np.float32(math.exp(sinks[h0 + qi % hpg] - m)))
-        inv = vbcast(np.float32(1.0 / s) if s > 0.0 else np.float32(0.0))  # 1/sum in double, then f32
+        if gsum:  # 1 / sum in double, then f32
+            inv = vbcast(np.float32(1.0 / s) if s > 0.0 else np.float32(0.0))
+        else:
+            inv = vbcast(np.float32(1.0) / np.float32(s) if s > 0.0 else np.float32(0.0))
         for ti in range(n_tiles):
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
@@ -142,21 +160,21 @@ def classic_n_units(q, n_head_kv, tb, hpg):
 
 @njit(cache=True, parallel=True)
 def classic_attn_par(
-    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, out
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, gsum, out
 ):
     for u in prange(n_units):
         _classic_unit(
-            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out
+            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, gsum, out
         )
 
 
 @njit(cache=True)
 def classic_attn_ser(
-    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, out
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, gsum, out
 ):
     for u in range(n_units):
         _classic_unit(
-            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out
+            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, gsum, out
         )
 
 
