@@ -25,9 +25,8 @@ operation:
 - flash: chunks of CHUNK cells, each an online softmax from a fresh state, folded into the
   query's result in chunk order (``_fold``), whether one unit walks all chunks or the chunks
   are spread over threads and folded afterwards (flash-decoding, for few queries);
-- classic: ggml's non-flash arithmetic (below): each query's softmax sums its cells' exps 16 at
-  a time in one tree and those sums in double, over the visible tiles in order; each P·V
-  component is 16 lane chains over the visible tiles, then one tree.
+- classic: the softmax sum and each P·V component are 16 lane chains over the visible tiles,
+  then one tree (KVCHAT_GGML_ORDER=1: the sum in ggml's form, below).
 Tiles and chunks that a query cannot see contribute nothing (skipped, or exact zeros).
 
 Head sizes: any, for K and V separately. The tiles, the unit's queries and the V accumulators
@@ -54,12 +53,16 @@ bf16 for a bf16 K on every path; for an f16 K, f16 on the classic path (a mul_ma
 on flash's one-row path, not on flash's tiled prefill path (>= 64 queries), whose order kvchat's
 flash kernel keeps for every batch size. ``round_q_to_vec_dot_type`` is that rounding; the forward
 applies it (runtime/arch/blocks.py: round_q_like_ggml), so ``attention(round_q=...)`` stays False
-there. The classic path mirrors ggml-cpu's AVX-512 build of llama.cpp's non-flash graph bit for
-bit (tests/helpers/ggml_order.classic_attention_reference): KQ as llamafile's f16 gemm (16 lane
-chains over the head, then _mm512_reduce_add_ps's tree, which vhsum is), soft_max_f32 (scale,
-mask, ggml_v_expf of this CPU, 16-cell trees summed in double, p = e * (float)(1 / sum)), then the
-probabilities rounded to V's dot type (f16 / bf16) and the same gemm over the cells. On an
-AVX2-only CPU ggml's gemm and softmax run 8 lanes, which this kernel does not mirror.
+there. The classic path rounds the probabilities to V's dot type (f16 / bf16) before P·V, as
+ggml's mul_mat does; with KVCHAT_GGML_ORDER=1 its softmax also takes ggml's form (ggml_v_expf of
+this CPU, 16-cell trees summed in double, p = e * (float)(1 / sum)) and the path equals ggml-cpu's
+AVX-512 build of llama.cpp's non-flash graph bit for bit
+(tests/helpers/ggml_order.classic_attention_reference; KQ and P·V as llamafile's f16 gemm: 16
+lane chains, then _mm512_reduce_add_ps's tree, which vhsum is). By default the softmax keeps libm
+expf and its 16 lane sums, whose bits do not depend on where a sliding window's cells sit in its
+ring. With the same opt-in, flash attention over f16/f32 K and V runs ggml's tiled order
+(kernels/attention_ggml.py). On an AVX2-only CPU ggml's gemm and softmax run 8 lanes, which these
+kernels do not mirror.
 """
 
 import numpy as np

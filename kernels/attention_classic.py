@@ -2,10 +2,11 @@
 flash_attn_ext): KQ for all cells, a masked softmax, then KQV against the transposed V cache
 [n_embd_v_gqa, kv_size] (f32/f16/bf16 elements only). Its hot loop is `_classic_unit`'s: per
 (kv head, head group, token block) unit, K tiles decoded once and scored for every query, then
-per query the softmax (ggml's soft_max_f32: its exp, 16-cell trees summed in double) and 16 fma
-lane chains per V component over the visible tiles, from the query's start tile on, the
-probabilities in V's dot type as ggml's mul_mat converts them. kernels/attention.py dispatches
-to it and states the batch-invariance rules and the numerics it keeps.
+per query the softmax (16 lane sums; KVCHAT_GGML_ORDER=1: ggml's soft_max_f32 form, its exp and
+16-cell trees summed in double) and 16 fma lane chains per V component over the visible tiles,
+from the query's start tile on, the probabilities in V's dot type as ggml's mul_mat converts them.
+kernels/attention.py dispatches to it and states the batch-invariance rules and the numerics it
+keeps.
 """
 
 import math
@@ -93,7 +94,7 @@ def _classic_unit(
         for qi in range(nq):
             tmax[qi, ti] = tile_scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
     has_sinks = sinks.shape[0] > 0
-    for qi in range(nq):  # masked softmax per query row, as ggml_soft_max_f32 computes it
+    for qi in range(nq):  # masked softmax per query row
         m = NEG_INF
         for ti in range(n_tiles):
             m = max(m, tmax[qi, ti])
