@@ -25,7 +25,8 @@ operation:
 - flash: chunks of CHUNK cells, each an online softmax from a fresh state, folded into the
   query's result in chunk order (``_fold``), whether one unit walks all chunks or the chunks
   are spread over threads and folded afterwards (flash-decoding, for few queries);
-- classic: the softmax sum and each P·V component are 16 lane chains over the visible tiles.
+- classic: the softmax sum and each P·V component are 16 lane chains over the visible tiles,
+  then one tree (KVCHAT_GGML_ORDER=1: the sum in ggml's form, below).
 Tiles and chunks that a query cannot see contribute nothing (skipped, or exact zeros).
 
 Head sizes: any, for K and V separately. The tiles, the unit's queries and the V accumulators
@@ -48,10 +49,20 @@ kernels/attention_classic.py; the tile-level pieces (cache decode, scores, a til
 online-softmax step) are kernels/attention_tiles.py.
 
 Numerics: ggml converts Q to K's vec-dot type before K·Q: 8-bit blocks for a quantized K and
-bf16 for a bf16 K on every path, f16 for an f16 K only on its one-row path.
-``round_q_to_vec_dot_type`` is that rounding; the forward applies it for quantized and bf16 K
-(runtime/arch/blocks.py: round_q_like_ggml, which also says why f16 K is left in f32), so
-``attention(round_q=...)`` stays False there (docs/performance.md has the perplexity effect).
+bf16 for a bf16 K on every path; for an f16 K, f16 on the classic path (a mul_mat, any batch) and
+on flash's one-row path, not on flash's tiled prefill path (>= 64 queries), whose order kvchat's
+flash kernel keeps for every batch size. ``round_q_to_vec_dot_type`` is that rounding; the forward
+applies it (runtime/arch/blocks.py: round_q_like_ggml), so ``attention(round_q=...)`` stays False
+there. The classic path rounds the probabilities to V's dot type (f16 / bf16) before P·V, as
+ggml's mul_mat does; with KVCHAT_GGML_ORDER=1 its softmax also takes ggml's form (ggml_v_expf of
+this CPU, 16-cell trees summed in double, p = e * (float)(1 / sum)) and the path equals ggml-cpu's
+AVX-512 build of llama.cpp's non-flash graph bit for bit
+(tests/helpers/ggml_order.classic_attention_reference; KQ and P·V as llamafile's f16 gemm: 16
+lane chains, then _mm512_reduce_add_ps's tree, which vhsum is). By default the softmax keeps libm
+expf and its 16 lane sums, whose bits do not depend on where a sliding window's cells sit in its
+ring. With the same opt-in, flash attention over f16/f32 K and V runs ggml's tiled order
+(kernels/attention_ggml.py). On an AVX2-only CPU ggml's gemm and softmax run 8 lanes, which these
+kernels do not mirror.
 """
 
 import numpy as np
@@ -59,7 +70,9 @@ import numpy as np
 from kvchat.kernels import parallel
 from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser, classic_n_units, classic_plan
 from kvchat.kernels.attention_flash import _NO_PARTIALS, CHUNK, _flash_attn_par, _partials, flash_attn_ser, flash_plan
+from kvchat.kernels.attention_ggml import ggml_flash_par, ggml_flash_ser, ggml_flash_units
 from kvchat.kernels.ggml_types import GGMLType, type_info
+from kvchat.kernels.qlayout import GGML_ORDER
 from kvchat.kernels.quants import dequantize, kernel_cache_types, quantize
 
 _F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
@@ -191,6 +204,14 @@ def attention_checked(
         plan = _LAUNCHES[key] = _launch_plan(*key)
     fn, tb, split, cpu, n_units, dv, start0 = plan
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
+    if flash and GGML_ORDER and type_k == type_v and type_k in (_F16, _F32) and sinks.shape[0] == 0:
+        par = fn is _flash_attn_par  # ggml's tiled order (kernels/attention_ggml.py), opt-in
+        tb, n_units = ggml_flash_units(n_tokens, n_head_kv, n_threads if par else 1)
+        (ggml_flash_par if par else ggml_flash_ser)(
+            q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
+            softcap, tb, n_units, out,
+        )  # fmt: skip
+        return out.reshape(n_tokens, n_head * dv)
     type_k, type_v = kernel_cache_types(type_k, type_v)  # f16/f16: compile-time constants
     if flash:
         pm, ps, pacc, bm, bs, bacc = _partials(n_kv, n_tokens, n_head, dv) if split else _NO_PARTIALS
@@ -236,6 +257,7 @@ def attention_checked(
             tb,
             split,
             n_units,
+            GGML_ORDER,  # the softmax sum in ggml's form (see attention_classic), opt-in
             out,
         )  # classic: (tb, heads per group, n_units)
     return out.reshape(n_tokens, n_head * dv)

@@ -2,9 +2,11 @@
 flash_attn_ext): KQ for all cells, a masked softmax, then KQV against the transposed V cache
 [n_embd_v_gqa, kv_size] (f32/f16/bf16 elements only). Its hot loop is `_classic_unit`'s: per
 (kv head, head group, token block) unit, K tiles decoded once and scored for every query, then
-per query the softmax sums and one fma chain per V component over the visible tiles, from the
-query's start tile on. kernels/attention.py dispatches to it and states the batch-invariance
-rules it keeps.
+per query the softmax (16 lane sums; KVCHAT_GGML_ORDER=1: ggml's soft_max_f32 form, its exp and
+16-cell trees summed in double) and 16 fma lane chains per V component over the visible tiles,
+from the query's start tile on, the probabilities in V's dot type as ggml's mul_mat converts them.
+kernels/attention.py dispatches to it and states the batch-invariance rules and the numerics it
+keeps.
 """
 
 import math
@@ -23,10 +25,11 @@ from kvchat.kernels.attention_tiles import (
     tile_live,
     tile_scores,
 )
+from kvchat.kernels.ggml_math import expf_ggml
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.simd import LANES, vadd, vfma, vhsum, vload, vzero
+from kvchat.kernels.simd import LANES, vadd, vbcast, vfma, vhsum, vload, vmul, vround_bf16, vround_f16, vstore, vzero
 
-_F32 = int(GGMLType.F32)
+_F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 
 
 @njit(cache=True, inline="always")
@@ -41,7 +44,9 @@ def _unit_coords(u, n_tb, n_sub):
 
 
 @njit(cache=True, inline="always")
-def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out):
+def _classic_unit(
+    u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, gsum, out
+):
     """One work unit of the classic path: V is transposed, vt [n_stream, n_embd_v_gqa, >= n_kv * elem]
     u8. KQ for all cells -> masked softmax -> out[d] = sum_j p_j * V^T[d, j]. The softmax sum and
     each output are 16 lane chains over the visible tiles in cell order from the query's start
@@ -89,30 +94,51 @@ def _classic_unit(u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_k
         for qi in range(nq):
             tmax[qi, ti] = tile_scores(p, qi * n_kvp + j0, mt, qi // hpg, scale, softcap)
     has_sinks = sinks.shape[0] > 0
-    for qi in range(nq):  # masked softmax per query row: lane l sums cells l, l+16, ... in order
+    for qi in range(nq):  # masked softmax per query row
         m = NEG_INF
         for ti in range(n_tiles):
             m = max(m, tmax[qi, ti])
         if has_sinks:
             m = max(m, sinks[h0 + qi % hpg])
+        # gsum (KVCHAT_GGML_ORDER=1): ggml_soft_max_f32's form, each 16 cells' exps (ggml_v_expf) in
+        # one tree, the trees summed in double; else libm expf, lane l sums cells l, l + 16, ... in
+        # order, then one tree (insensitive to where a sliding window's cells sit in its ring)
+        s = np.float64(0.0)
         sv = vzero()
         s0 = start[t0 + qi // hpg] // KT
         for i in range(n_tiles):
             ti = (s0 + i) % n_tiles
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
-                for j in range(KT):  # libm expf: here faster than exp_le0, which LLVM leaves scalar
-                    p[o + j] = np.float32(math.exp(p[o + j] - m))
-                sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
-        s = vhsum(sv)
+                if gsum:  # ggml_v_expf of this CPU (masked cells: exp(-inf) = 0)
+                    for j in range(KT):
+                        p[o + j] = expf_ggml(p[o + j] - m)
+                else:  # libm expf
+                    for j in range(KT):
+                        p[o + j] = np.float32(math.exp(p[o + j] - m))
+                if gsum:
+                    s += np.float64(vhsum(vload(p, o)))
+                    s += np.float64(vhsum(vload(p, o + LANES)))
+                else:
+                    sv = vadd(vadd(sv, vload(p, o)), vload(p, o + LANES))
+        if not gsum:
+            s = np.float64(vhsum(sv))
         if has_sinks:
-            s += np.float32(math.exp(sinks[h0 + qi % hpg] - m))
-        inv = np.float32(1.0) / s if s > 0.0 else np.float32(0.0)
+            s += np.float64(np.float32(math.exp(sinks[h0 + qi % hpg] - m)))
+        if gsum:  # 1 / sum in double, then f32
+            inv = vbcast(np.float32(1.0 / s) if s > 0.0 else np.float32(0.0))
+        else:
+            inv = vbcast(np.float32(1.0) / np.float32(s) if s > 0.0 else np.float32(0.0))
         for ti in range(n_tiles):
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
-                for j in range(KT):
-                    p[o + j] *= inv
+                for h in range(0, KT, LANES):  # p = e * inv, then in V's dot type (f16 / bf16)
+                    x = vmul(vload(p, o + h), inv)
+                    if type_v == _F16:
+                        x = vround_f16(x)
+                    elif type_v == _BF16:
+                        x = vround_bf16(x)
+                    vstore(p, o + h, x)
     vrow = np.zeros(n_kvp, dtype=np.float32)  # one row of V^T: component c of every cell
     for c in range(dv):
         dequant_cache_row(type_v, vt[st, hk * dv + c, 0 : n_kv * eb], vrow[:n_kv])
@@ -135,21 +161,21 @@ def classic_n_units(q, n_head_kv, tb, hpg):
 
 @njit(cache=True, parallel=True)
 def classic_attn_par(
-    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, out
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, gsum, out
 ):
     for u in prange(n_units):
         _classic_unit(
-            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out
+            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, gsum, out
         )
 
 
 @njit(cache=True)
 def classic_attn_ser(
-    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, out
+    q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, n_units, gsum, out
 ):
     for u in range(n_units):
         _classic_unit(
-            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, out
+            u, q, k, type_k, vt, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, sinks, tb, hpg, gsum, out
         )
 
 

@@ -349,3 +349,38 @@ def vany_eq0(typingctx, a, b):
         return builder.icmp_unsigned("!=", bits, ir.Constant(ir.IntType(LANES), 0))
 
     return types.boolean(a, b), codegen
+
+
+@intrinsic
+def vround_f16(typingctx, v):
+    """Each lane rounded to the nearest IEEE half (ties to even; subnormal halves, overflow to
+    inf), back as f32: ggml's f32 -> f16 conversion (vcvtps2ph with round-to-nearest on x86),
+    which its matmuls apply to an f32 operand before an f16 dot."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.VectorType(ir.HalfType(), LANES)), _VF)
+
+    return f32vec(v), codegen
+
+
+@intrinsic
+def vround_bf16(typingctx, v):
+    """Each lane rounded to the nearest bfloat16 (ties to even, in the float's bits), back as f32:
+    ggml's f32 -> bf16 conversion for finite values (NaN keeps no particular payload here)."""
+    if v != f32vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        vi = ir.VectorType(_I32, LANES)
+
+        def k(x):
+            return ir.Constant(vi, [x] * LANES)
+
+        u = builder.bitcast(args[0], vi)
+        odd = builder.and_(builder.lshr(u, k(16)), k(1))
+        r = builder.add(builder.add(u, k(0x7FFF)), odd)
+        return builder.bitcast(builder.and_(r, k(-65536)), _VF)
+
+    return f32vec(v), codegen

@@ -36,9 +36,11 @@ def _make_rows(x, name, rng):
     return np.ascontiguousarray(raw).view(np.uint8).reshape(x.shape[0], -1), vals
 
 
-def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sinks=None):
+def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sinks=None, p_type=None):
     """q [T,H,D]; kvals/vvals [S, n_kv, n_head_kv, D] f64; mask [T, n_kv] -> [T, H*Dv] f64; sinks [H]:
-    one more logit per head in the softmax, with no value (gpt-oss)."""
+    one more logit per head in the softmax, with no value (gpt-oss). p_type "f16" / "bf16": the
+    probabilities rounded to that type before P·V, as ggml's classic path (flash off) rounds them
+    to an f16 / bf16 V's dot type."""
     T, H, D = q.shape
     g = H // n_head_kv
     out = np.zeros((T, H, vvals.shape[-1]))
@@ -53,7 +55,10 @@ def _reference(q, kvals, vvals, mask, tok_stream, n_head_kv, scale, softcap, sin
             m = sc.max() if sinks is None else max(sc.max(), float(sinks[h]))
             p = np.exp(sc - m)
             total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
-            out[t, h] = (p / total) @ vvals[s, :, h // g, :]
+            pr = (p / total).astype(np.float32)
+            if p_type is not None:
+                pr = gq.dequantize(gq.quantize(pr[None], _qt(p_type)), _qt(p_type))[0]
+            out[t, h] = pr.astype(np.float64) @ vvals[s, :, h // g, :]
     return out.reshape(T, -1)
 
 
@@ -135,8 +140,12 @@ def test_classic_path_with_transposed_v(type_k, type_v):
         flash=False,
         round_q=False,
     )
-    ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    p_type = None if type_v == "f32" else type_v  # ggml's KQV: P in V's dot type
+    ref = _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0, p_type=p_type)
+    # a p within an ulp of a rounding boundary may round the other way than the f64 reference's:
+    # one step of p's type (f16 2^-11, bf16 2^-8 relative) times a value of V
+    tol = {"f32": 1e-4, "f16": 3e-4, "bf16": 2e-3}[type_v]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=tol)
     flash = attention(
         q,
         kraw[:, :n_kv],
@@ -150,7 +159,89 @@ def test_classic_path_with_transposed_v(type_k, type_v):
         flash=True,
         round_q=False,
     )
-    np.testing.assert_allclose(got, flash, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(flash, _reference(q, kval, vval, mask, ts, n_head_kv, 0.125, 0.0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dk", [64, 256, 24], ids=["d64", "d256", "d24"])
+def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk, monkeypatch):
+    """Flash off, f16 K and V, KVCHAT_GGML_ORDER=1: the classic kernel computes llama.cpp's
+    non-flash graph exactly as ggml-cpu's AVX-512 build does
+    (tests/helpers/ggml_order.classic_attention_reference: Q and the probabilities rounded to f16
+    by mul_mat, ggml_v_expf, the softmax's 16-cell trees summed in double), every output bit for
+    bit, whatever the batch around a row. Without the opt-in only the softmax sum's order differs."""
+    import kvchat.kernels.attention as att
+    from tests.helpers.ggml_order import classic_attention_reference
+
+    monkeypatch.setattr(att, "GGML_ORDER", True)
+
+    n_tokens, n_head, n_head_kv, n_kv, kv_size = 21, 6, 2, 96, 128
+    rng = np.random.default_rng(dk)
+    q = (rng.standard_normal((n_tokens, n_head, dk)) * 2).astype(np.float32)
+    kx = rng.standard_normal((kv_size, n_head_kv * dk)).astype(np.float32)
+    vx = rng.standard_normal((kv_size, n_head_kv * dk)).astype(np.float32)
+    kraw, kval = _make_rows(kx, "f16", rng)
+    vt_raw, _ = _make_rows(np.ascontiguousarray(vx.T), "f16", rng)  # V^T [n_embd_v_gqa, kv_size]
+    mask = _causal_mask(n_tokens, n_kv, n_kv - n_tokens - 5, rng)
+    ts = np.zeros(n_tokens, np.int32)
+    args = (kraw.reshape(1, kv_size, -1)[:, :n_kv], GGMLType.F16, vt_raw.reshape(1, n_head_kv * dk, -1), GGMLType.F16)
+    got = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=False, round_q=True)
+    k = kval.reshape(kv_size, n_head_kv, dk)[:n_kv].astype(np.float32)
+    v = vx.astype(np.float16).astype(np.float32).reshape(kv_size, n_head_kv, dk)[:n_kv]
+    want = classic_attention_reference(q, k, v, mask, 0.125)
+    np.testing.assert_array_equal(got, want)
+    for t in (0, 7, n_tokens - 1):  # a row alone: the same bits
+        alone = attention(q[t : t + 1], *args, mask[t : t + 1], ts[:1], n_head_kv, 0.125, flash=False, round_q=True)
+        np.testing.assert_array_equal(alone[0], want[t])
+    monkeypatch.setattr(att, "GGML_ORDER", False)  # the default exp and sum: a p that rounds to
+    default = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=False, round_q=True)  # another f16
+    np.testing.assert_allclose(default, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dk", [64, 24], ids=["d64", "d24"])
+def test_ggml_order_flash_is_ggmls_tiled_flash_bit_for_bit(dk, monkeypatch):
+    """KVCHAT_GGML_ORDER=1, flash on, f16 K and V: kernels/attention_ggml.py computes ggml's tiled
+    flash attention (the prefill path of llama.cpp's CPU flash attention) bit for bit
+    (tests/helpers/ggml_order.flash_tiled_reference), each row the same alone, serial or parallel."""
+    import kvchat.kernels.attention as att
+    from tests.helpers.ggml_order import flash_tiled_reference
+
+    monkeypatch.setattr(att, "GGML_ORDER", True)
+    n_tokens, n_head, n_head_kv, n_kv = 70, 6, 2, 150
+    rng = np.random.default_rng(dk + 1)
+    q = (rng.standard_normal((n_tokens, n_head, dk)) * 2).astype(np.float32)
+    kx = rng.standard_normal((n_kv, n_head_kv * dk)).astype(np.float32)
+    vx = rng.standard_normal((n_kv, n_head_kv * dk)).astype(np.float32)
+    kraw, kval = _make_rows(kx, "f16", rng)
+    vraw, vval = _make_rows(vx, "f16", rng)
+    mask = _causal_mask(n_tokens, n_kv, n_kv - n_tokens - 5, rng)
+    ts = np.zeros(n_tokens, np.int32)
+    args = (kraw.reshape(1, n_kv, -1), GGMLType.F16, vraw.reshape(1, n_kv, -1), GGMLType.F16)
+    got = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=True)
+    k = kval.reshape(n_kv, n_head_kv, dk).astype(np.float32)
+    v = vval.reshape(n_kv, n_head_kv, dk).astype(np.float32)
+    np.testing.assert_array_equal(got, flash_tiled_reference(q, k, v, mask, 0.125))
+    for t in (0, 33, n_tokens - 1):
+        alone = attention(q[t : t + 1], *args, mask[t : t + 1], ts[:1], n_head_kv, 0.125, flash=True, n_threads=1)
+        np.testing.assert_array_equal(alone[0], got[t])
+
+
+def test_ggml_order_flash_two_streams_rows_are_their_streams(monkeypatch):
+    """KVCHAT_GGML_ORDER=1 flash with two streams in one call: each row is its stream's tiled
+    flash attention (the reference over that stream's cells), and the row computed alone."""
+    import kvchat.kernels.attention as att
+    from tests.helpers.ggml_order import flash_tiled_reference
+
+    monkeypatch.setattr(att, "GGML_ORDER", True)
+    n_tokens, n_head, n_head_kv, dk, n_kv = 9, 4, 2, 64, 80
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", n_tokens, n_head, n_head_kv, dk, n_kv, 96, 2, seed=9)
+    args = (kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16)
+    got = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=True)
+    for t in range(n_tokens):
+        s = ts[t]
+        want = flash_tiled_reference(
+            q[t : t + 1], kval[s].astype(np.float32), vval[s].astype(np.float32), mask[t : t + 1], 0.125
+        )
+        np.testing.assert_array_equal(got[t], want[0])
 
 
 def test_mixed_k_v_types_softcap_and_two_streams():

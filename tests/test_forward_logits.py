@@ -273,12 +273,19 @@ def _hp(dk, dv):
 
 def test_q_is_rounded_like_ggml_for_quantized_and_bf16_keys():
     """ggml's K·Q converts Q to K's vec_dot type (q8_0/q8_1 blocks for quantized K, bf16 for
-    bf16 K); f32/f16 K leave Q alone. Checked against gguf-py's own round trip."""
+    bf16 K); f32 K leaves Q alone, f16 K too on the flash path but not on the classic one (a
+    mul_mat: f16). Checked against gguf-py's own round trip."""
     from kvchat.runtime.arch.blocks import round_q_like_ggml
 
     q = np.random.default_rng(3).standard_normal((5, 4 * 64)).astype(np.float32) * 3  # [n, heads*dk]
     for t in (GGMLType.F32, GGMLType.F16):
         assert round_q_like_ggml(q, t) is q
+    assert round_q_like_ggml(q, GGMLType.F32, flash=False) is q
+    want_f16 = gguf.quants.dequantize(
+        gguf.quants.quantize(q, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
+    )
+    np.testing.assert_array_equal(round_q_like_ggml(q, GGMLType.F16, flash=False), want_f16)
+    assert not np.array_equal(want_f16, q)
     want = gguf.quants.dequantize(
         gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
     )
@@ -291,3 +298,20 @@ def test_q_is_rounded_like_ggml_for_quantized_and_bf16_keys():
     )
     np.testing.assert_array_equal(round_q_like_ggml(q, GGMLType.BF16), want_bf16)
     assert np.array_equal(round_q_like_ggml(q[2:3], GGMLType.Q4_0)[0], round_q_like_ggml(q, GGMLType.Q4_0)[2])
+
+
+def test_attention_scale_is_llamas_f32_and_gemma_phi3_scale_q():
+    """llama.cpp computes the attention scale in f32, 1.0f / sqrtf(n): for head sizes 24, 72 and 96
+    that is not the f64 1 / sqrt(n) rounded to f32; gemma's and phi3's graphs multiply Q by it
+    and run attention at scale 1 (LayerSpec.q_scaled), which the layer plan mirrors."""
+    import math
+
+    from kvchat.runtime.arch.gemma3 import GEMMA_LAYER
+    from kvchat.runtime.arch.layer_plan import LayerSpec, scale_f32
+    from kvchat.runtime.arch.phi3 import PHI3_LAYER
+
+    for n in (24, 64, 72, 80, 96, 128, 168, 256):
+        assert scale_f32(1.0 / math.sqrt(n)) == np.float32(1.0) / np.sqrt(np.float32(n))
+    assert scale_f32(1.0 / math.sqrt(96)) != np.float32(1.0 / math.sqrt(96))
+    assert scale_f32(0.22) == np.float32(0.22)  # a scale from the file, as it is
+    assert GEMMA_LAYER.q_scaled and PHI3_LAYER.q_scaled and not LayerSpec().q_scaled

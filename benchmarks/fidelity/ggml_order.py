@@ -11,8 +11,9 @@ for measurements, not for use. docs/performance.md, "Accuracy", has the numbers.
 - ``flash_tiled``: ggml_compute_forward_flash_attn_ext_tiled (ops.cpp; ubatches of >= 64
   queries, f16 or f32 K/V): per query and 64-cell tile, each score one fma chain over dk from 0
   (simd_gemm), times scale, plus mask; the tile's max, then when it rises VKQ and S times libm
-  expf(M_old - M_new); p = ggml_v_expf(s - M) (AVX2 form), S += the 8-lane trees of p summed in
-  double (ggml_vec_soft_max_f32); VKQ[e] = one fma chain over the tile's 64 cells (masked p = 0
+  expf(M_old - M_new); p = ggml_v_expf(s - M) (this host's form, kernels/ggml_math), S += the
+  8-lane (AVX2) or 16-lane (AVX-512: AVX512F + AVX512DQ) trees of p summed in double
+  (ggml_vec_soft_max_f32); VKQ[e] = one fma chain over the tile's 64 cells (masked p = 0
   included); out = VKQ * (1 / S).
 
 ``install()`` routes kvchat's Q4_1 QMatrix.matmul and its flash attention (f16 cache, one
@@ -29,6 +30,7 @@ from numba import njit, prange
 
 import kvchat.runtime.arch.layer_plan as lp
 import kvchat.runtime.model as rm
+from kvchat.kernels.ggml_math import EXPF_AVX512, expf_ggml
 from kvchat.kernels.ggml_types import GGMLType
 from kvchat.kernels.matmul import QMatrix
 from kvchat.kernels.qlayout import ACT_Q8_1
@@ -45,6 +47,7 @@ _C5, _C4, _C3, _C2, _C1 = (
     _hx(v) for v in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")
 )
 _R = np.float32(12582912.0)  # 0x1.8p23
+WIDE = EXPF_AVX512  # ggml_vec_soft_max_f32's AVX-512 form (16-lane groups) on this host, else its AVX2 one
 
 
 @njit(cache=True, forceinline=True)
@@ -116,7 +119,7 @@ def flash_tiled(q, kc, vc, mask, n_head_kv, scale, out):
         s_run = np.float32(0.0)
         acc = np.zeros(dv, np.float32)
         kq = np.empty(64, np.float32)
-        vals = np.empty(8, np.float32)
+        vals = np.empty(16, np.float32)
         for ic in range(0, n_kv, 64):
             nt = min(64, n_kv - ic)
             tmax = np.float32(-np.inf)
@@ -140,13 +143,23 @@ def flash_tiled(q, kc, vc, mask, n_head_kv, scale, out):
                 s_run = s_run * ms
             m_run = m_new
             sd = np.float64(0.0)
-            for g0 in range(0, 64, 8):
-                for lane in range(8):
-                    vals[lane] = v_expf_avx2(np.float32(kq[g0 + lane] - m_new))
-                    kq[g0 + lane] = vals[lane]
-                sd += np.float64(
-                    ((vals[4] + vals[0]) + (vals[6] + vals[2])) + ((vals[5] + vals[1]) + (vals[7] + vals[3]))
-                )
+            if WIDE:  # AVX-512: 16 exps a tree (_mm512_reduce_add_ps), the trees summed in double
+                for g0 in range(0, 64, 16):
+                    for lane in range(16):
+                        vals[lane] = expf_ggml(np.float32(kq[g0 + lane] - m_new))
+                        kq[g0 + lane] = vals[lane]
+                    for w in (8, 4, 2, 1):
+                        for lane in range(w):
+                            vals[lane] = vals[lane] + vals[lane + w]
+                    sd += np.float64(vals[0])
+            else:  # AVX2: 8 a tree (the _mm256 hsum)
+                for g0 in range(0, 64, 8):
+                    for lane in range(8):
+                        vals[lane] = expf_ggml(np.float32(kq[g0 + lane] - m_new))
+                        kq[g0 + lane] = vals[lane]
+                    sd += np.float64(
+                        ((vals[4] + vals[0]) + (vals[6] + vals[2])) + ((vals[5] + vals[1]) + (vals[7] + vals[3]))
+                    )
             s_run = np.float32(np.float64(s_run) + sd)
             for e in range(dv):
                 a = acc[e]
@@ -186,10 +199,10 @@ def install(q4_1: bool = True) -> None:
     attend_io = lp.attend_io
     f16 = int(GGMLType.F16)
 
-    def tiled(p, q, io, n_threads, kq_scale=None):
+    def tiled(p, q, io, n_threads, kq_scale=None, par_min=None):
         plain = io.flash and io.view is None and not io.rot_k and not io.rot_v and p.softcap == 0
         if not (plain and io.type_k == f16 and io.type_v == f16):
-            return attend_io(p, q, io, n_threads, kq_scale)
+            return attend_io(p, q, io, n_threads, kq_scale, par_min)
         n_kv, st = io.mask.shape[1], int(io.tok_stream[0])
         kc = np.ascontiguousarray(io.k[st, :n_kv]).view(np.float16).astype(np.float32).reshape(n_kv, p.n_head_kv, -1)
         vc = np.ascontiguousarray(io.v[st, :n_kv]).view(np.float16).astype(np.float32).reshape(n_kv, p.n_head_kv, -1)

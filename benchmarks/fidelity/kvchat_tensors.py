@@ -61,8 +61,8 @@ def prepare_qkv_store_(q, k, v, pos, *rest):
     return out
 
 
-def attend_io_(p, q, io, n_threads, kq_scale=None):
-    out = attend_io(p, q, io, n_threads, kq_scale)
+def attend_io_(p, q, io, n_threads, kq_scale=None, par_min=None):
+    out = attend_io(p, q, io, n_threads, kq_scale, par_min)
     save(f"kqv_out-{p.il}", out)
     return out
 

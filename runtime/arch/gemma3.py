@@ -30,7 +30,8 @@ class GemmaHParams(HParams):
     final_logit_softcap: float = 0.0
 
 
-GEMMA_LAYER = LayerSpec(norm="sandwich", ffn=geglu_ffn)  # post-norms before both residual adds, GeGLU
+GEMMA_LAYER = LayerSpec(norm="sandwich", ffn=geglu_ffn, q_scaled=True)  # post-norms before both residual adds,
+# GeGLU; Q scaled by f_attention_scale after RoPE (gemma2/3.cpp), attention at scale 1
 
 
 def gemma_model_spec(hp: GemmaHParams) -> ModelSpec:

@@ -30,6 +30,7 @@ for QK-norm + RoPE + the K/V cache write (kernels/qkv_store.py), attention throu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -47,7 +48,8 @@ from kvchat.kernels.rope import _ONE, prepare_qkv_planned, rope_plan
 from kvchat.runtime.memory.attn_rotation import rotate
 from kvchat.runtime.memory.kv_view import gather_k, gather_v_trans
 
-_Q_AS_IS = (int(GGMLType.F32), int(GGMLType.F16))  # K types whose K·Q takes Q in f32 (blocks.round_q_like_ggml)
+_Q_AS_IS = (int(GGMLType.F32), int(GGMLType.F16))  # K types whose flash K·Q takes Q in f32 (blocks.round_q_like_ggml)
+_F16 = int(GGMLType.F16)
 
 
 class Launch(NamedTuple):
@@ -92,6 +94,7 @@ class LayerSpec:
     ffn_norm: str = "ffn_norm"  # the weight of the norm before the FFN (qwen35: post_attn_norm)
     ffn: Callable | None = swiglu_ffn  # ffn(p, h [n, n_embd], run) -> [n, n_embd] f32; None: no FFN (mamba)
     residual_scale: float = 1.0  # multiplies the mixer's and the FFN's outputs before their adds (granite)
+    q_scaled: bool = False  # Q times the attention scale before attention, which then runs at scale 1 (gemma, phi3)
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class LayerPlan:
         "neox",
         "eps",
         "kq_scale",
+        "q_scale",
         "softcap",
         "sinks",
         "w_gate_up",
@@ -192,7 +196,10 @@ class LayerPlan:
             *self.rope,
             bool(self.neox),
         )
-        self.kq_scale = np.float32(hp.kq_scale)
+        scale = scale_f32(hp.kq_scale)
+        # q_scale: None, or f32 that Q is multiplied by before attention (LayerSpec.q_scaled: the graph's
+        # ggml_scale(Qcur, s), then attention at scale 1)
+        self.kq_scale, self.q_scale = (np.float32(1.0), scale) if spec.q_scaled else (scale, None)
         self.softcap = np.float32(hp.attn_logit_softcap)
         sinks = g("attn_sinks")  # f32 [n_head]: a learned logit per head in the softmax (gpt-oss)
         self.sinks = NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
@@ -206,6 +213,16 @@ class LayerPlan:
             from kvchat.runtime.arch.moe import MoEPlan
 
             self.moe = MoEPlan(hp, L, model.arch.moe_act)
+
+
+def scale_f32(kq_scale: float) -> np.float32:
+    """The attention scale as llama.cpp's graphs compute it in f32, 1.0f / sqrtf(float(n)), for a
+    scale 1 / sqrt(n) of an integer n (head size, or n_embd / n_head); other scales (read from a
+    file) as they are, rounded to f32. The two differ in the last bit for some n (24, 72, 96)."""
+    n = round(1.0 / (kq_scale * kq_scale))
+    if n > 0 and abs(1.0 / math.sqrt(n) - kq_scale) <= 1e-12 * kq_scale:
+        return np.float32(1.0) / np.sqrt(np.float32(n))
+    return np.float32(kq_scale)
 
 
 def layer_plan(model, il: int, n_ctx_seq: int) -> LayerPlan:
@@ -369,10 +386,14 @@ def attention_step(p: LayerPlan, h: np.ndarray, pos: np.ndarray, mctx, run: Laun
     store = io.store
     if store is not None:  # plain K/V rows: QK-norm, RoPE and the cache write in one launch
         q = prepare_qkv_store(q_in, k_in, v_in, pos, p.rope_args, p.n_head, p.n_head_kv, p.head_dim, store)
+        if p.q_scale is not None:
+            q = q * p.q_scale
         return attend_io(p, q, io, run.n_threads, par_min=run.attn_min_macs)
     q, k, v = prepare_qkv_planned(
         q_in, k_in, v_in, p.n_head, p.n_head_kv, p.head_dim, pos, p.rope, p.neox, p.q_norm, p.k_norm, p.eps
     )
+    if p.q_scale is not None:
+        q = q * p.q_scale
     return store_and_attend(p, q, k, v, mctx, io, run.n_threads, par_min=run.attn_min_macs)
 
 
@@ -400,8 +421,8 @@ def attend_io(p: LayerPlan, q, io, n_threads: int, kq_scale=None, par_min=None) 
     if io.view is not None:  # a unified cache shared with other sequences: each in its own stream
         k_cache = gather_k(k_cache, io.view)
         v_cache = gather_k(v_cache, io.view) if io.flash else gather_v_trans(v_cache, io.view)
-    if type_k not in _Q_AS_IS:  # Q in K's vec-dot type, as ggml (blocks.round_q_like_ggml)
-        q = round_q_to_vec_dot_type(q, type_k)
+    if type_k not in _Q_AS_IS or (type_k == _F16 and not io.flash):  # Q in K's vec-dot type, as ggml
+        q = round_q_to_vec_dot_type(q, type_k)  # (blocks.round_q_like_ggml)
     if not q.flags.c_contiguous:
         q = np.ascontiguousarray(q)
     out = attention_checked(

@@ -17,7 +17,10 @@ sliding window is off, as in llama.cpp.
 from __future__ import annotations
 
 from kvchat.runtime.arch.base import Arch, Tensor
+from kvchat.runtime.arch.layer_plan import LayerSpec
 from kvchat.runtime.hparams import rope_factor_tensor
+
+PHI3_LAYER = LayerSpec(q_scaled=True)  # phi3.cpp scales Q by 1/sqrt(head size), attention at scale 1
 
 
 class Phi3(Arch):
@@ -36,6 +39,9 @@ class Phi3(Arch):
             if p + "attn_qkv.weight" not in gf.tensors and not all(p + f"attn_{x}.weight" in gf.tensors for x in "qkv"):
                 gf.fail(f"tensor {p}attn_qkv.weight", "missing (required for phi3: fused QKV, or attn_q/k/v)")
         return super().read_hparams(gf, fields)
+
+    def layer_spec(self, hp, il):
+        return PHI3_LAYER
 
     def model_tensors(self, hp):
         t = super().model_tensors(hp)

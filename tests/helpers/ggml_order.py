@@ -127,3 +127,120 @@ def rope_reference(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float,
     x[..., i0] = fma32(x0, c, -(x1 * s).astype(np.float32))
     x[..., i1] = fma32(x0, s, (x1 * c).astype(np.float32))
     return x
+
+
+def _tree16(x: np.ndarray) -> np.ndarray:
+    """_mm512_reduce_add_ps over the last axis (16 lanes): lanes i + (i + 8), then i + (i + 4), ..."""
+    x = np.asarray(x, np.float32)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = (x[..., :h] + x[..., h:]).astype(np.float32)
+    return x[..., 0]
+
+
+def _to_f16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def _lane_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """llamafile's tinyBLAS f16 x f16 dot on AVX-512 (sgemm.cpp gemm_bloc): lane l an fma chain
+    over elements l, l + 16, ... of the last axis (zero-padded to 16), then hsum (_tree16).
+    a, b: [..., n] f32 broadcastable -> [...] f32."""
+    a, b = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    n = a.shape[-1]
+    pad = -n % 16
+    if pad:
+        z = np.zeros(a.shape[:-1] + (pad,), np.float32)
+        a, b = np.concatenate([a, z], -1), np.concatenate([b, z], -1)
+    acc = np.zeros(a.shape[:-1] + (16,), np.float32)
+    for e in range(0, n + pad, 16):
+        acc = fma32(a[..., e : e + 16], b[..., e : e + 16], acc)
+    return _tree16(acc)
+
+
+def classic_attention_reference(q, k, v, mask, scale) -> np.ndarray:
+    """llama.cpp's attention with flash attention off, f16 K and V caches, as ggml-cpu's AVX-512
+    build computes it (llama-graph.cpp build_attn_mha: kq = mul_mat(k, q), soft_max_ext(kq, mask,
+    scale), kqv = mul_mat(v, kq)):
+    - KQ: mul_mat converts Q to K's vec-dot type (f16), then tinyBLAS's f16 dot (_lane_dot);
+    - soft_max_f32 (ops.cpp): w = kq * scale + mask; e = ggml_v_expf(w - max); the exps of each
+      16 cells (from cell 0) summed in one tree, those sums added in double in cell order;
+      p = e * (float)(1.0 / sum);
+    - KQV: mul_mat converts P to V's vec-dot type (f16), then the same lane dot over the cells.
+    q [T, H, D] f32; k [n_kv, Hkv, D] and v [n_kv, Hkv, Dv] f16 values as f32; mask [T, n_kv] f32
+    (0 / -inf, every row with a visible cell); n_kv a multiple of 16 (llama.cpp pads it to 256)
+    -> [T, H * Dv] f32."""
+    q = _to_f16(q)
+    T, H, _ = q.shape
+    n_kv, hkv, dv = v.shape
+    g = H // hkv
+    out = np.zeros((T, H, dv), np.float32)
+    for h in range(H):
+        kq = _lane_dot(k[None, :, h // g, :], q[:, h, None, :])  # [T, n_kv]
+        w = ((kq * np.float32(scale)).astype(np.float32) + mask).astype(np.float32)
+        x = (w - w.max(axis=1, keepdims=True)).astype(np.float32)
+        ex = expf_reference(np.where(np.isinf(x), np.float32(-1e3), x))  # [T, n_kv]; ggml_v_expf(-inf) = 0
+        sums = _tree16(ex.reshape(T, n_kv // 16, 16)).astype(np.float64)  # [T, n_kv / 16]
+        total = np.zeros(T, np.float64)
+        for c in range(sums.shape[1]):
+            total = total + sums[:, c]
+        p = _to_f16((ex * (1.0 / total).astype(np.float32)[:, None]).astype(np.float32))  # [T, n_kv]
+        out[:, h, :] = _lane_dot(v[None, :, h // g, :].transpose(0, 2, 1), p[:, None, :])  # [T, Dv]
+    return out.reshape(T, H * dv)
+
+
+def flash_tiled_reference(q, k, v, mask, scale) -> np.ndarray:
+    """llama.cpp's flash attention as ggml-cpu's tiled kernel computes it (ops.cpp
+    ggml_compute_forward_flash_attn_ext_tiled: ubatches of >= 64 queries, f16/f32 K and V, no
+    soft-cap, no sinks), AVX-512 build, per query row over 64-cell tiles from cell 0: scores one fma
+    chain over the head in order (Q in f32) times scale plus mask; an all -inf tile skipped; where
+    the max rises, acc and S times libm expf(M - M'); p = ggml_v_expf(score - M'), S = f32(S + the
+    16-cell trees summed in double); acc[e] one fma chain over the cells, carried over the tiles;
+    out = acc * (1.0f / S). q [T, H, D] f32; k [n_kv, Hkv, D], v [n_kv, Hkv, Dv] as f32; mask
+    [T, n_kv] -> [T, H * Dv] f32."""
+    import ctypes
+
+    expf = _libm().expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    q = np.asarray(q, np.float32)
+    T, H, D = q.shape
+    n_kv, hkv, dv = v.shape
+    g = H // hkv
+    out = np.zeros((T, H, dv), np.float32)
+    for t in range(T):
+        for h in range(H):
+            m_run, s_run = np.float32(-np.inf), np.float32(0.0)
+            acc = np.zeros(dv, np.float32)
+            for j0 in range(0, n_kv, 64):
+                nj = min(64, n_kv - j0)
+                kk = np.zeros((64, D), np.float32)
+                kk[:nj] = k[j0 : j0 + nj, h // g]
+                vv = np.zeros((64, dv), np.float32)
+                vv[:nj] = v[j0 : j0 + nj, h // g]
+                sc = np.zeros(64, np.float32)
+                for e in range(D):
+                    sc = fma32(np.full(64, q[t, h, e], np.float32), kk[:, e], sc)
+                sc = (sc * np.float32(scale)).astype(np.float32)
+                mk = np.full(64, -np.inf, np.float32)
+                mk[:nj] = mask[t, j0 : j0 + nj]
+                sc = (sc + mk).astype(np.float32)
+                tmax = sc.max()
+                if tmax == -np.inf:
+                    continue
+                m_new = max(m_run, tmax)
+                if m_new > m_run:
+                    ms = np.float32(expf(float(np.float32(m_run - m_new))))  # libm expf; 0 on the first tile
+                    acc = (acc * ms).astype(np.float32)
+                    s_run = np.float32(s_run * ms)
+                m_run = m_new
+                x = (sc - m_new).astype(np.float32)
+                p = expf_reference(np.where(np.isinf(x), np.float32(-1e3), x))
+                sd = 0.0
+                for c in range(4):
+                    sd += float(_tree16(p[16 * c : 16 * c + 16]))
+                s_run = np.float32(float(s_run) + sd)
+                for j in range(64):
+                    acc = fma32(vv[j], np.full(dv, p[j], np.float32), acc)
+            inv = np.float32(0.0) if s_run == 0 else np.float32(np.float32(1.0) / s_run)
+            out[t, h] = (acc * inv).astype(np.float32)
+    return out.reshape(T, H * dv)

@@ -1,0 +1,160 @@
+"""Flash attention in the float order of ggml-cpu's tiled flash attention (opt-in:
+KVCHAT_GGML_ORDER=1, with the q4_1 order of kernels/matmul_lanes.py; f16 or f32 K and V of one
+type, no sinks; kernels/attention.py dispatches).
+
+ggml's `ggml_compute_forward_flash_attn_ext_tiled` (ops.cpp; the path llama.cpp's CPU flash
+attention takes for ubatches of >= 64 queries with f16/f32 K/V, so the one perplexity runs) per
+query row, over 64-cell tiles from cell 0:
+- score = one fma chain over the head's components in order from 0 (simd_gemm, Q in f32), times
+  the scale (soft-capped: scale / cap, tanh, times cap), plus the mask; cells past n_kv -inf;
+- a tile whose scores are all -inf is skipped; else M' = max(M, tile max), and where M' > M the
+  accumulator and the sum S are multiplied by libm expf(M - M');
+- p = ggml_v_expf(score - M') (this CPU's form, kernels/ggml_math), S = f32(S + the tile's
+  16-cell trees summed in double) (ggml_vec_soft_max_f32, AVX-512 form);
+- acc[e] = one fma chain over the tile's cells in order (simd_gemm), carried across tiles;
+- out = acc * (1.0f / S).
+So a row depends on its own query, mask and cells only (batch-invariant by construction), but the
+walk over the cells is one sequential online softmax: no flash-decoding split, one unit per kv
+head and token block. Below 64 queries llama.cpp runs another arithmetic (Q rounded to f16, V
+summed in f16), so a generated token's row is not llama.cpp's; a prompt's is, bit for bit
+(tests/test_attention.py against tests/helpers/ggml_order.flash_tiled_reference).
+"""
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from kvchat.kernels.attention_tiles import NEG_INF, dequant_cache_row
+from kvchat.kernels.ggml_math import expf_ggml
+from kvchat.kernels.simd import LANES, vbcast, vfma, vhsum, vload, vmul, vstore, vzero
+
+TILE = 64  # GGML_FA_TILE_KV
+_NV = TILE // LANES  # score vectors per tile
+
+
+@njit(cache=True, inline="always")
+def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, out):
+    """Rows of token block u % n_tb of kv head u // n_tb: q [n_tokens, n_head, dk] f32, k / v
+    u8 [n_stream, n_kv, row bytes] cache rows (f16 or f32), mask [n_tokens, n_kv] f32, start
+    [n_tokens] i64 (each row walks its tiles from the one holding its start cell, cyclically),
+    out [n_tokens, n_head, dv] f32."""
+    n_tokens, n_head, dk = q.shape
+    dv = out.shape[2]
+    n_kv = mask.shape[1]
+    gq = n_head // n_head_kv
+    n_tb = (n_tokens + tb - 1) // tb
+    tbi, hk = u % n_tb, u // n_tb
+    t0 = tbi * tb
+    t1 = min(t0 + tb, n_tokens)
+    kb, vb = k.shape[2] // n_head_kv, v.shape[2] // n_head_kv
+    dvp = (dv + LANES - 1) // LANES * LANES
+    n_tiles = (n_kv + TILE - 1) // TILE
+    kt = np.zeros((dk, TILE), dtype=np.float32)  # K tile transposed: component e of every cell
+    vt = np.zeros((TILE, dvp), dtype=np.float32)  # V tile, components past dv zero
+    kr = np.zeros(dk, dtype=np.float32)
+    sc = np.empty(TILE, dtype=np.float32)
+    cap = softcap != 0.0
+    sc_scale = scale / softcap if cap else scale
+    ta = t0
+    while ta < t1:  # runs of tokens of one stream that start their walk in the same tile share its decode
+        s0 = start[ta] // TILE
+        tz = ta + 1
+        while tz < t1 and start[tz] // TILE == s0 and tok_stream[tz] == tok_stream[ta]:
+            tz += 1
+        nq = (tz - ta) * gq  # row qi: token ta + qi // gq, head hk * gq + qi % gq
+        st = tok_stream[ta]
+        acc = np.zeros((nq, dvp), dtype=np.float32)
+        m_run = np.full(nq, NEG_INF, dtype=np.float32)
+        s_run = np.zeros(nq, dtype=np.float32)
+        for i in range(n_tiles):
+            ti = (s0 + i) % n_tiles
+            j0 = ti * TILE
+            nj = min(TILE, n_kv - j0)
+            live = False
+            for t in range(ta, tz):
+                for j in range(j0, j0 + nj):
+                    if mask[t, j] != NEG_INF:
+                        live = True
+                        break
+                if live:
+                    break
+            if not live:
+                continue
+            for j in range(TILE):
+                if j < nj:
+                    dequant_cache_row(type_k, k[st, j0 + j, hk * kb : (hk + 1) * kb], kr)
+                    for e in range(dk):
+                        kt[e, j] = kr[e]
+                    dequant_cache_row(type_v, v[st, j0 + j, hk * vb : (hk + 1) * vb], vt[j, :dv])
+                else:
+                    for e in range(dk):
+                        kt[e, j] = 0.0
+                    for e in range(dv):
+                        vt[j, e] = 0.0
+            for qi in range(nq):
+                t = ta + qi // gq
+                h = hk * gq + qi % gq
+                tmax = NEG_INF
+                for c in range(_NV):  # 16 cells a vector, each one fma chain over the components
+                    a = vzero()
+                    for e in range(dk):
+                        a = vfma(vbcast(q[t, h, e]), vload(kt, e * TILE + c * LANES), a)
+                    vstore(sc, c * LANES, vmul(a, vbcast(sc_scale)))
+                for j in range(TILE):
+                    x = sc[j]
+                    if cap:
+                        x = np.float32(math.tanh(x)) * softcap
+                    x = x + mask[t, j0 + j] if j < nj else NEG_INF
+                    sc[j] = x
+                    tmax = max(tmax, x)
+                if tmax == NEG_INF:
+                    continue
+                m_old = m_run[qi]
+                m_new = max(m_old, tmax)
+                if m_new > m_old:
+                    ms = np.float32(math.exp(m_old - m_new))  # libm expf; 0 on the first tile
+                    vms = vbcast(ms)
+                    for e in range(0, dvp, LANES):
+                        vstore(acc[qi], e, vmul(vload(acc[qi], e), vms))
+                    s_run[qi] = s_run[qi] * ms
+                m_run[qi] = m_new
+                for j in range(TILE):
+                    sc[j] = expf_ggml(sc[j] - m_new)
+                sd = np.float64(0.0)
+                for c in range(_NV):
+                    sd += np.float64(vhsum(vload(sc, c * LANES)))
+                s_run[qi] = np.float32(np.float64(s_run[qi]) + sd)
+                for e in range(0, dvp, LANES):  # acc[e] += p_j * v_j[e], cells in order
+                    x = vload(acc[qi], e)
+                    for j in range(TILE):
+                        x = vfma(vload(vt, j * dvp + e), vbcast(sc[j]), x)
+                    vstore(acc[qi], e, x)
+        for qi in range(nq):
+            inv = np.float32(0.0) if s_run[qi] == 0.0 else np.float32(1.0) / s_run[qi]
+            t = ta + qi // gq
+            h = hk * gq + qi % gq
+            for e in range(dv):
+                out[t, h, e] = acc[qi, e] * inv
+        ta = tz
+
+
+@njit(cache=True, parallel=True)
+def ggml_flash_par(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, n_units, out):
+    for u in prange(n_units):
+        _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, out)
+
+
+@njit(cache=True)
+def ggml_flash_ser(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, n_units, out):
+    for u in range(n_units):
+        _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, out)
+
+
+def ggml_flash_units(n_tokens, n_head_kv, n_threads):
+    """(token block, units): blocks of up to 16 tokens, fewer while there are under two units a
+    thread (each unit decodes a tile once for its rows)."""
+    tb = min(16, max(1, n_tokens))
+    while tb > 1 and n_head_kv * -(-n_tokens // tb) < 2 * n_threads:
+        tb //= 2
+    return tb, n_head_kv * -(-n_tokens // tb)
