@@ -49,29 +49,19 @@ def _u32(b: np.ndarray) -> np.ndarray:
 
 
 def _interleave(a: np.ndarray, m: int) -> np.ndarray:
-    """[m, ...rest] -> [G, ...rest, R], rows padded with zeros to G * R."""
+    """[m, ...rest] -> [G, ...rest, R], rows padded with zeros to G * R. Built in slices of
+    ROWS_PER_SLICE rows, so the scratch stays small beside the result (a whole-matrix pass held
+    two padded copies: a 262144-row output head is 335 MB in f16)."""
     g = -(-m // R)
-    pad = np.zeros((g * R,) + a.shape[1:], a.dtype)
-    pad[:m] = a
-    pad = pad.reshape((g, R) + a.shape[1:])
-    return np.ascontiguousarray(np.moveaxis(pad, 1, -1))
-
-
-def _interleave_rows(w: np.ndarray, kp: int) -> np.ndarray:
-    """Float weights [m, k] -> [G, kp // 32, 32, R] (what _interleave makes of [m, kp // 32, 32]),
-    zeros past row m and column k, in slices of ROWS_PER_SLICE rows: the scratch stays small
-    where _interleave would hold two padded copies of a whole matrix (a 262144-row output head is
-    335 MB in f16)."""
-    m, k = w.shape
-    g, nb = -(-m // R), kp // 32
-    out = np.zeros((g, nb, 32, R), w.dtype)
+    rest = a.shape[1:]
+    out = np.zeros((g,) + rest + (R,), a.dtype)
     step = ROWS_PER_SLICE // R
     for g0 in range(0, g, step):
         g1 = min(g, g0 + step)
         r0, r1 = g0 * R, min(m, g1 * R)
-        blk = np.zeros(((g1 - g0) * R, kp), w.dtype)  # [rows, kp]
-        blk[: r1 - r0, :k] = w[r0:r1]
-        out[g0:g1] = blk.reshape(g1 - g0, R, nb, 32).transpose(0, 2, 3, 1)
+        blk = np.zeros(((g1 - g0) * R,) + rest, a.dtype)  # [rows, ...rest]
+        blk[: r1 - r0] = a[r0:r1]
+        out[g0:g1] = np.moveaxis(blk.reshape((g1 - g0, R) + rest), 1, -1)
     return out
 
 
@@ -147,7 +137,10 @@ def repack(raw: np.ndarray, t: int, k: int) -> tuple[str, tuple[np.ndarray, np.n
         # (simd.vload: u16 elements are f16 bit patterns, i16 elements bf16 ones)
         kind, dt = {GGMLType.F32: ("f32", np.float32), GGMLType.F16: ("f16", np.uint16)}.get(t, ("bf16", np.int16))
         w = raw.view(dt).reshape(m, k)
-        return kind, (_interleave_rows(w, padded_k(t, k)), no_scale, no_scale)
+        kp = padded_k(t, k)
+        if kp != k:  # zero columns to whole 32-blocks (the caller pads x alike)
+            w = np.pad(w, ((0, 0), (0, kp - k)))
+        return kind, (_interleave(w.reshape(m, kp // 32, 32), m), no_scale, no_scale)
 
     if t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL):
         nb = k // 32

@@ -352,15 +352,15 @@ def test_half_weights_are_held_in_their_two_bytes_and_multiply_as_their_f32_valu
         np.testing.assert_array_equal(qm.matmul(x[:n], min_macs=0), qm32.matmul(x[:n]))  # the parallel twin
 
 
-def test_float_interleave_in_slices_equals_the_whole_matrix_at_once(monkeypatch):
-    """The float weights' interleave in row slices (bounded scratch) lays out exactly what one
-    pass over the whole padded matrix does, also where a slice ends inside the last row group."""
+def test_interleave_in_slices_equals_the_whole_matrix_at_once(monkeypatch):
+    """The row interleave built in slices (bounded scratch) lays out exactly what one pass over the
+    whole padded matrix does, also where a slice ends inside the last row group."""
     from kvchat.kernels import repack
 
-    w = np.random.default_rng(23).standard_normal((200, 45)).astype(np.float32)
-    whole = repack._interleave_rows(w, 64)
+    a = np.random.default_rng(23).standard_normal((200, 2, 32)).astype(np.float32)
+    pad = np.zeros((224, 2, 32), np.float32)  # 7 groups of 32 rows
+    pad[:200] = a
+    whole = np.moveaxis(pad.reshape(7, 32, 2, 32), 1, -1)
+    np.testing.assert_array_equal(repack._interleave(a, 200), whole)
     monkeypatch.setattr(repack, "ROWS_PER_SLICE", 64)
-    np.testing.assert_array_equal(repack._interleave_rows(w, 64), whole)
-    wp = np.zeros((200, 64), np.float32)
-    wp[:, :45] = w
-    np.testing.assert_array_equal(whole, repack._interleave(wp.reshape(200, 2, 32), 200))
+    np.testing.assert_array_equal(repack._interleave(a, 200), whole)
