@@ -34,7 +34,10 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kvchat.kernels.repack import R
-from kvchat.kernels.simd import vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
+from kvchat.kernels.simd import prefetch, vadd, vbcast, vfma, vhsum, vload, vload_hi, vload_lo, vstore, vzero
+
+PF_BYTES = 2048
+SCRATCH_MIN_TOKENS = 8
 
 
 def _pair(q, base, j, h):
@@ -160,6 +163,7 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
     acc = np.empty(min(n, token_chunk) * R, np.float32)  # [tokens of a chunk, R] row sums
     w = np.empty(B * R, np.float32)  # [B, R] one decoded block
     z = vzero()
+    pf = PF_BYTES // q.itemsize
     for it in range(i0, i1):
         g = it // n_tc
         t0 = (it - g * n_tc) * token_chunk
@@ -177,8 +181,10 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
             if has_mn:
                 m0, m1 = vload(mn, sb), vload(mn, sb + 16)
             t = t0
-            if nt >= 4:  # decode the block once for the whole chunk
+            if nt >= SCRATCH_MIN_TOKENS:  # decode the block once for the whole chunk
                 for j in range(h):
+                    prefetch(q, base + j * R + pf)
+                    prefetch(q, base + (h + j) * R + pf)
                     wa0, wa1, wb0, wb1 = _pair(q, base, j, h)
                     vstore(w, j * R, wa0)
                     vstore(w, j * R + 16, wa1)
@@ -242,28 +248,43 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
                     vstore(acc, ia, a0)
                     vstore(acc, ia + 16, a1)
                     t += 1
-            else:  # 1-3 tokens: decode in registers, no scratch round trip
+            else:  # fewer tokens (generation, a verify batch): decode in registers, four tokens per pass
                 while t < t1:
+                    ng = min(4, t1 - t)
                     s0 = (z, z, z, z)
+                    s1 = (z, z, z, z)
+                    s2 = (z, z, z, z)
+                    s3 = (z, z, z, z)
                     for j in range(h):
+                        if t == t0:
+                            prefetch(q, base + j * R + pf)
+                            prefetch(q, base + (h + j) * R + pf)
                         wa0, wa1, wb0, wb1 = _pair(q, base, j, h)
                         s0 = _dot_step(s0, wa0, wa1, wb0, wb1, x[t, x0 + j], x[t, x0 + h + j])
-                    ia = (t - t0) * R
-                    a0, a1 = _block_into_acc(
-                        vload(acc, ia),
-                        vload(acc, ia + 16),
-                        s0,
-                        d0,
-                        d1,
-                        m0,
-                        m1,
-                        xs[t, b] if has_mn else np.float32(0.0),
-                        has_d,
-                        has_mn,
-                    )
-                    vstore(acc, ia, a0)
-                    vstore(acc, ia + 16, a1)
-                    t += 1
+                        if ng > 1:
+                            s1 = _dot_step(s1, wa0, wa1, wb0, wb1, x[t + 1, x0 + j], x[t + 1, x0 + h + j])
+                        if ng > 2:
+                            s2 = _dot_step(s2, wa0, wa1, wb0, wb1, x[t + 2, x0 + j], x[t + 2, x0 + h + j])
+                        if ng > 3:
+                            s3 = _dot_step(s3, wa0, wa1, wb0, wb1, x[t + 3, x0 + j], x[t + 3, x0 + h + j])
+                    for u in range(ng):
+                        s = s0 if u == 0 else (s1 if u == 1 else (s2 if u == 2 else s3))
+                        ia = (t + u - t0) * R
+                        a0, a1 = _block_into_acc(
+                            vload(acc, ia),
+                            vload(acc, ia + 16),
+                            s,
+                            d0,
+                            d1,
+                            m0,
+                            m1,
+                            xs[t + u, b] if has_mn else np.float32(0.0),
+                            has_d,
+                            has_mn,
+                        )
+                        vstore(acc, ia, a0)
+                        vstore(acc, ia + 16, a1)
+                    t += ng
         r1 = min(R, m - g * R)  # the last group's padding rows are not written
         for t in range(t0, t1):
             ia = (t - t0) * R
