@@ -140,10 +140,10 @@ def _sub_dot(isa, fmt, q, base, x32, t, xo):
 
 
 @njit(cache=True, inline="always")
-def _sub_dot4(isa, fmt, q, base, x32, t, xo):
-    """_sub_dot for tokens t .. t+3 at once: each weight vector is loaded (and its nibbles split)
-    once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31). The integers equal
-    _sub_dot's (exact sums, only their association differs)."""
+def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo):
+    """_sub_dot for tokens t, u1, u2, u3 at once: each weight vector is loaded (and its nibbles
+    split) once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31). The integers
+    equal _sub_dot's (exact sums, only their association differs)."""
     z = izero()
     p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
     if fmt_get(fmt, "nib"):
@@ -152,11 +152,11 @@ def _sub_dot4(isa, fmt, q, base, x32, t, xo):
             l0, l1, h0, h1 = _nib_values(isa, fmt, q, base, s)
             xl, xh = x32[t, xo + s], x32[t, xo + H + s]
             p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
-            xl, xh = x32[t + 1, xo + s], x32[t + 1, xo + H + s]
+            xl, xh = x32[u1, xo + s], x32[u1, xo + H + s]
             p2, p3 = idot(isa, idot(isa, p2, l0, xl), h0, xh), idot(isa, idot(isa, p3, l1, xl), h1, xh)
-            xl, xh = x32[t + 2, xo + s], x32[t + 2, xo + H + s]
+            xl, xh = x32[u2, xo + s], x32[u2, xo + H + s]
             p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
-            xl, xh = x32[t + 3, xo + s], x32[t + 3, xo + H + s]
+            xl, xh = x32[u3, xo + s], x32[u3, xo + H + s]
             p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
     else:
         S = fmt_get(fmt, "sub")
@@ -165,14 +165,14 @@ def _sub_dot4(isa, fmt, q, base, x32, t, xo):
             v1 = bload(q, base + s * 128 + 64)
             if fmt_get(fmt, "signed"):
                 p0, p1 = idot_s(isa, p0, v0, x32[t, xo + s]), idot_s(isa, p1, v1, x32[t, xo + s])
-                p2, p3 = idot_s(isa, p2, v0, x32[t + 1, xo + s]), idot_s(isa, p3, v1, x32[t + 1, xo + s])
-                p4, p5 = idot_s(isa, p4, v0, x32[t + 2, xo + s]), idot_s(isa, p5, v1, x32[t + 2, xo + s])
-                p6, p7 = idot_s(isa, p6, v0, x32[t + 3, xo + s]), idot_s(isa, p7, v1, x32[t + 3, xo + s])
+                p2, p3 = idot_s(isa, p2, v0, x32[u1, xo + s]), idot_s(isa, p3, v1, x32[u1, xo + s])
+                p4, p5 = idot_s(isa, p4, v0, x32[u2, xo + s]), idot_s(isa, p5, v1, x32[u2, xo + s])
+                p6, p7 = idot_s(isa, p6, v0, x32[u3, xo + s]), idot_s(isa, p7, v1, x32[u3, xo + s])
             else:
                 p0, p1 = idot(isa, p0, v0, x32[t, xo + s]), idot(isa, p1, v1, x32[t, xo + s])
-                p2, p3 = idot(isa, p2, v0, x32[t + 1, xo + s]), idot(isa, p3, v1, x32[t + 1, xo + s])
-                p4, p5 = idot(isa, p4, v0, x32[t + 2, xo + s]), idot(isa, p5, v1, x32[t + 2, xo + s])
-                p6, p7 = idot(isa, p6, v0, x32[t + 3, xo + s]), idot(isa, p7, v1, x32[t + 3, xo + s])
+                p2, p3 = idot(isa, p2, v0, x32[u1, xo + s]), idot(isa, p3, v1, x32[u1, xo + s])
+                p4, p5 = idot(isa, p4, v0, x32[u2, xo + s]), idot(isa, p5, v1, x32[u2, xo + s])
+                p6, p7 = idot(isa, p6, v0, x32[u3, xo + s]), idot(isa, p7, v1, x32[u3, xo + s])
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
@@ -259,14 +259,17 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
 
 
 @njit(cache=True, forceinline=True, _nrt=False)
-def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
-    """_row for tokens t .. t+3, sharing each weight load; every token's operations and their
-    order are _row's, so the four rows are bit-identical to four _row calls."""
+def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng):
+    """_row for tokens t .. t + ng - 1 (ng 2-4), sharing each weight load; every token's
+    operations and their order are _row's, so the rows are bit-identical to _row calls. Fewer
+    than four tokens repeat the last one in the spare lanes (not stored): a verify batch of 2-3
+    tokens reads and unpacks its weights once, as four tokens do."""
     S = fmt_get(fmt, "sub")
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
     sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
     z = izero()
     f = vzero()
     a = (f, f, f, f, f, f, f, f)
@@ -274,20 +277,24 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
         c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
         for jj in range(NS):
             j = B * NS + jj
-            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, j * S // 4)
+            for c in range(0, sub_bytes, 64):  # as _row: one hint a cache line, PREFETCH_BYTES ahead
+                prefetch(q, (gq * n_sub_all + j) * sub_bytes + PREFETCH_BYTES + c)
+            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
             c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
-            c1 = _fold_sub(isa, fmt, sc, mn, xs, t + 1, j, g, n_sub_all, p[2], p[3], c1)
-            c2 = _fold_sub(isa, fmt, sc, mn, xs, t + 2, j, g, n_sub_all, p[4], p[5], c2)
-            c3 = _fold_sub(isa, fmt, sc, mn, xs, t + 3, j, g, n_sub_all, p[6], p[7], c3)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
         a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, c0, a[0], a[1])
-        a2, a3 = _fold_super(fmt, d, m, xd, xm, t + 1, B, g, n_super, c1, a[2], a[3])
-        a4, a5 = _fold_super(fmt, d, m, xd, xm, t + 2, B, g, n_super, c2, a[4], a[5])
-        a6, a7 = _fold_super(fmt, d, m, xd, xm, t + 3, B, g, n_super, c3, a[6], a[7])
+        a2, a3 = _fold_super(fmt, d, m, xd, xm, u1, B, g, n_super, c1, a[2], a[3])
+        a4, a5 = _fold_super(fmt, d, m, xd, xm, u2, B, g, n_super, c2, a[4], a[5])
+        a6, a7 = _fold_super(fmt, d, m, xd, xm, u3, B, g, n_super, c3, a[6], a[7])
         a = (a0, a1, a2, a3, a4, a5, a6, a7)
     _store(y, ym, t, g, a[0], a[1])
-    _store(y, ym, t + 1, g, a[2], a[3])
-    _store(y, ym, t + 2, g, a[4], a[5])
-    _store(y, ym, t + 3, g, a[6], a[7])
+    _store(y, ym, u1, g, a[2], a[3])
+    if ng > 2:
+        _store(y, ym, u2, g, a[4], a[5])
+    if ng > 3:
+        _store(y, ym, u3, g, a[6], a[7])
 
 
 EXPAND_MIN_TOKENS = 16  # a chunk of at least this many tokens runs on its group's values expanded to bytes
@@ -351,7 +358,7 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, 
         bf = _bytes_fmt(fmt)
         _expand_group(fmt, q, g, qx)
         while t + 4 <= t1:
-            _row4(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym)
+            _row4(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym, 4)
             t += 4
         while t < t1:
             _row(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym)
@@ -363,8 +370,8 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, 
 
 @njit(cache=True)
 def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i1, expand):
-    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): four tokens at a
-    time through _row4, the chunk's last 0-3 through _row. A serial function, so that the
+    """Work items i0 .. i1 - 1 (item = row group * n_chunks + token chunk): up to four tokens at
+    a time through _row4, a lone last token through _row. A serial function, so that the
     parallel kernel's body stays small (numba's parfor passes are slow on big bodies).
     expand: a literal True or False, whether long chunks of a bit-plane format run on their
     values expanded to bytes (the same bits, faster on long chunks, but a second _row/_row4 to
@@ -383,12 +390,13 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
         t1 = min(n, t + token_chunk)
         if _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
             continue
-        while t + 4 <= t1:
-            _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
-            t += 4
         while t < t1:
-            _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
-            t += 1
+            ng = min(4, t1 - t)
+            if ng == 1:
+                _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
+            else:
+                _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym, ng)
+            t += ng
 
 
 @njit(cache=True, inline="always")

@@ -136,7 +136,7 @@ def test_rows_are_batch_invariant_across_drivers_threads_and_chunks(t):
     try:
         for nt in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
             numba.set_num_threads(nt)
-            for n in (1, 2, 16, 17, 67):
+            for n in (1, 2, 3, 6, 16, 17, 67):
                 np.testing.assert_array_equal(_run(qm, x[:n], ISAS[0]), single[:n], err_msg=f"n={n} threads={nt}")
             for chunk, runs in ((1, 3), (5, 1), (64, 1000)):
                 np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), single)
