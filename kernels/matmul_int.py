@@ -140,10 +140,11 @@ def _sub_dot(isa, fmt, q, base, x32, t, xo):
 
 
 @njit(cache=True, inline="always")
-def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo):
+def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo, ng):
     """_sub_dot for tokens t, u1, u2, u3 at once: each weight vector is loaded (and its nibbles
-    split) once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31). The integers
-    equal _sub_dot's (exact sums, only their association differs)."""
+    split) once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31); tokens from
+    ng on are not computed (zeros). The integers equal _sub_dot's (exact sums, only their
+    association differs)."""
     z = izero()
     p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
     if fmt_get(fmt, "nib"):
@@ -154,10 +155,12 @@ def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo):
             p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
             xl, xh = x32[u1, xo + s], x32[u1, xo + H + s]
             p2, p3 = idot(isa, idot(isa, p2, l0, xl), h0, xh), idot(isa, idot(isa, p3, l1, xl), h1, xh)
-            xl, xh = x32[u2, xo + s], x32[u2, xo + H + s]
-            p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
-            xl, xh = x32[u3, xo + s], x32[u3, xo + H + s]
-            p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
+            if ng > 2:
+                xl, xh = x32[u2, xo + s], x32[u2, xo + H + s]
+                p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
+            if ng > 3:
+                xl, xh = x32[u3, xo + s], x32[u3, xo + H + s]
+                p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
     else:
         S = fmt_get(fmt, "sub")
         for s in range(S // 4):
@@ -166,13 +169,17 @@ def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo):
             if fmt_get(fmt, "signed"):
                 p0, p1 = idot_s(isa, p0, v0, x32[t, xo + s]), idot_s(isa, p1, v1, x32[t, xo + s])
                 p2, p3 = idot_s(isa, p2, v0, x32[u1, xo + s]), idot_s(isa, p3, v1, x32[u1, xo + s])
-                p4, p5 = idot_s(isa, p4, v0, x32[u2, xo + s]), idot_s(isa, p5, v1, x32[u2, xo + s])
-                p6, p7 = idot_s(isa, p6, v0, x32[u3, xo + s]), idot_s(isa, p7, v1, x32[u3, xo + s])
+                if ng > 2:
+                    p4, p5 = idot_s(isa, p4, v0, x32[u2, xo + s]), idot_s(isa, p5, v1, x32[u2, xo + s])
+                if ng > 3:
+                    p6, p7 = idot_s(isa, p6, v0, x32[u3, xo + s]), idot_s(isa, p7, v1, x32[u3, xo + s])
             else:
                 p0, p1 = idot(isa, p0, v0, x32[t, xo + s]), idot(isa, p1, v1, x32[t, xo + s])
                 p2, p3 = idot(isa, p2, v0, x32[u1, xo + s]), idot(isa, p3, v1, x32[u1, xo + s])
-                p4, p5 = idot(isa, p4, v0, x32[u2, xo + s]), idot(isa, p5, v1, x32[u2, xo + s])
-                p6, p7 = idot(isa, p6, v0, x32[u3, xo + s]), idot(isa, p7, v1, x32[u3, xo + s])
+                if ng > 2:
+                    p4, p5 = idot(isa, p4, v0, x32[u2, xo + s]), idot(isa, p5, v1, x32[u2, xo + s])
+                if ng > 3:
+                    p6, p7 = idot(isa, p6, v0, x32[u3, xo + s]), idot(isa, p7, v1, x32[u3, xo + s])
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
@@ -261,9 +268,9 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
 @njit(cache=True, forceinline=True, _nrt=False)
 def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng):
     """_row for tokens t .. t + ng - 1 (ng 2-4), sharing each weight load; every token's
-    operations and their order are _row's, so the rows are bit-identical to _row calls. Fewer
-    than four tokens repeat the last one in the spare lanes (not stored): a verify batch of 2-3
-    tokens reads and unpacks its weights once, as four tokens do."""
+    operations and their order are _row's, so the rows are bit-identical to _row calls. A verify
+    batch of 2-3 tokens reads and unpacks its weights once, as four tokens do: the spare lanes'
+    dots are skipped (their index repeats the last token; nothing of them is stored)."""
     S = fmt_get(fmt, "sub")
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
@@ -279,7 +286,7 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng):
             j = B * NS + jj
             for c in range(0, sub_bytes, 64):  # as _row: one hint a cache line, PREFETCH_BYTES ahead
                 prefetch(q, (gq * n_sub_all + j) * sub_bytes + PREFETCH_BYTES + c)
-            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
+            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4, ng)
             c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
             c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
             c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
