@@ -289,12 +289,17 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng):
             p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4, ng)
             c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
             c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
-            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
-            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
+            if ng > 2:
+                c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            if ng > 3:
+                c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
         a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, c0, a[0], a[1])
         a2, a3 = _fold_super(fmt, d, m, xd, xm, u1, B, g, n_super, c1, a[2], a[3])
-        a4, a5 = _fold_super(fmt, d, m, xd, xm, u2, B, g, n_super, c2, a[4], a[5])
-        a6, a7 = _fold_super(fmt, d, m, xd, xm, u3, B, g, n_super, c3, a[6], a[7])
+        a4, a5, a6, a7 = a[4], a[5], a[6], a[7]
+        if ng > 2:
+            a4, a5 = _fold_super(fmt, d, m, xd, xm, u2, B, g, n_super, c2, a4, a5)
+        if ng > 3:
+            a6, a7 = _fold_super(fmt, d, m, xd, xm, u3, B, g, n_super, c3, a6, a7)
         a = (a0, a1, a2, a3, a4, a5, a6, a7)
     _store(y, ym, t, g, a[0], a[1])
     _store(y, ym, u1, g, a[2], a[3])
