@@ -291,3 +291,60 @@ def test_self_q4_0_drafts_give_the_plain_answer(model):
     # drafts were made and checked; how many a random-weight model accepts is chance (CI once saw 0
     # of 6 where this machine sees more), so acceptance is measured on SmolLM2 (`kvchat bench --spec`)
     assert st.n_drafted > 0 and st.n_verify > 0
+
+
+class _Rows:
+    """A head's rows as draft_head.FileRows gives them: f32 rows of a random matrix."""
+
+    ggml_type = 0  # GGMLType.F32
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, ids):
+        return np.ascontiguousarray(self.w[ids]).view(np.uint8)
+
+
+def test_a_draft_head_has_the_q8_0_rows_of_the_first_ids_and_of_the_conversations_tokens():
+    from kvchat.kernels.ggml_types import GGMLType
+    from kvchat.kernels.matmul import QMatrix
+    from kvchat.kernels.quants import quantize
+    from kvchat.runtime.speculative.draft_head import DraftHead
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((300, 64)).astype(np.float32)  # [n_vocab, k]
+    h = rng.standard_normal((3, 64)).astype(np.float32)
+    full = QMatrix(quantize(w, int(GGMLType.Q8_0)), int(GGMLType.Q8_0), 64).matmul(h)  # [3, 300]
+    head = DraftHead(_Rows(w), 300, 64, n_base=100)
+    out = head.matmul(h)
+    np.testing.assert_array_equal(out[:, :100], full[:, :100])
+    assert np.all(out[:, 100:] == -np.inf)
+    head.add_tokens([5, 150, 299, 150])
+    out = head.matmul(h)
+    np.testing.assert_array_equal(out[:, [150, 299]], full[:, [150, 299]])
+    others = np.setdiff1d(np.arange(100, 300), [150, 299])
+    assert np.all(out[:, others] == -np.inf)
+    np.testing.assert_array_equal(head.matmul(h[1]), out[1])  # a row alone: the same bits
+    head.add_tokens([299, 7])  # nothing new: the extra rows stay
+    np.testing.assert_array_equal(head.matmul(h), out)
+
+
+def test_a_self_draft_looks_up_the_targets_embeddings_and_gives_the_conversation_head_rows(model):
+    from kvchat.runtime.speculative import make_speculator
+
+    ctx = context(model)
+    spec = make_speculator(ctx, "self:q4_0", draft_max=3)
+    draft = spec.source.ctx.model
+    assert draft.weights.tok_embd is model.weights.tok_embd
+    head = draft.weights.output
+    rare = [t for t in (40000, 45000, 49000) if t < head.m]
+    spec.source.propose(PROMPT + rare, 3)
+    logits = spec.source.ctx.get_logits_ith(-1)
+    has_row = np.zeros(head.m, bool)
+    has_row[: head.n_base] = True
+    has_row[rare] = True
+    assert np.isfinite(logits[has_row]).all()
+    # the others are -inf (-softcap after gemma2's final soft-cap): never above a drafted token
+    floor = logits[~has_row]
+    assert np.all(floor == floor[0]) and floor[0] < logits[has_row].min()
+    spec.close()

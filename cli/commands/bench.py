@@ -90,6 +90,12 @@ def register(app: typer.Typer) -> None:
             help="with --spec: the user message (default: a coding request)",
             rich_help_panel="Speculative decoding",
         ),
+        raw_prompt: bool = typer.Option(
+            False,
+            "--raw-prompt",
+            help="with --spec: the prompt file's text as it is, not a user message in the chat template (a base model)",
+            rich_help_panel="Speculative decoding",
+        ),
         ctx_size: int = typer.Option(4096, "-c", "--ctx-size", min=64, help="with --spec: context size"),
         settings: ChatSettings = None,
     ):
@@ -109,7 +115,7 @@ def register(app: typer.Typer) -> None:
                 raise KvchatError(f"--spec: {e}") from None
             draft = resolve_model(settings.model_draft) if settings.model_draft else None
             ctx = Context(m, settings.context_params(n_ctx=ctx_size))
-            bench_spec(ctx, settings, kind, prompt_file, n_gen, reps, as_json, draft)
+            bench_spec(ctx, settings, kind, prompt_file, n_gen, reps, as_json, draft, raw_prompt)
             return
         n_ctx = depth + max(n_prompt, n_gen) + 1
         ctx = Context(m, settings.context_params(n_ctx=n_ctx))

@@ -21,7 +21,7 @@ from kvchat.runtime.errors import KvchatError
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and tests."
 
 
-def prompt_tokens(model, prompt_file: Path | None) -> list[int]:
+def prompt_tokens(model, prompt_file: Path | None, raw: bool = False) -> list[int]:
     from kvchat.runtime.text.chat_template import ChatTemplate
 
     if prompt_file is None:
@@ -31,7 +31,10 @@ def prompt_tokens(model, prompt_file: Path | None) -> list[int]:
             text = Path(prompt_file).read_text(encoding="utf-8", errors="replace")
         except OSError as e:
             raise KvchatError(f"cannot read prompt file {prompt_file}: {e.strerror or e}") from None
-    rendered = ChatTemplate.from_gguf(model.gguf, model.vocab).render([{"role": "user", "content": text}])
+    if raw:  # a base model's continuation, as llama-speculative-simple -f takes it
+        rendered = text
+    else:
+        rendered = ChatTemplate.from_gguf(model.gguf, model.vocab).render([{"role": "user", "content": text}])
     ids = list(model.vocab.tokenize(rendered, add_special=True, parse_special=True))
     bos = model.vocab.bos
     if len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
@@ -60,10 +63,12 @@ def one_run(ctx, prompt, n_gen, speculator):
     return toks, time.perf_counter() - t0, gen
 
 
-def bench_spec(ctx, settings, kind: str, prompt_file, n_gen: int, reps: int, as_json: bool, draft_path) -> None:
+def bench_spec(
+    ctx, settings, kind: str, prompt_file, n_gen: int, reps: int, as_json: bool, draft_path, raw_prompt: bool = False
+) -> None:
     from kvchat.runtime.speculative import make_speculator
 
-    prompt = prompt_tokens(ctx.model, prompt_file)
+    prompt = prompt_tokens(ctx.model, prompt_file, raw_prompt)
     if len(prompt) + n_gen + settings.draft_max + 2 > ctx.n_ctx:
         raise KvchatError(f"the prompt ({len(prompt)} tokens) and -n {n_gen} do not fit in -c {ctx.n_ctx}")
     spec = make_speculator(ctx, kind, draft_path=draft_path, draft_max=settings.draft_max, draft_min=settings.draft_min)

@@ -83,6 +83,9 @@ class ModelDraft:
             self._forget()
             self.offset = start
         n_new = len(h) - min(common_prefix(self.cached, h), len(h) - 1)  # tokens to decode
+        add_tokens = getattr(self.ctx.model.weights.output, "add_tokens", None)
+        if add_tokens is not None:  # a self-draft's head (draft_head.py): the conversation's tokens get rows
+            add_tokens(h[-n_new:])
         t0 = time.perf_counter()
         logits = self._catch_up(h)
         # a steady step decodes one new token here (the draft's cache holds its accepted drafts):

@@ -6,7 +6,8 @@ reads 1.9-7x fewer bytes per token, and it agrees with its target far more often
 model of the family would. The copy is made from the file's rows through the same schema and
 fusions as the target (runtime/model.py's load_group on a view of the file whose matrices are
 requantized, a slice of rows at a time, so a whole matrix is never held in f32); vectors (norms,
-biases) and an untied token embedding (only looked up) are shared with the target.
+biases) and the token embedding (only looked up) are shared with the target, and the lm head is
+a DraftHead (draft_head.py): q8_0 rows of the frequent and the conversation's tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.quants import dequantize, quantize
 from kvchat.runtime.errors import KvchatError
+from kvchat.runtime.speculative.draft_head import DraftHead, FileRows
 
 DRAFT_TYPES = {
     "q4_0": GGMLType.Q4_0,
@@ -100,24 +102,22 @@ def quantized_copy(model, type_name: str):
     schema = model.arch.tensors(model.hparams)
     specs = dict(schema.model)
     tw = model.weights
-    shared_embd = getattr(tw, "tok_embd", None) is not None and tw.tok_embd is not tw.output  # untied
-    if shared_embd and "tok_embd" in specs:
-        specs.pop("tok_embd")  # an untied embedding is only looked up: the target's rows serve
+    # the embedding is only looked up: the target's rows serve; the head is a DraftHead (q8_0 rows
+    # of the first ids and of the conversation's tokens, draft_head.py) on the file's output matrix
+    specs.pop("tok_embd", None)
+    specs.pop("output", None)
+    head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
     w = Weights(
         **load_group(view, specs),
         layers=[Layer(**load_group(view, s, model.arch.fusions)) for s in schema.layers],
     )
-    if shared_embd:
-        w.tok_embd = tw.tok_embd
-    if getattr(w, "output", None) is None:
-        w.output = w.tok_embd
-    # only the embedding is looked up among the requantized matrices: the others keep packed rows
-    # only. Matrices left as they are (a recurrent layer's conv kernel and A, read as dense rows by
+    w.tok_embd = tw.tok_embd
+    w.output = DraftHead(FileRows(head), int(head.data.shape[0]), int(head.shape[0]))
+    # nothing is looked up among the requantized matrices: they keep packed rows only. Matrices
+    # left as they are (a recurrent layer's conv kernel and A, read as dense rows by
     # recurrent_blocks.dense) keep their rows, which are the file's (mapped, not copied).
     requantized = {id(m._data) for m in view.tensors.values() if isinstance(m, _Matrix) and m._data is not None}
     loaded = [v for layer in w.layers for v in vars(layer).values()]
-    if w.output is not w.tok_embd:
-        loaded.append(w.output)
     for v in loaded:
         raw = getattr(v, "raw", None)
         if raw is not None and hasattr(v, "matmul") and (id(raw) in requantized or id(raw.base) in requantized):
