@@ -72,7 +72,7 @@ class ChatSettings:
     markdown: bool = False
     model_draft: Optional[str] = None
     spec_type: Optional[str] = None
-    draft_max: int = 8
+    draft_max: int = 16
     draft_min: int = 0
     json_schema: Optional[str] = None
     json_schema_file: Optional[Path] = None

@@ -55,7 +55,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(dense, other
         (["--spec-type", "draft"], 1, "needs a draft model"),
         (["--spec-type", "ngram", "-md", "x.gguf"], 1, "-md is the draft model of --spec-type draft"),
         (["--draft-max", "0", "--spec-type", "ngram"], 2, "within 1..32"),
-        (["--draft-min", "9", "--spec-type", "ngram"], 1, "draft-min"),
+        (["--draft-min", "17", "--spec-type", "ngram"], 1, "draft-min"),  # above the default --draft-max 16
     ],
 )
 def test_impossible_speculative_flags(dense, flags, code, words):

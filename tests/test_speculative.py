@@ -222,6 +222,27 @@ def test_ngram_draft_continues_the_latest_match():
     assert src.propose([3, 1, 2, 3], 4) == [1, 2, 3]
 
 
+def test_ngram_draft_takes_the_longest_match_then_the_latest():
+    h = [1, 2, 3, 4, 9, 5, 3, 4, 8, 1, 2, 3, 4]
+    assert NgramDraft(ngram_max=12).propose(h, 3) == [9, 5, 3]  # [1 2 3 4] beats the later [3 4]
+    assert NgramDraft(ngram_max=2).propose(h, 2) == [8, 1]  # keys of 2: the latest [3 4]
+    assert NgramDraft(ngram_min=5).propose(h, 2) == []  # no earlier match of 5 tokens
+
+    def reference(h, n_max, lo, hi):  # the longest key first, its latest earlier occurrence
+        for size in range(min(hi, len(h) - 1), lo - 1, -1):
+            key = h[len(h) - size :]
+            for s in range(len(h) - size - 1, -1, -1):
+                if h[s : s + size] == key:
+                    return h[s + size : s + size + n_max]
+        return []
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        h = [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 40)))]
+        lo, hi = sorted(int(v) for v in rng.integers(1, 14, 2))
+        assert NgramDraft(ngram_max=hi, ngram_min=lo).propose(h, 6) == reference(h, 6, lo, hi), (h, lo, hi)
+
+
 def conversation(model, speculative=None, n_ctx=256, n_predict=40, temp=0.0):
     from kvchat.runtime.chat.conversation import Conversation, ConversationConfig
     from kvchat.runtime.sampling import Sampler, SamplingParams

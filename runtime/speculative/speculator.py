@@ -52,7 +52,7 @@ class SpecStats:
 class DraftLength:
     """The number of tokens to draft next, from measured acceptance and costs (module docstring)."""
 
-    def __init__(self, draft_max: int = 8, draft_min: int = 0):
+    def __init__(self, draft_max: int = 16, draft_min: int = 0):
         if draft_max < 0 or draft_min < 0 or draft_min > draft_max:
             raise ValueError(f"draft lengths: need 0 <= draft-min ({draft_min}) <= draft-max ({draft_max})")
         self.draft_max, self.draft_min = int(draft_max), int(draft_min)
@@ -139,7 +139,7 @@ class Speculator:
     """A draft source with its draft length and counts; one per conversation (or bench run).
     source: anything with propose(history, n_max) -> list[int] and close()."""
 
-    def __init__(self, source, draft_max: int = 8, draft_min: int = 0):
+    def __init__(self, source, draft_max: int = 16, draft_min: int = 0):
         self.source = source
         self.length = DraftLength(draft_max, draft_min)
         self.stats = SpecStats()  # the whole run's
