@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 STATE_SEQ_MAGIC = 0xAF143CD8  # llama.cpp's io_magic at the head of a sequence state blob
 SERIAL_STEP_MACS = 1 << 62  # decode_tuned on the SERIAL arm: every matmul on its serial twin
+# decode_tuned: a larger batch (a draft model's catch-up on a prompt) is a prompt's work, run as
+# decode() runs prompts: a tuner still on its first SERIAL arm ran a 561-token draft prefill on one thread
+TUNED_MAX_TOKENS = 32
 _ROW0 = np.zeros(1, dtype=np.int64)  # out_row of decode_one's token: output row 0 (read only)
 _ROW0.flags.writeable = False
 
@@ -134,7 +137,7 @@ class Context:
         (4M multiply-adds) ran every matmul of a few-row SmolLM2 F16 batch on one thread, a
         one-row verify 1.5x a one-token step. Same bits either way (every kernel's serial and
         parallel twins are array_equal); nothing is timed for the tuner."""
-        if not self.launch.enabled:
+        if not self.launch.enabled or batch.n_tokens > TUNED_MAX_TOKENS:
             return self.decode(batch)
         if self.launch.arm != SERIAL:
             return self._decode_checked(batch, self._parallel_forward)

@@ -369,3 +369,21 @@ def test_a_self_draft_looks_up_the_targets_embeddings_and_gives_the_conversation
     floor = logits[~has_row]
     assert np.all(floor == floor[0]) and floor[0] < logits[has_row].min()
     spec.close()
+
+
+def test_a_tuned_batch_larger_than_a_verify_runs_as_a_prompt_does(model):
+    """A draft model's catch-up on a long prompt goes through decode_tuned; past TUNED_MAX_TOKENS it
+    is decode()'s work (all threads), whatever arm the launch tuner is on — the same logits."""
+    from kvchat.runtime.context import TUNED_MAX_TOKENS
+
+    ctx, ref = context(model), context(model)
+    seen = []
+    plain = ctx.decode
+    ctx.decode = lambda b: seen.append(b.n_tokens) or plain(b)
+    ctx.launch.arm = SERIAL
+    long = (PROMPT * 3)[: TUNED_MAX_TOKENS + 1]
+    got = decode_tokens(ctx, long, 0, logits="all", tuned=True)
+    assert seen == [len(long)]
+    np.testing.assert_array_equal(got, decode_tokens(ref, long, 0, logits="all"))
+    decode_tokens(ctx, PROMPT[:4], len(long), tuned=True)  # a verify-sized batch: the tuner's arm
+    assert seen == [len(long)]
