@@ -63,6 +63,7 @@ from kvchat.kernels.simd_int import (
 # by its instructions: on the 2-core EPYC (Zen 3, AVX2) a lone thread's Q4_K product of the
 # 1.5B-shaped model's gate+up ran 35-39 ms without, 28-30 ms with (docs/performance.md, issue 24).
 PREFETCH_BYTES = 2048
+PREFETCH_MAX_TOKENS = 16  # _row4 prefetches in chunks of at most this many tokens
 
 
 def fmt_get(fmt, field):
@@ -266,7 +267,7 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
 
 
 @njit(cache=True, forceinline=True, _nrt=False)
-def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng):
+def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng, pf):
     """_row for tokens t .. t + ng - 1 (ng 2-4), sharing each weight load; every token's
     operations and their order are _row's, so the rows are bit-identical to _row calls. A verify
     batch of 2-3 tokens reads and unpacks its weights once, as four tokens do: the spare lanes'
@@ -284,8 +285,9 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng):
         c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
         for jj in range(NS):
             j = B * NS + jj
-            for c in range(0, sub_bytes, 64):  # as _row: one hint a cache line, PREFETCH_BYTES ahead
-                prefetch(q, (gq * n_sub_all + j) * sub_bytes + PREFETCH_BYTES + c)
+            if pf:  # a short chunk streams its weights once, as _row does: one hint a cache line
+                for c in range(0, sub_bytes, 64):
+                    prefetch(q, (gq * n_sub_all + j) * sub_bytes + PREFETCH_BYTES + c)
             p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4, ng)
             c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
             c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
@@ -370,7 +372,7 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, 
         bf = _bytes_fmt(fmt)
         _expand_group(fmt, q, g, qx)
         while t + 4 <= t1:
-            _row4(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym, 4)
+            _row4(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym, 4, False)
             t += 4
         while t < t1:
             _row(isa, bf, qx, d, m, sc, mn, x32, xd, xs, xm, t, g, 0, y, ym)
@@ -396,6 +398,9 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     if fmt_get(fmt, "lanes"):
         n_qx = (q.shape[1] + 1) * R * 4  # kernels/matmul_lanes.py: a token's f32 block scales and summs
     qx = np.empty(n_qx, np.uint8)
+    # a chunk of a few tokens (a verify batch) streams each group's weights once: prefetch them;
+    # a prompt's chunk re-reads them from cache for every four tokens (hints cost pp512 ~3 %)
+    pf = min(n, token_chunk) <= PREFETCH_MAX_TOKENS
     for it in range(i0, i1):
         g = it // n_tc
         t = (it - g * n_tc) * token_chunk
@@ -404,10 +409,12 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
             continue
         while t < t1:
             ng = min(4, t1 - t)
-            if ng == 1:
+            if ng == 4:  # a literal 4: the inlined copy for whole groups has no lane branches
+                _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym, 4, pf)
+            elif ng == 1:
                 _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
             else:
-                _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym, ng)
+                _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym, ng, pf)
             t += ng
 
 
