@@ -141,11 +141,10 @@ def _sub_dot(isa, fmt, q, base, x32, t, xo):
 
 
 @njit(cache=True, inline="always")
-def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo, ng):
+def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo):
     """_sub_dot for tokens t, u1, u2, u3 at once: each weight vector is loaded (and its nibbles
-    split) once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31); tokens from
-    ng on are not computed (zeros). The integers equal _sub_dot's (exact sums, only their
-    association differs)."""
+    split) once for four tokens. Returns 8 vectors (token u: rows 0-15, rows 16-31). The integers
+    equal _sub_dot's (exact sums, only their association differs)."""
     z = izero()
     p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
     if fmt_get(fmt, "nib"):
@@ -156,12 +155,10 @@ def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo, ng):
             p0, p1 = idot(isa, idot(isa, p0, l0, xl), h0, xh), idot(isa, idot(isa, p1, l1, xl), h1, xh)
             xl, xh = x32[u1, xo + s], x32[u1, xo + H + s]
             p2, p3 = idot(isa, idot(isa, p2, l0, xl), h0, xh), idot(isa, idot(isa, p3, l1, xl), h1, xh)
-            if ng > 2:
-                xl, xh = x32[u2, xo + s], x32[u2, xo + H + s]
-                p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
-            if ng > 3:
-                xl, xh = x32[u3, xo + s], x32[u3, xo + H + s]
-                p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
+            xl, xh = x32[u2, xo + s], x32[u2, xo + H + s]
+            p4, p5 = idot(isa, idot(isa, p4, l0, xl), h0, xh), idot(isa, idot(isa, p5, l1, xl), h1, xh)
+            xl, xh = x32[u3, xo + s], x32[u3, xo + H + s]
+            p6, p7 = idot(isa, idot(isa, p6, l0, xl), h0, xh), idot(isa, idot(isa, p7, l1, xl), h1, xh)
     else:
         S = fmt_get(fmt, "sub")
         for s in range(S // 4):
@@ -170,17 +167,13 @@ def _sub_dot4(isa, fmt, q, base, x32, t, u1, u2, u3, xo, ng):
             if fmt_get(fmt, "signed"):
                 p0, p1 = idot_s(isa, p0, v0, x32[t, xo + s]), idot_s(isa, p1, v1, x32[t, xo + s])
                 p2, p3 = idot_s(isa, p2, v0, x32[u1, xo + s]), idot_s(isa, p3, v1, x32[u1, xo + s])
-                if ng > 2:
-                    p4, p5 = idot_s(isa, p4, v0, x32[u2, xo + s]), idot_s(isa, p5, v1, x32[u2, xo + s])
-                if ng > 3:
-                    p6, p7 = idot_s(isa, p6, v0, x32[u3, xo + s]), idot_s(isa, p7, v1, x32[u3, xo + s])
+                p4, p5 = idot_s(isa, p4, v0, x32[u2, xo + s]), idot_s(isa, p5, v1, x32[u2, xo + s])
+                p6, p7 = idot_s(isa, p6, v0, x32[u3, xo + s]), idot_s(isa, p7, v1, x32[u3, xo + s])
             else:
                 p0, p1 = idot(isa, p0, v0, x32[t, xo + s]), idot(isa, p1, v1, x32[t, xo + s])
                 p2, p3 = idot(isa, p2, v0, x32[u1, xo + s]), idot(isa, p3, v1, x32[u1, xo + s])
-                if ng > 2:
-                    p4, p5 = idot(isa, p4, v0, x32[u2, xo + s]), idot(isa, p5, v1, x32[u2, xo + s])
-                if ng > 3:
-                    p6, p7 = idot(isa, p6, v0, x32[u3, xo + s]), idot(isa, p7, v1, x32[u3, xo + s])
+                p4, p5 = idot(isa, p4, v0, x32[u2, xo + s]), idot(isa, p5, v1, x32[u2, xo + s])
+                p6, p7 = idot(isa, p6, v0, x32[u3, xo + s]), idot(isa, p7, v1, x32[u3, xo + s])
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
@@ -270,8 +263,9 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
 def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng, pf):
     """_row for tokens t .. t + ng - 1 (ng 2-4), sharing each weight load; every token's
     operations and their order are _row's, so the rows are bit-identical to _row calls. A verify
-    batch of 2-3 tokens reads and unpacks its weights once, as four tokens do: the spare lanes'
-    dots are skipped (their index repeats the last token; nothing of them is stored)."""
+    batch of 2-3 tokens reads and unpacks its weights once, as four tokens do: the spare lanes
+    repeat the last token and are not stored (no branch in the loop: one body to compile, and a
+    prompt's whole groups run it as before)."""
     S = fmt_get(fmt, "sub")
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
@@ -288,20 +282,15 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng, pf):
             if pf:  # a short chunk streams its weights once, as _row does: one hint a cache line
                 for c in range(0, sub_bytes, 64):
                     prefetch(q, (gq * n_sub_all + j) * sub_bytes + PREFETCH_BYTES + c)
-            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4, ng)
+            p = _sub_dot4(isa, fmt, q, (gq * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
             c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
             c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
-            if ng > 2:
-                c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
-            if ng > 3:
-                c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
         a0, a1 = _fold_super(fmt, d, m, xd, xm, t, B, g, n_super, c0, a[0], a[1])
         a2, a3 = _fold_super(fmt, d, m, xd, xm, u1, B, g, n_super, c1, a[2], a[3])
-        a4, a5, a6, a7 = a[4], a[5], a[6], a[7]
-        if ng > 2:
-            a4, a5 = _fold_super(fmt, d, m, xd, xm, u2, B, g, n_super, c2, a4, a5)
-        if ng > 3:
-            a6, a7 = _fold_super(fmt, d, m, xd, xm, u3, B, g, n_super, c3, a6, a7)
+        a4, a5 = _fold_super(fmt, d, m, xd, xm, u2, B, g, n_super, c2, a[4], a[5])
+        a6, a7 = _fold_super(fmt, d, m, xd, xm, u3, B, g, n_super, c3, a[6], a[7])
         a = (a0, a1, a2, a3, a4, a5, a6, a7)
     _store(y, ym, t, g, a[0], a[1])
     _store(y, ym, u1, g, a[2], a[3])
@@ -409,9 +398,7 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
             continue
         while t < t1:
             ng = min(4, t1 - t)
-            if ng == 4:  # a literal 4: the inlined copy for whole groups has no lane branches
-                _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym, 4, pf)
-            elif ng == 1:
+            if ng == 1:
                 _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym)
             else:
                 _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, g, y, ym, ng, pf)
