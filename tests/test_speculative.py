@@ -199,6 +199,33 @@ def test_one_slow_draft_does_not_stop_drafting_for_the_rest_of_the_run():
     assert dl.next() >= 2 and dl.t_draft == 0.010  # drafting again, the outlier out of the median
 
 
+def test_drafting_stops_when_its_cycles_as_they_ran_cost_more_than_plain_steps():
+    """The cost model says drafting pays (cheap draft steps, every draft accepted), but the cycles as
+    they ran cost 1.5 plain steps a token (what the model leaves out): after the first cycle (not
+    counted) and MIN_CYCLES more, plain steps; the probe after them judges afresh."""
+    from kvchat.runtime.speculative.speculator import MIN_CYCLES, PROBE_EVERY
+
+    dl = DraftLength(draft_max=4)
+    for n, t in ((1, 0.010), (2, 0.011), (3, 0.012), (5, 0.014)):
+        for _ in range(3):
+            dl.record_decode(n, t)
+    for _ in range(3):
+        dl.record_draft(2, 2, False, 2 * 0.001)
+    assert dl.next() > 0
+    for _ in range(1 + MIN_CYCLES - 1):
+        dl.record_cycle(3, 3 * 0.015)
+        assert dl.next() > 0  # the first cycle is not counted; then too few
+    dl.record_cycle(3, 3 * 0.015)
+    assert dl.losing() and dl.next() == 0
+    ks = [dl.next() for _ in range(PROBE_EVERY - 2)]
+    assert ks == [0] * (PROBE_EVERY - 2) and dl.next() == 2  # the probe
+    assert not dl.losing() and dl.next() > 0  # judged afresh
+    dl.record_cycle(3, 3 * 0.015)  # the probe's cycle (its catch-up): not counted
+    for _ in range(MIN_CYCLES):
+        dl.record_cycle(3, 3 * 0.005)  # now drafting pays as it runs
+    assert not dl.losing() and dl.next() > 0
+
+
 def test_a_model_draft_times_its_draft_steps_not_its_catch_up_on_a_backlog(model):
     """A drafted token costs a one-token decode of the draft; the draft's catch-up on a backlog
     (the prompt, the tokens of plain steps) is one batch and says nothing about that cost."""
