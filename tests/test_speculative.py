@@ -199,31 +199,28 @@ def test_one_slow_draft_does_not_stop_drafting_for_the_rest_of_the_run():
     assert dl.next() >= 2 and dl.t_draft == 0.010  # drafting again, the outlier out of the median
 
 
-def test_drafting_stops_when_its_cycles_as_they_ran_cost_more_than_plain_steps():
-    """The cost model says drafting pays (cheap draft steps, every draft accepted), but the cycles as
-    they ran cost 1.5 plain steps a token (what the model leaves out): after the first cycle (not
-    counted) and MIN_CYCLES more, plain steps; the probe after them judges afresh."""
-    from kvchat.runtime.speculative.speculator import MIN_CYCLES, PROBE_EVERY
+def test_no_probes_while_a_draft_step_costs_so_much_that_even_accepted_drafts_would_lose():
+    """A draft step as dear as a target step: drafting cannot pay at any acceptance, so the
+    probes (each a catch-up of the draft on the skipped tokens) wait HOPELESS_WAIT plain steps,
+    then one is made anyway; with cheap draft steps they come every PROBE_EVERY."""
+    from kvchat.runtime.speculative.speculator import HOPELESS_WAIT, PROBE_EVERY
 
-    dl = DraftLength(draft_max=4)
-    for n, t in ((1, 0.010), (2, 0.011), (3, 0.012), (5, 0.014)):
-        for _ in range(3):
-            dl.record_decode(n, t)
-    for _ in range(3):
-        dl.record_draft(2, 2, False, 2 * 0.001)
-    assert dl.next() > 0
-    for _ in range(1 + MIN_CYCLES - 1):
-        dl.record_cycle(3, 3 * 0.015)
-        assert dl.next() > 0  # the first cycle is not counted; then too few
-    dl.record_cycle(3, 3 * 0.015)
-    assert dl.losing() and dl.next() == 0
-    ks = [dl.next() for _ in range(PROBE_EVERY - 2)]
-    assert ks == [0] * (PROBE_EVERY - 2) and dl.next() == 2  # the probe
-    assert not dl.losing() and dl.next() > 0  # judged afresh
-    dl.record_cycle(3, 3 * 0.015)  # the probe's cycle (its catch-up): not counted
-    for _ in range(MIN_CYCLES):
-        dl.record_cycle(3, 3 * 0.005)  # now drafting pays as it runs
-    assert not dl.losing() and dl.next() > 0
+    def length(t_draft):
+        dl = DraftLength(draft_max=4)
+        for n, t in ((1, 0.0075), (2, 0.0085), (3, 0.0093), (5, 0.011)):
+            for _ in range(3):
+                dl.record_decode(n, t)
+        dl.acc, dl.trials = 0.0, 20.0  # drafts were rejected: plain steps, probes
+        for _ in range(4):
+            dl.record_draft(2, 0, True, 2 * t_draft)
+        return dl
+
+    dear = length(0.0080)
+    assert dear.hopeless() and not length(0.0020).hopeless()
+    ks = [dear.next() for _ in range(PROBE_EVERY + HOPELESS_WAIT)]
+    assert ks[:-1] == [0] * (PROBE_EVERY + HOPELESS_WAIT - 1) and ks[-1] == 2
+    cheap = length(0.0020)
+    assert [cheap.next() for _ in range(PROBE_EVERY)][-1] == 2
 
 
 def test_a_model_draft_times_its_draft_steps_not_its_catch_up_on_a_backlog(model):

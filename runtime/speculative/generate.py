@@ -82,7 +82,7 @@ class SpecGeneration(Generation):
                 if stop is not None:
                     return stop
                 continue
-            outcome = yield from self._verify(token, drafts, t_draft, time.perf_counter() - t0)
+            outcome = yield from self._verify(token, drafts, t_draft)
             if isinstance(outcome, StopReason):
                 return outcome
             pending = outcome
@@ -112,10 +112,9 @@ class SpecGeneration(Generation):
             self.on_decoded(token, self.logits)
         return None
 
-    def _verify(self, token: int, drafts: list[int], t_draft: tuple, t_propose: float):
+    def _verify(self, token: int, drafts: list[int], t_draft: tuple):
         """Decode [token] + drafts, yield the accepted drafts; returns the next token (drawn
-        from a row already) or a StopReason. t_propose: the proposal's seconds (the cycle's
-        cost, with the verify and the trim, goes to DraftLength.record_cycle)."""
+        from a row already) or a StopReason."""
         batch = [token] + drafts
         mem = self.ctx.memory
         ckpt = None if mem.get_can_trim() else mem.seq_checkpoint(self.seq)
@@ -130,8 +129,7 @@ class SpecGeneration(Generation):
             if e.n_done or e.code != 1:
                 raise
             return self._plain(token)  # no room for the drafts (other sequences): plain step
-        t_verify = time.perf_counter() - t0
-        self.spec.length.record_decode(len(batch), t_verify)
+        self.spec.length.record_decode(len(batch), time.perf_counter() - t0)
         st = self.stats
         st.n_verify += 1
         st.n_drafted += len(drafts)
@@ -175,9 +173,7 @@ class SpecGeneration(Generation):
             self.logits = rows[len(drafts)]
         rejected = isinstance(result, int) and not isinstance(result, StopReason)
         self.spec.length.record_draft(len(drafts), kept - 1, rejected, t_draft[1], n_steps=t_draft[0])
-        t0 = time.perf_counter()
         self._trim(batch, kept, ckpt)
-        self.spec.length.record_cycle(kept, t_propose + t_verify + time.perf_counter() - t0)
         self.pos += kept
         self.n_decoded += kept
         return result

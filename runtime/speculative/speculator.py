@@ -11,10 +11,8 @@ draft step, and is not counted). k is the value in
 0..draft_max with the most tokens per second; below draft_min it is 0 (a plain one-token step),
 and after PROBE_EVERY plain steps a draft of draft_min (at least 2, one of them a model draft's
 step) is tried again, so that the estimates can recover (the wait doubles after each probe that
-does not pay, up to PROBE_MAX).
-Beside the model, the drafting cycles as they ran (the proposal, the verify, the removal of the
-rejected drafts, per token kept) are compared with a plain step: when the median of the last
-N_CYCLES costs more, drafting stops as if it did not pay, until the next probe.
+does not pay, up to PROBE_MAX; HOPELESS_WAIT while a draft step costs so much that even accepted
+drafts would lose, as a q4_0 self-draft of SmolLM2's Q8_0 copy does here).
 p is counted with decay (recent drafts weigh most). Both times are medians of their last N_TIMES
 measurements: on a shared machine one step can take 3x (a descheduled thread), and a mean seeded
 by such a probe kept a run from drafting for its remaining few hundred tokens (a Gemma-3 F16 copy
@@ -32,8 +30,8 @@ PROBE_MAX = 64  # ... up to this many: a model draft's probe first catches up on
 # batch, ~1/20 of the plain steps' time on Gemma-3 here), so a wrong "does not pay" lasts 64 tokens at most
 DECAY = 0.9  # weight of the past in the acceptance counts (per verify)
 N_TIMES = 9  # target decode times kept per batch size, draft times per token (their medians are the estimates)
-N_CYCLES = 5  # drafting cycles kept (seconds per token kept, as they ran) ...
-MIN_CYCLES = 4  # ... and how many must say drafting costs more than plain steps before it stops
+HOPELESS_WAIT = 512  # plain steps between probes while drafting would lose even fully accepted
+MIN_DRAFT_SAMPLES = 3  # draft-step times before that can be concluded
 
 
 @dataclass
@@ -69,8 +67,6 @@ class DraftLength:
         self._draft_warm = False
         self.n_plain = 0  # plain steps since the last draft
         self.probe_every = PROBE_EVERY  # plain steps before the next probe
-        self._cycles: deque = deque(maxlen=N_CYCLES)  # seconds per token of the last drafting cycles
-        self._cycle_skip = 1  # cycles not to count: the first one's draft catches up on the prompt
 
     @property
     def p(self) -> float:
@@ -103,13 +99,14 @@ class DraftLength:
             rate = gain / (self._t(k + 1) + k * t_draft)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best < max(1, self.draft_min) or self.losing():
+        if best < max(1, self.draft_min):
             self.n_plain += 1
             if self.n_plain >= self.probe_every:
                 self.n_plain = 0
+                if self.probe_every < HOPELESS_WAIT and self.hopeless():
+                    self.probe_every = HOPELESS_WAIT  # then one probe, whatever the estimates say
+                    return 0
                 self.probe_every = min(PROBE_MAX, 2 * self.probe_every)  # each probe that fails waits longer
-                self._cycles.clear()  # the drafts after a probe are judged afresh
-                self._cycle_skip = 1  # the probe's own cycle catches the draft up on the skipped tokens
                 # two drafts: a model draft's second one is a draft step, the sample of its cost
                 return max(min(2, self.draft_max), self.draft_min)
             return 0
@@ -117,22 +114,14 @@ class DraftLength:
         self.probe_every = PROBE_EVERY
         return best
 
-    def losing(self) -> bool:
-        """Do the last drafting cycles, as they ran, cost more per token than a plain step? The
-        cost model's parts are measured apart; what it leaves out (a draft model's catch-up
-        batches, its weights evicted from the cache by the target's between its steps) shows
-        here: SmolLM2's Q8_0 copy with a q4_0 self-draft drafted at 0.76-0.84x plain speed."""
-        if len(self._cycles) < MIN_CYCLES or 1 not in self.t_size:
+    def hopeless(self) -> bool:
+        """Would drafting lose even if every draft were accepted? Then a probe (which first
+        catches a draft model up on the skipped tokens: ~9 % of their plain steps for SmolLM2's
+        q4_0 self-draft) cannot pay. True only on MIN_DRAFT_SAMPLES draft-step times."""
+        if len(self._draft_times) < MIN_DRAFT_SAMPLES or 1 not in self.t_size:
             return False
-        return statistics.median(self._cycles) > self.t_size[1]
-
-    def record_cycle(self, n_tokens: int, seconds: float) -> None:
-        """A drafting cycle (the proposal, its verify batch, removing the rejected) took `seconds`
-        and kept n_tokens (the sampled token and the accepted drafts)."""
-        if self._cycle_skip > 0:
-            self._cycle_skip -= 1
-        elif n_tokens > 0:
-            self._cycles.append(seconds / n_tokens)
+        plain = 1.0 / self._t(1)
+        return all((k + 1) / (self._t(k + 1) + k * self.t_draft) <= plain for k in range(1, self.draft_max + 1))
 
     def record_decode(self, n: int, seconds: float) -> None:
         """A target decode of n tokens took `seconds`. t_size[n] is the median of the last
