@@ -172,7 +172,7 @@ def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk, monkeypatch):
     import kvchat.kernels.attention as att
     from tests.helpers.ggml_order import classic_attention_reference
 
-    monkeypatch.setattr(att, "GGML_ORDER", True)
+    monkeypatch.setattr(att, "GGML_SOFTMAX", True)
 
     n_tokens, n_head, n_head_kv, n_kv, kv_size = 21, 6, 2, 96, 128
     rng = np.random.default_rng(dk)
@@ -192,7 +192,7 @@ def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk, monkeypatch):
     for t in (0, 7, n_tokens - 1):  # a row alone: the same bits
         alone = attention(q[t : t + 1], *args, mask[t : t + 1], ts[:1], n_head_kv, 0.125, flash=False, round_q=True)
         np.testing.assert_array_equal(alone[0], want[t])
-    monkeypatch.setattr(att, "GGML_ORDER", False)  # the default exp and sum: a p that rounds to
+    monkeypatch.setattr(att, "GGML_SOFTMAX", False)  # the default exp and sum: a p that rounds to
     default = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=False, round_q=True)  # another f16
     np.testing.assert_allclose(default, want, rtol=0, atol=1e-4)
 
@@ -205,7 +205,7 @@ def test_ggml_order_flash_is_ggmls_tiled_flash_bit_for_bit(dk, monkeypatch):
     import kvchat.kernels.attention as att
     from tests.helpers.ggml_order import flash_tiled_reference
 
-    monkeypatch.setattr(att, "GGML_ORDER", True)
+    monkeypatch.setattr(att, "GGML_FLASH", True)
     n_tokens, n_head, n_head_kv, n_kv = 70, 6, 2, 150
     rng = np.random.default_rng(dk + 1)
     q = (rng.standard_normal((n_tokens, n_head, dk)) * 2).astype(np.float32)
@@ -231,7 +231,7 @@ def test_ggml_order_flash_two_streams_rows_are_their_streams(monkeypatch):
     import kvchat.kernels.attention as att
     from tests.helpers.ggml_order import flash_tiled_reference
 
-    monkeypatch.setattr(att, "GGML_ORDER", True)
+    monkeypatch.setattr(att, "GGML_FLASH", True)
     n_tokens, n_head, n_head_kv, dk, n_kv = 9, 4, 2, 64, 80
     q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", n_tokens, n_head, n_head_kv, dk, n_kv, 96, 2, seed=9)
     args = (kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16)
