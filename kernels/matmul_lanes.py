@@ -38,8 +38,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from kvchat.kernels.qlayout import QFormat, R
-from kvchat.kernels.simd import vadd, vbcast, vfma, vload, vmul, vstore, vzero
-from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, i32x16, itof
+from kvchat.kernels.simd import f32vec, vadd, vbcast, vfma, vload, vmul, vstore, vzero
+from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, i32x16
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _F32 = ir.FloatType()
@@ -93,6 +93,31 @@ def bcast_dot(typingctx, isa, w, x):
         return gen(builder, ir.Constant(vi, None), args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
 
     return i32x16(isa, w, x), codegen
+
+
+_MAGIC = 0x4B400000  # the bits of 2^23 + 2^22: + an integer |i| < 2^22 in the low bits is that float + i
+
+
+@intrinsic
+def bcast_dot_f(typingctx, isa, w, x):
+    """bcast_dot's 16 integers as float32, exactly: the dot accumulates onto the bits of
+    2^23 + 2^22 (|dot| <= 4 * 15 * 128 < 2^22), so the lanes read as floats are 2^23 + 2^22 + dot,
+    and one subtraction (exact) leaves float(dot): the conversion as an add on the integer
+    unit's accumulator and a float subtract, instead of vcvtdq2ps (which shares a port with the dots)."""
+    if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer)):
+        return None
+    gen = _dot_codegen(isa.isa, False)
+
+    def codegen(context, builder, sig, args):
+        vi = ir.VectorType(_I32, 16)
+        x32 = context.cast(builder, args[2], sig.args[2], types.int32)
+        xv = builder.insert_element(ir.Constant(vi, ir.Undefined), x32, ir.Constant(_I32, 0))
+        xv = builder.shuffle_vector(xv, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
+        r = gen(builder, ir.Constant(vi, [_MAGIC] * 16), args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
+        vf = ir.VectorType(_F32, 16)
+        return builder.fsub(builder.bitcast(r, vf), ir.Constant(vf, [float(2**23 + 2**22)] * 16))
+
+    return f32vec(isa, w, x), codegen
 
 
 @njit(cache=True, inline="always")
@@ -156,25 +181,25 @@ def lanes_impl(fmt: QFormat):
                     base = (g * nb + b) * sub_bytes + 64 * hh
                     xo = b * 8
                     lo, hi = nib64_lo(q, base), nib64_hi(q, base)
-                    a0 = vfma(ea, itof(bcast_dot(isa, lo, x32[tt, xo])), a0)
-                    a4 = vfma(ea, itof(bcast_dot(isa, hi, x32[tt, xo + 4])), a4)
-                    b0 = vfma(eb, itof(bcast_dot(isa, lo, x32[tt + 1, xo])), b0)
-                    b4 = vfma(eb, itof(bcast_dot(isa, hi, x32[tt + 1, xo + 4])), b4)
+                    a0 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo]), a0)
+                    a4 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 4]), a4)
+                    b0 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo]), b0)
+                    b4 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 4]), b4)
                     lo, hi = nib64_lo(q, base + 128), nib64_hi(q, base + 128)
-                    a1 = vfma(ea, itof(bcast_dot(isa, lo, x32[tt, xo + 1])), a1)
-                    a5 = vfma(ea, itof(bcast_dot(isa, hi, x32[tt, xo + 5])), a5)
-                    b1 = vfma(eb, itof(bcast_dot(isa, lo, x32[tt + 1, xo + 1])), b1)
-                    b5 = vfma(eb, itof(bcast_dot(isa, hi, x32[tt + 1, xo + 5])), b5)
+                    a1 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 1]), a1)
+                    a5 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 5]), a5)
+                    b1 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 1]), b1)
+                    b5 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 5]), b5)
                     lo, hi = nib64_lo(q, base + 256), nib64_hi(q, base + 256)
-                    a2 = vfma(ea, itof(bcast_dot(isa, lo, x32[tt, xo + 2])), a2)
-                    a6 = vfma(ea, itof(bcast_dot(isa, hi, x32[tt, xo + 6])), a6)
-                    b2 = vfma(eb, itof(bcast_dot(isa, lo, x32[tt + 1, xo + 2])), b2)
-                    b6 = vfma(eb, itof(bcast_dot(isa, hi, x32[tt + 1, xo + 6])), b6)
+                    a2 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 2]), a2)
+                    a6 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 6]), a6)
+                    b2 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 2]), b2)
+                    b6 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 6]), b6)
                     lo, hi = nib64_lo(q, base + 384), nib64_hi(q, base + 384)
-                    a3 = vfma(ea, itof(bcast_dot(isa, lo, x32[tt, xo + 3])), a3)
-                    a7 = vfma(ea, itof(bcast_dot(isa, hi, x32[tt, xo + 7])), a7)
-                    b3 = vfma(eb, itof(bcast_dot(isa, lo, x32[tt + 1, xo + 3])), b3)
-                    b7 = vfma(eb, itof(bcast_dot(isa, hi, x32[tt + 1, xo + 7])), b7)
+                    a3 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 3]), a3)
+                    a7 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 7]), a7)
+                    b3 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 3]), b3)
+                    b7 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 7]), b7)
                 ra = vadd(_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vload(sc_, nb * R + 16 * hh))
                 rb = vadd(_hsum8(b0, b1, b2, b3, b4, b5, b6, b7), vload(sc_, o2 + nb * R + 16 * hh))
                 vstore(sc_, 2 * o2 + 16 * hh, ra)
@@ -206,22 +231,22 @@ def lanes_impl(fmt: QFormat):
                 xo = b * 8
                 x0, x1, x2, x3 = x32[tt, xo], x32[tt, xo + 1], x32[tt, xo + 2], x32[tt, xo + 3]
                 x4, x5, x6, x7 = x32[tt, xo + 4], x32[tt, xo + 5], x32[tt, xo + 6], x32[tt, xo + 7]
-                a00 = vfma(e0, itof(bcast_dot(isa, nib64_lo(q, base), x0)), a00)
-                a04 = vfma(e0, itof(bcast_dot(isa, nib64_hi(q, base), x4)), a04)
-                a10 = vfma(e1, itof(bcast_dot(isa, nib64_lo(q, base + 64), x0)), a10)
-                a14 = vfma(e1, itof(bcast_dot(isa, nib64_hi(q, base + 64), x4)), a14)
-                a01 = vfma(e0, itof(bcast_dot(isa, nib64_lo(q, base + 128), x1)), a01)
-                a05 = vfma(e0, itof(bcast_dot(isa, nib64_hi(q, base + 128), x5)), a05)
-                a11 = vfma(e1, itof(bcast_dot(isa, nib64_lo(q, base + 192), x1)), a11)
-                a15 = vfma(e1, itof(bcast_dot(isa, nib64_hi(q, base + 192), x5)), a15)
-                a02 = vfma(e0, itof(bcast_dot(isa, nib64_lo(q, base + 256), x2)), a02)
-                a06 = vfma(e0, itof(bcast_dot(isa, nib64_hi(q, base + 256), x6)), a06)
-                a12 = vfma(e1, itof(bcast_dot(isa, nib64_lo(q, base + 320), x2)), a12)
-                a16 = vfma(e1, itof(bcast_dot(isa, nib64_hi(q, base + 320), x6)), a16)
-                a03 = vfma(e0, itof(bcast_dot(isa, nib64_lo(q, base + 384), x3)), a03)
-                a07 = vfma(e0, itof(bcast_dot(isa, nib64_hi(q, base + 384), x7)), a07)
-                a13 = vfma(e1, itof(bcast_dot(isa, nib64_lo(q, base + 448), x3)), a13)
-                a17 = vfma(e1, itof(bcast_dot(isa, nib64_hi(q, base + 448), x7)), a17)
+                a00 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base), x0), a00)
+                a04 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base), x4), a04)
+                a10 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 64), x0), a10)
+                a14 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 64), x4), a14)
+                a01 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 128), x1), a01)
+                a05 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 128), x5), a05)
+                a11 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 192), x1), a11)
+                a15 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 192), x5), a15)
+                a02 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 256), x2), a02)
+                a06 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 256), x6), a06)
+                a12 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 320), x2), a12)
+                a16 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 320), x6), a16)
+                a03 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 384), x3), a03)
+                a07 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 384), x7), a07)
+                a13 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 448), x3), a13)
+                a17 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 448), x7), a17)
             # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs
             r0 = vadd(vadd(a00, a04), vadd(a02, a06))
             r0 = vadd(r0, vadd(vadd(a01, a05), vadd(a03, a07)))
