@@ -208,10 +208,10 @@ def attention_checked(
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
     if flash and GGML_FLASH and type_k == type_v and type_k in (_F16, _F32) and sinks.shape[0] == 0:
         par = fn is _flash_attn_par  # ggml's tiled order (kernels/attention_ggml.py), opt-in
-        tb, n_units = ggml_flash_units(n_tokens, n_head_kv, n_threads if par else 1)
+        tb, hpu, n_units = ggml_flash_units(n_tokens, n_head, n_head_kv, n_threads if par else 1)
         (ggml_flash_par if par else ggml_flash_ser)(
             q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
-            softcap, tb, n_units, out,
+            softcap, tb, hpu, n_units, out,
         )  # fmt: skip
         return out.reshape(n_tokens, n_head * dv)
     type_k, type_v = kernel_cache_types(type_k, type_v)  # f16/f16: compile-time constants

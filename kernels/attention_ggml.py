@@ -58,8 +58,9 @@ _NV = TILE // LANES  # score vectors per tile
 
 
 @njit(cache=True, inline="always")
-def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, out):
-    """Rows of token block u % n_tb of kv head u // n_tb: q [n_tokens, n_head, dk] f32, k / v
+def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpu, out):
+    """Rows of token block u % n_tb, heads hpu * sg .. of the group of kv head hk (sg, hk =
+    (u // n_tb) % (gq / hpu), (u // n_tb) // (gq / hpu)): q [n_tokens, n_head, dk] f32, k / v
     u8 [n_stream, n_kv, row bytes] cache rows (f16 or f32), mask [n_tokens, n_kv] f32, start
     [n_tokens] i64 (each row walks its tiles from the one holding its start cell, cyclically),
     out [n_tokens, n_head, dv] f32."""
@@ -68,7 +69,9 @@ def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, s
     n_kv = mask.shape[1]
     gq = n_head // n_head_kv
     n_tb = (n_tokens + tb - 1) // tb
-    tbi, hk = u % n_tb, u // n_tb
+    n_sub = gq // hpu
+    tbi, sg, hk = u % n_tb, (u // n_tb) % n_sub, (u // n_tb) // n_sub
+    h0 = hk * gq + sg * hpu  # the unit's first head
     t0 = tbi * tb
     t1 = min(t0 + tb, n_tokens)
     kb, vb = k.shape[2] // n_head_kv, v.shape[2] // n_head_kv
@@ -89,9 +92,10 @@ def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, s
         tz = ta + 1
         while tz < t1 and start[tz] // TILE == s0 and tok_stream[tz] == tok_stream[ta]:
             tz += 1
-        nq = (tz - ta) * gq  # row qi: token ta + qi // gq, head hk * gq + qi % gq
+        nq = (tz - ta) * hpu  # row qi: token ta + qi // hpu, head h0 + qi % hpu
         st = tok_stream[ta]
         acc = np.zeros((nq, dvp), dtype=np.float32)
+        ss = np.empty(nq * TILE, dtype=np.float32)  # the run's rows' raw scores of a tile
         m_run = np.full(nq, NEG_INF, dtype=np.float32)
         s_run = np.zeros(nq, dtype=np.float32)
         for i in range(n_tiles):
@@ -130,17 +134,46 @@ def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, s
                     for c in range(_NV):
                         vtranspose16(kr, c * LANES * dkp + e0, dkp, kt, e0 * TILE + c * LANES, TILE)
             full = nj == TILE and not cap
-            for qi in range(nq):
-                t = ta + qi // gq
-                h = hk * gq + qi % gq
-                # scores of 64 cells: 4 vectors, each lane one fma chain over the components from 0
+            qi = 0
+            while qi < nq:  # scores of 64 cells: 4 vectors a row, each lane one fma chain over the
+                t, h = ta + qi // hpu, h0 + qi % hpu  # components from 0; two rows at a time
                 a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-                for e in range(dk):
-                    qe = vbcast(q[t, h, e])
-                    a0 = vfma(qe, vload(kt, e * TILE), a0)
-                    a1 = vfma(qe, vload(kt, e * TILE + 16), a1)
-                    a2 = vfma(qe, vload(kt, e * TILE + 32), a2)
-                    a3 = vfma(qe, vload(kt, e * TILE + 48), a3)
+                if qi + 1 < nq:
+                    t2, h2 = ta + (qi + 1) // hpu, h0 + (qi + 1) % hpu
+                    b0, b1, b2, b3 = vzero(), vzero(), vzero(), vzero()
+                    for e in range(dk):
+                        k0, k1, k2, k3 = (
+                            vload(kt, e * TILE),
+                            vload(kt, e * TILE + 16),
+                            vload(kt, e * TILE + 32),
+                            vload(kt, e * TILE + 48),
+                        )
+                        qe, qf = vbcast(q[t, h, e]), vbcast(q[t2, h2, e])
+                        a0, a1, a2, a3 = vfma(qe, k0, a0), vfma(qe, k1, a1), vfma(qe, k2, a2), vfma(qe, k3, a3)
+                        b0, b1, b2, b3 = vfma(qf, k0, b0), vfma(qf, k1, b1), vfma(qf, k2, b2), vfma(qf, k3, b3)
+                    o = (qi + 1) * TILE
+                    vstore(ss, o, b0)
+                    vstore(ss, o + 16, b1)
+                    vstore(ss, o + 32, b2)
+                    vstore(ss, o + 48, b3)
+                else:
+                    for e in range(dk):
+                        qe = vbcast(q[t, h, e])
+                        a0 = vfma(qe, vload(kt, e * TILE), a0)
+                        a1 = vfma(qe, vload(kt, e * TILE + 16), a1)
+                        a2 = vfma(qe, vload(kt, e * TILE + 32), a2)
+                        a3 = vfma(qe, vload(kt, e * TILE + 48), a3)
+                o = qi * TILE
+                vstore(ss, o, a0)
+                vstore(ss, o + 16, a1)
+                vstore(ss, o + 32, a2)
+                vstore(ss, o + 48, a3)
+                qi += 2
+            for qi in range(nq):
+                t = ta + qi // hpu
+                h = h0 + qi % hpu
+                o = qi * TILE
+                a0, a1, a2, a3 = vload(ss, o), vload(ss, o + 16), vload(ss, o + 32), vload(ss, o + 48)
                 a0, a1, a2, a3 = vmul(a0, vscale), vmul(a1, vscale), vmul(a2, vscale), vmul(a3, vscale)
                 if full:  # + mask, lane by lane
                     mo = t * n_kv + j0
@@ -184,6 +217,27 @@ def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, s
                 vstore(sc, 32, p2)
                 vstore(sc, 48, p3)
                 e = 0
+                while e + 8 * LANES <= dvp:  # 8 vectors at once (8 chains in flight)
+                    x0, x1 = vload(acc[qi], e), vload(acc[qi], e + 16)
+                    x2, x3 = vload(acc[qi], e + 32), vload(acc[qi], e + 48)
+                    x4, x5 = vload(acc[qi], e + 64), vload(acc[qi], e + 80)
+                    x6, x7 = vload(acc[qi], e + 96), vload(acc[qi], e + 112)
+                    for j in range(TILE):
+                        pj = vbcast(sc[j])
+                        o = j * dvp + e
+                        x0, x1 = vfma(vload(vt, o), pj, x0), vfma(vload(vt, o + 16), pj, x1)
+                        x2, x3 = vfma(vload(vt, o + 32), pj, x2), vfma(vload(vt, o + 48), pj, x3)
+                        x4, x5 = vfma(vload(vt, o + 64), pj, x4), vfma(vload(vt, o + 80), pj, x5)
+                        x6, x7 = vfma(vload(vt, o + 96), pj, x6), vfma(vload(vt, o + 112), pj, x7)
+                    vstore(acc[qi], e, x0)
+                    vstore(acc[qi], e + 16, x1)
+                    vstore(acc[qi], e + 32, x2)
+                    vstore(acc[qi], e + 48, x3)
+                    vstore(acc[qi], e + 64, x4)
+                    vstore(acc[qi], e + 80, x5)
+                    vstore(acc[qi], e + 96, x6)
+                    vstore(acc[qi], e + 112, x7)
+                    e += 8 * LANES
                 while e + 4 * LANES <= dvp:  # acc[e] += p_j * v_j[e], cells in order; 4 vectors at once
                     x0, x1 = vload(acc[qi], e), vload(acc[qi], e + 16)
                     x2, x3 = vload(acc[qi], e + 32), vload(acc[qi], e + 48)
@@ -207,29 +261,35 @@ def _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, s
                     e += LANES
         for qi in range(nq):
             inv = np.float32(0.0) if s_run[qi] == 0.0 else np.float32(1.0) / s_run[qi]
-            t = ta + qi // gq
-            h = hk * gq + qi % gq
+            t = ta + qi // hpu
+            h = h0 + qi % hpu
             for e in range(dv):
                 out[t, h, e] = acc[qi, e] * inv
         ta = tz
 
 
 @njit(cache=True, parallel=True)
-def ggml_flash_par(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, n_units, out):
+def ggml_flash_par(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpu, n_units, out):
     for u in prange(n_units):
-        _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, out)
+        _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpu, out)
 
 
 @njit(cache=True)
-def ggml_flash_ser(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, n_units, out):
+def ggml_flash_ser(q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpu, n_units, out):
     for u in range(n_units):
-        _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, out)
+        _ggml_unit(u, q, k, type_k, v, type_v, mask, start, tok_stream, n_head_kv, scale, softcap, tb, hpu, out)
 
 
-def ggml_flash_units(n_tokens, n_head_kv, n_threads):
-    """(token block, units): blocks of up to 16 tokens, fewer while there are under two units a
-    thread (each unit decodes a tile once for its rows)."""
+def ggml_flash_units(n_tokens, n_head, n_head_kv, n_threads):
+    """(token block, heads per unit, units): blocks of up to 16 tokens, fewer while there are
+    under two units a thread (each unit decodes a tile once for its rows); a kv head's query heads
+    split over units (halved while they divide) while there are fewer units than threads (one
+    token of a model with one kv head). Each row's arithmetic is the same in any unit."""
     tb = min(16, max(1, n_tokens))
     while tb > 1 and n_head_kv * -(-n_tokens // tb) < 2 * n_threads:
         tb //= 2
-    return tb, n_head_kv * -(-n_tokens // tb)
+    gq = n_head // n_head_kv
+    hpu = gq
+    while hpu % 2 == 0 and n_head_kv * -(-n_tokens // tb) * (gq // hpu) < n_threads:
+        hpu //= 2
+    return tb, hpu, n_head_kv * -(-n_tokens // tb) * (gq // hpu)

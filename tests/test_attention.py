@@ -244,6 +244,30 @@ def test_ggml_order_flash_two_streams_rows_are_their_streams(monkeypatch):
         np.testing.assert_array_equal(got[t], want[0])
 
 
+def test_ggml_order_flash_splits_a_kv_heads_query_heads_over_units_without_changing_a_bit():
+    """One kv head (Gemma-3), one token: ggml_flash_units splits the query heads over the threads
+    (heads per unit 2, then 1); every unit layout gives the same rows, the tiled reference's."""
+    from kvchat.kernels.attention_ggml import ggml_flash_par, ggml_flash_ser, ggml_flash_units
+    from tests.helpers.ggml_order import flash_tiled_reference
+
+    assert ggml_flash_units(1, 4, 1, 2) == (1, 2, 2)
+    assert ggml_flash_units(1, 4, 1, 4) == (1, 1, 4)
+    assert ggml_flash_units(1, 9, 3, 2) == (1, 3, 3)  # enough kv heads: no split
+    n_tokens, n_head, n_head_kv, dk, n_kv = 3, 4, 1, 64, 200
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", n_tokens, n_head, n_head_kv, dk, n_kv, 200, 1, seed=21)
+    start = np.zeros(n_tokens, np.int64)
+    want = flash_tiled_reference(q, kval[0].astype(np.float32), vval[0].astype(np.float32), mask, 0.125).reshape(
+        n_tokens, n_head, dk
+    )
+    for hpu in (4, 2, 1):
+        for fn in (ggml_flash_ser, ggml_flash_par):
+            out = np.full((n_tokens, n_head, dk), np.nan, np.float32)
+            n_units = n_tokens * (n_head // hpu)
+            fn(q, kraw, int(GGMLType.F16), vraw, int(GGMLType.F16), mask, start, ts, n_head_kv,
+               np.float32(0.125), np.float32(0.0), 1, hpu, n_units, out)  # fmt: skip
+            np.testing.assert_array_equal(out, want, err_msg=f"hpu {hpu}")
+
+
 def test_mixed_k_v_types_softcap_and_two_streams():
     n_tokens, n_head, n_head_kv, dk, n_kv = 6, 4, 2, 64, 64
     q, kraw, kval, vraw, vval, mask, ts = _setup(
