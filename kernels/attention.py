@@ -72,9 +72,11 @@ from kvchat.kernels.attention_classic import classic_attn_par, classic_attn_ser,
 from kvchat.kernels.attention_flash import _NO_PARTIALS, CHUNK, _flash_attn_par, _partials, flash_attn_ser, flash_plan
 from kvchat.kernels.attention_ggml import ggml_flash_par, ggml_flash_ser, ggml_flash_units
 from kvchat.kernels.ggml_types import GGMLType, type_info
-from kvchat.kernels.qlayout import GGML_ORDER
+from kvchat.kernels.qlayout import GGML_ORDER_PARTS
 from kvchat.kernels.quants import dequantize, kernel_cache_types, quantize
 
+GGML_FLASH = "flash" in GGML_ORDER_PARTS  # ggml's tiled flash order (KVCHAT_GGML_ORDER, kernels/qlayout.py)
+GGML_SOFTMAX = "softmax" in GGML_ORDER_PARTS  # ggml's soft_max_f32 form on the classic path
 _F32, _F16, _BF16, _Q8_0 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.Q8_0)
 
 
@@ -204,12 +206,12 @@ def attention_checked(
         plan = _LAUNCHES[key] = _launch_plan(*key)
     fn, tb, split, cpu, n_units, dv, start0 = plan
     out = np.empty((n_tokens, n_head, dv), dtype=np.float32)
-    if flash and GGML_ORDER and type_k == type_v and type_k in (_F16, _F32) and sinks.shape[0] == 0:
+    if flash and GGML_FLASH and type_k == type_v and type_k in (_F16, _F32) and sinks.shape[0] == 0:
         par = fn is _flash_attn_par  # ggml's tiled order (kernels/attention_ggml.py), opt-in
-        tb, n_units = ggml_flash_units(n_tokens, n_head_kv, n_threads if par else 1)
+        tb, hpu, n_units = ggml_flash_units(n_tokens, n_head, n_head_kv, n_threads if par else 1)
         (ggml_flash_par if par else ggml_flash_ser)(
             q, k, type_k, v, type_v, mask, start0 if start is None else start, tok_stream, n_head_kv, scale,
-            softcap, tb, n_units, out,
+            softcap, tb, hpu, n_units, out,
         )  # fmt: skip
         return out.reshape(n_tokens, n_head * dv)
     type_k, type_v = kernel_cache_types(type_k, type_v)  # f16/f16: compile-time constants
@@ -257,7 +259,7 @@ def attention_checked(
             tb,
             split,
             n_units,
-            GGML_ORDER,  # the softmax sum in ggml's form (see attention_classic), opt-in
+            GGML_SOFTMAX,  # the softmax sum in ggml's form (see attention_classic), opt-in
             out,
         )  # classic: (tb, heads per group, n_units)
     return out.reshape(n_tokens, n_head * dv)

@@ -25,9 +25,22 @@ from kvchat.kernels.attention_tiles import (
     tile_live,
     tile_scores,
 )
-from kvchat.kernels.ggml_math import expf_ggml
+from kvchat.kernels.ggml_math import vexpf_ggml
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.simd import LANES, vadd, vbcast, vfma, vhsum, vload, vmul, vround_bf16, vround_f16, vstore, vzero
+from kvchat.kernels.simd import (
+    LANES,
+    vadd,
+    vbcast,
+    vfma,
+    vhsum,
+    vload,
+    vmul,
+    vround_bf16,
+    vround_f16,
+    vstore,
+    vsub,
+    vzero,
+)
 
 _F32, _F16, _BF16 = int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)
 
@@ -110,9 +123,10 @@ def _classic_unit(
             ti = (s0 + i) % n_tiles
             if tmax[qi, ti] != NEG_INF:
                 o = qi * n_kvp + ti * KT
-                if gsum:  # ggml_v_expf of this CPU (masked cells: exp(-inf) = 0)
-                    for j in range(KT):
-                        p[o + j] = expf_ggml(p[o + j] - m)
+                if gsum:  # ggml_v_expf of this CPU on vectors (masked cells: exp(-inf) = 0)
+                    vm = vbcast(m)
+                    for h in range(0, KT, LANES):
+                        vstore(p, o + h, vexpf_ggml(vsub(vload(p, o + h), vm)))
                 else:  # libm expf
                     for j in range(KT):
                         p[o + j] = np.float32(math.exp(p[o + j] - m))

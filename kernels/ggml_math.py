@@ -152,3 +152,80 @@ def expf_ggml(x):
 def silu_ggml(x):
     """ggml_v_silu: x / (1 + e^(0 - x)) with expf_ggml."""
     return x / (_ONE + expf_ggml(np.float32(0.0) - x))
+
+
+def _vexp_codegen(builder, x, avx512):
+    """expf_ggml_avx512 / expf_ggml_avx2 on 16 lanes, operation for operation (IR)."""
+    from kvchat.kernels.simd import LANES
+
+    vf = ir.VectorType(ir.FloatType(), LANES)
+    vi = ir.VectorType(ir.IntType(32), LANES)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{LANES}f32")
+    fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]), f"llvm.fabs.v{LANES}f32")
+
+    def c(v):
+        return ir.Constant(vf, [float(np.float32(v))] * LANES)
+
+    def ci(v):
+        return ir.Constant(vi, [v] * LANES)
+
+    def f(a, b, cc):
+        return builder.call(fma, [a, b, cc])
+
+    z = f(x, c(_LOG2E), c(_R))
+    n = builder.fsub(z, c(_R))
+    nn = builder.fneg(n)
+    b = f(nn, c(_LN2_LO), f(nn, c(_LN2_HI), x))
+    u = builder.fmul(b, b)
+    absn = builder.call(fabs, [n])
+    neg = builder.fcmp_ordered("<=", n, c(0.0))
+    zi = builder.bitcast(z, vi)
+    if avx512:
+        j = f(f(f(c(_C5), b, c(_C4)), u, f(c(_C3), b, c(_C2))), u, f(c(_C1), b, c(_ONE)))
+        ni = builder.sub(zi, ci(_R_BITS))
+        n1 = builder.ashr(ni, ci(1))
+        n2 = builder.sub(ni, n1)
+
+        def pow2(k):
+            return builder.bitcast(builder.shl(builder.add(k, ci(127)), ci(23)), vf)
+
+        res = builder.fmul(builder.fmul(j, pow2(n1)), pow2(n2))
+        alt = builder.select(neg, c(0.0), c(np.inf))
+        return builder.select(builder.fcmp_ordered(">", absn, c(192.0)), alt, res)
+    k = builder.bitcast(builder.add(builder.shl(zi, ci(23)), ci(0x3F800000)), vf)
+    j = f(f(f(c(_C5), b, c(_C4)), u, f(c(_C3), b, c(_C2))), u, builder.fmul(c(_C1), b))
+    s1 = builder.select(neg, c(_TWO_M125), c(_TWO_127))
+    s2 = builder.bitcast(builder.add(builder.shl(zi, ci(23)), builder.select(neg, ci(0x7E000000), ci(0))), vf)
+    big = builder.select(
+        builder.fcmp_ordered(">", absn, c(192.0)), builder.fmul(s1, s1), builder.fmul(f(s2, j, s2), s1)
+    )
+    return builder.select(builder.fcmp_ordered(">", absn, c(126.0)), big, f(j, k, k))
+
+
+def _vexp_intrinsic(avx512):
+    def typer(typingctx, v):
+        from kvchat.kernels.simd import f32vec
+
+        if v != f32vec:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _vexp_codegen(builder, args[0], avx512)
+
+        return f32vec(v), codegen
+
+    typer.__name__ = typer.__qualname__ = "vexpf_ggml_avx512" if avx512 else "vexpf_ggml_avx2"
+    return intrinsic(typer)
+
+
+vexpf_ggml_avx512 = _vexp_intrinsic(True)  # expf_ggml_avx512 on 16 lanes, every lane the scalar's bits
+vexpf_ggml_avx2 = _vexp_intrinsic(False)  # expf_ggml_avx2 on 16 lanes, likewise
+
+
+@njit(cache=True, inline="always")
+def vexpf_ggml(v):
+    """expf_ggml on the 16 lanes of a kernels/simd vector (the same operations, selects for its
+    selects): ggml_v_expf of this CPU as ggml runs it, vectorized."""
+    if EXPF_AVX512:
+        return vexpf_ggml_avx512(v)
+    return vexpf_ggml_avx2(v)

@@ -385,7 +385,9 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     long_chunks = expand and fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
     n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
     if fmt_get(fmt, "lanes"):
-        n_qx = (q.shape[1] + 1) * R * 4  # kernels/matmul_lanes.py: a token's f32 block scales and summs
+        # kernels/matmul_lanes.py (inlined here: numba's cache key is this file's text, so a change
+        # there needs one here): two tokens' f32 block scales, summs and outputs
+        n_qx = (2 * (q.shape[1] + 1) + 2) * R * 4
     qx = np.empty(n_qx, np.uint8)
     # a chunk of a few tokens (a verify batch) streams each group's weights once: prefetch them;
     # a prompt's chunk re-reads them from cache for every four tokens (hints cost pp512 ~3 %)

@@ -10,17 +10,17 @@ of some outputs, and through the next activation's 8-bit roundings the whole for
 llama.cpp's as far as a second independent rounding would (docs/performance.md, "Accuracy").
 
 In kernels/qlayout.py's layout, step s of a 32-row sub-block holds each row's values 4s .. 4s+3
-(low nibbles) and 16 + 4s .. (high nibbles): the per-row integers of lanes s and 4 + s. The
-kernel walks a row group 8 rows at a time (rows keep to SIMD lanes, as in the rest of
-kernels/matmul_int.py): the 32 bytes of 8 rows of a step, split into their low and high nibbles,
-make one 64-byte vector whose dot with (x of lane s | x of lane 4 + s) gives both lanes' integers
-for the 8 rows (pair_dot), so all 8 lanes of 8 rows are 4 float vectors (8 ymm on AVX2) held in
-registers across the blocks; the block scales d_w * d_x (and the summs) are computed once per
-token into a scratch row (_run_items sizes qx for it).
+(low nibbles) and 16 + 4s .. (high nibbles), 4 bytes a row, rows in order: the per-row integers
+of lanes s and 4 + s. One 64-byte load of a step's 16 rows, its low nibbles dotted with x's 4
+bytes of lane s broadcast (bcast_dot), gives lane s of all 16 rows in one vector, its high nibbles
+lane 4 + s: so a lane of 16 rows is one float vector, the 8 lanes of the group's 32 rows are 16
+vectors held in registers across the blocks, and hsum_float_8 is lane-wise adds of them, no
+shuffles. The block scales d_w * d_x (and the summs) are computed once per token into a scratch
+row (_run_items sizes qx for it).
 
-The cost: per 4 values of a row, a float conversion and an fma where the default order has an
-integer add (32 + 32 vector ops per 32-row block against 4 + 4): one token ~1.45x the default
-kernel's time on this AVX2 EPYC, so it is opt-in (KVCHAT_GGML_ORDER=1, kernels/qlayout.py).
+The cost: per 4 values of a row a float conversion and an fma where the default order adds
+integers (per 32-row block and token 16 integer dots + 16 conversions + 16 fmas against 16 + 2 +
+2), so it is opt-in (KVCHAT_GGML_ORDER=1 or =q4_1, kernels/qlayout.py; docs/performance.md).
 
 One token at a time, so a token's outputs are the same whatever else is in the batch (n = 1 or
 512, any chunk or thread count): tests/test_matmul_int.py compares them with array_equal to a
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from kvchat.kernels.qlayout import QFormat, R
 from kvchat.kernels.simd import f32vec, vadd, vbcast, vfma, vload, vmul, vstore, vzero
-from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, i32x16, itof
+from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, i32x16
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _F32 = ir.FloatType()
@@ -50,87 +50,110 @@ def _lanes(n, idx):
 
 
 @intrinsic
-def nib_pair(typingctx, q, i):
-    """Bytes i .. i+31 of q (8 rows x 4 packed bytes) as 64 values: their low nibbles (values 4s ..
-    4s+3 of each row), then their high nibbles (16 + 4s ..)."""
+def nib64_lo(typingctx, q, i):
+    """Low nibbles of bytes i .. i+63 of q (16 rows x 4 packed bytes: values 4s .. 4s+3 of each)."""
     if not (isinstance(q, types.Array) and q.dtype == types.uint8 and isinstance(i, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_I8, 32)
+        vt = ir.VectorType(_I8, 64)
         v = builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], vt), align=1)
-        lo = builder.and_(v, ir.Constant(vt, [15] * 32))
-        hi = builder.lshr(v, ir.Constant(vt, [4] * 32))
-        return builder.shuffle_vector(lo, hi, _lanes(64, range(64)))
+        return builder.and_(v, ir.Constant(vt, [15] * 64))
 
     return b64(q, i), codegen
 
 
 @intrinsic
-def pair_dot(typingctx, isa, w, xl, xh):
-    """Per row of nib_pair's 8: lanes 0-7 the integer dot of its 4 low-nibble values with the 4
-    activation bytes in xl, lanes 8-15 of its high-nibble values with xh (exact on every path)."""
-    if not (isinstance(isa, IsaType) and w == b64 and isinstance(xl, types.Integer) and isinstance(xh, types.Integer)):
+def nib64_hi(typingctx, q, i):
+    """High nibbles of bytes i .. i+63 of q (values 16 + 4s .. of each of 16 rows)."""
+    if not (isinstance(q, types.Array) and q.dtype == types.uint8 and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I8, 64)
+        v = builder.load(_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], vt), align=1)
+        return builder.lshr(v, ir.Constant(vt, [4] * 64))
+
+    return b64(q, i), codegen
+
+
+@intrinsic
+def bcast_dot(typingctx, isa, w, x):
+    """Per row of nib64_lo/_hi's 16: the integer dot of its 4 values with the 4 activation bytes
+    of x (an i32 holding them), exact on every path."""
+    if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer)):
         return None
     gen = _dot_codegen(isa.isa, False)
 
     def codegen(context, builder, sig, args):
         vi = ir.VectorType(_I32, 16)
-        x = ir.Constant(vi, ir.Undefined)
-        x = builder.insert_element(x, context.cast(builder, args[2], sig.args[2], types.int32), ir.Constant(_I32, 0))
-        x = builder.insert_element(x, context.cast(builder, args[3], sig.args[3], types.int32), ir.Constant(_I32, 1))
-        x = builder.shuffle_vector(x, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 8 + [1] * 8))
-        return gen(builder, ir.Constant(vi, None), args[1], builder.bitcast(x, ir.VectorType(_I8, 64)))
+        x32 = context.cast(builder, args[2], sig.args[2], types.int32)
+        xv = builder.insert_element(ir.Constant(vi, ir.Undefined), x32, ir.Constant(_I32, 0))
+        xv = builder.shuffle_vector(xv, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
+        return gen(builder, ir.Constant(vi, None), args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
 
-    return i32x16(isa, w, xl, xh), codegen
+    return i32x16(isa, w, x), codegen
 
 
-@intrinsic
-def vload_dup8(typingctx, a, i):
-    """Elements i .. i+7 of a float32 array, twice (lanes 0-7 and 8-15)."""
-    if not (isinstance(a, types.Array) and a.dtype == types.float32 and isinstance(i, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_F32, 8)
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        idx = context.cast(builder, args[1], sig.args[1], types.intp)
-        v = builder.load(builder.bitcast(builder.gep(ary.data, [idx]), vt.as_pointer()), align=4)
-        return builder.shuffle_vector(v, v, _lanes(16, list(range(8)) * 2))
-
-    return f32vec(a, i), codegen
+_MAGIC = 0x4B400000  # the bits of 2^23 + 2^22: + an integer |i| < 2^22 in the low bits is that float + i
 
 
 @intrinsic
-def vfold8(typingctx, v):
-    """Lanes 0-7 + lanes 8-15 (one rounding each), in lanes 0-7 and again in 8-15."""
-    if v != f32vec:
+def bcast_dot_f(typingctx, isa, w, x):
+    """bcast_dot's 16 integers as float32, exactly: the dot accumulates onto the bits of
+    2^23 + 2^22 (|dot| <= 4 * 15 * 128 < 2^22), so the lanes read as floats are 2^23 + 2^22 + dot,
+    and one subtraction (exact) leaves float(dot): the conversion as an add on the integer
+    unit's accumulator and a float subtract, instead of vcvtdq2ps (which shares a port with the dots)."""
+    if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer)):
         return None
+    gen = _dot_codegen(isa.isa, False)
 
     def codegen(context, builder, sig, args):
-        lo = builder.shuffle_vector(args[0], args[0], _lanes(8, range(8)))
-        hi = builder.shuffle_vector(args[0], args[0], _lanes(8, range(8, 16)))
-        s = builder.fadd(lo, hi)
-        return builder.shuffle_vector(s, s, _lanes(16, list(range(8)) * 2))
+        vi = ir.VectorType(_I32, 16)
+        x32 = context.cast(builder, args[2], sig.args[2], types.int32)
+        xv = builder.insert_element(ir.Constant(vi, ir.Undefined), x32, ir.Constant(_I32, 0))
+        xv = builder.shuffle_vector(xv, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
+        r = gen(builder, ir.Constant(vi, [_MAGIC] * 16), args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
+        vf = ir.VectorType(_F32, 16)
+        return builder.fsub(builder.bitcast(r, vf), ir.Constant(vf, [float(2**23 + 2**22)] * 16))
 
-    return f32vec(v), codegen
+    return f32vec(isa, w, x), codegen
 
 
-@intrinsic
-def vstore8(typingctx, a, i, v):
-    """a[i .. i+7] = lanes 0-7 of v (a float32 array)."""
-    if not (isinstance(a, types.Array) and a.dtype == types.float32 and isinstance(i, types.Integer) and v == f32vec):
-        return None
+@njit(cache=True, inline="always")
+def _lane_scales(d, m, xd, xm, tt, g, nb, lmin, sc_, o):
+    """Token tt's block scales d_w * d_x of the group's 32 rows into sc_[o + 32 b ..], then the
+    32 summs (the in-order sum over the blocks of m_w * s_x) at sc_[o + 32 nb ..]."""
+    s0, s1 = vzero(), vzero()
+    for b in range(nb):
+        so = (g * nb + b) * R
+        dx = vbcast(xd[tt, b])
+        vstore(sc_, o + b * R, vmul(vload(d, so), dx))
+        vstore(sc_, o + b * R + 16, vmul(vload(d, so + 16), dx))
+        if lmin:
+            sx = vbcast(xm[tt, b])
+            s0 = vfma(vload(m, so), sx, s0)
+            s1 = vfma(vload(m, so + 16), sx, s1)
+    vstore(sc_, o + nb * R, s0)
+    vstore(sc_, o + nb * R + 16, s1)
 
-    def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_F32, 8)
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        idx = context.cast(builder, args[1], sig.args[1], types.intp)
-        lo = builder.shuffle_vector(args[2], args[2], _lanes(8, range(8)))
-        builder.store(lo, builder.bitcast(builder.gep(ary.data, [idx]), vt.as_pointer()), align=4)
-        return context.get_dummy_value()
 
-    return types.none(a, i, v), codegen
+@njit(cache=True, inline="always")
+def _hsum8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """hsum_float_8 lane-wise: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+    return vadd(vadd(vadd(a0, a4), vadd(a2, a6)), vadd(vadd(a1, a5), vadd(a3, a7)))
+
+
+@njit(cache=True, inline="always")
+def _lane_store(y, src, o, tt, g):
+    """Token tt's 32 outputs of row group g from src[o .. o + 32] (rows past y's end dropped)."""
+    n_rows = y.shape[1]
+    if g * R + R <= n_rows:
+        vstore(y, tt * n_rows + g * R, vload(src, o))
+        vstore(y, tt * n_rows + g * R + 16, vload(src, o + 16))
+    else:
+        for r in range(n_rows - g * R):
+            y[tt, g * R + r] = src[o + r]
 
 
 def lanes_impl(fmt: QFormat):
@@ -144,7 +167,47 @@ def lanes_impl(fmt: QFormat):
         nb = xd.shape[1]
         n_rows = y.shape[1]
         sc_ = qx.view(np.float32)  # per block the 32 rows' d_w * d_x, then the 32 summs (_run_items sizes it)
-        for tt in range(t, t1):
+        o2 = (nb + 1) * R  # the second token's scales; its outputs after them
+        tt = t
+        while tt + 2 <= t1:  # two tokens share each 16 rows' nibble loads, 16 rows at a time
+            _lane_scales(d, m, xd, xm, tt, g, nb, lmin, sc_, 0)
+            _lane_scales(d, m, xd, xm, tt + 1, g, nb, lmin, sc_, o2)
+            for hh in range(2):
+                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()  # token tt, lane l of rows 16hh ..
+                b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()  # token tt + 1
+                for b in range(nb):
+                    ea = vload(sc_, b * R + 16 * hh)
+                    eb = vload(sc_, o2 + b * R + 16 * hh)
+                    base = (g * nb + b) * sub_bytes + 64 * hh
+                    xo = b * 8
+                    lo, hi = nib64_lo(q, base), nib64_hi(q, base)
+                    a0 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo]), a0)
+                    a4 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 4]), a4)
+                    b0 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo]), b0)
+                    b4 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 4]), b4)
+                    lo, hi = nib64_lo(q, base + 128), nib64_hi(q, base + 128)
+                    a1 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 1]), a1)
+                    a5 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 5]), a5)
+                    b1 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 1]), b1)
+                    b5 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 5]), b5)
+                    lo, hi = nib64_lo(q, base + 256), nib64_hi(q, base + 256)
+                    a2 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 2]), a2)
+                    a6 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 6]), a6)
+                    b2 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 2]), b2)
+                    b6 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 6]), b6)
+                    lo, hi = nib64_lo(q, base + 384), nib64_hi(q, base + 384)
+                    a3 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 3]), a3)
+                    a7 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 7]), a7)
+                    b3 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 3]), b3)
+                    b7 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 7]), b7)
+                ra = vadd(_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vload(sc_, nb * R + 16 * hh))
+                rb = vadd(_hsum8(b0, b1, b2, b3, b4, b5, b6, b7), vload(sc_, o2 + nb * R + 16 * hh))
+                vstore(sc_, 2 * o2 + 16 * hh, ra)
+                vstore(sc_, 2 * o2 + R + 16 * hh, rb)
+            _lane_store(y, sc_, 2 * o2, tt, g)
+            _lane_store(y, sc_, 2 * o2 + R, tt + 1, g)
+            tt += 2
+        for tt in range(tt, t1):
             s0, s1 = vzero(), vzero()
             for b in range(nb):
                 so = (g * nb + b) * R
@@ -157,19 +220,40 @@ def lanes_impl(fmt: QFormat):
                     s1 = vfma(vload(m, so + 16), sx, s1)
             vstore(sc_, nb * R, s0)
             vstore(sc_, nb * R + 16, s1)
-            for c in range(4):  # rows 8c .. 8c+7: their 8 lanes in 4 vectors (lanes s | 4 + s)
-                a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-                for b in range(nb):
-                    e = vload_dup8(sc_, b * R + 8 * c)
-                    base = (g * nb + b) * sub_bytes + 32 * c
-                    xo = b * 8
-                    a0 = vfma(e, itof(pair_dot(isa, nib_pair(q, base), x32[tt, xo], x32[tt, xo + 4])), a0)
-                    a1 = vfma(e, itof(pair_dot(isa, nib_pair(q, base + 128), x32[tt, xo + 1], x32[tt, xo + 5])), a1)
-                    a2 = vfma(e, itof(pair_dot(isa, nib_pair(q, base + 256), x32[tt, xo + 2], x32[tt, xo + 6])), a2)
-                    a3 = vfma(e, itof(pair_dot(isa, nib_pair(q, base + 384), x32[tt, xo + 3], x32[tt, xo + 7])), a3)
-                u = vadd(vfold8(a0), vfold8(a2))
-                v = vadd(vfold8(a1), vfold8(a3))
-                vstore8(ym, 8 * c, vadd(vadd(u, v), vload_dup8(sc_, nb * R + 8 * c)))
+            # lane l of rows 0-15 in a0l, of rows 16-31 in a1l: per step s one 64-byte load of 16
+            # rows' packed bytes gives lanes s (low nibbles) and 4 + s (high) of all 16
+            a00 = a01 = a02 = a03 = a04 = a05 = a06 = a07 = vzero()
+            a10 = a11 = a12 = a13 = a14 = a15 = a16 = a17 = vzero()
+            for b in range(nb):
+                e0 = vload(sc_, b * R)
+                e1 = vload(sc_, b * R + 16)
+                base = (g * nb + b) * sub_bytes
+                xo = b * 8
+                x0, x1, x2, x3 = x32[tt, xo], x32[tt, xo + 1], x32[tt, xo + 2], x32[tt, xo + 3]
+                x4, x5, x6, x7 = x32[tt, xo + 4], x32[tt, xo + 5], x32[tt, xo + 6], x32[tt, xo + 7]
+                a00 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base), x0), a00)
+                a04 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base), x4), a04)
+                a10 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 64), x0), a10)
+                a14 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 64), x4), a14)
+                a01 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 128), x1), a01)
+                a05 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 128), x5), a05)
+                a11 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 192), x1), a11)
+                a15 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 192), x5), a15)
+                a02 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 256), x2), a02)
+                a06 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 256), x6), a06)
+                a12 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 320), x2), a12)
+                a16 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 320), x6), a16)
+                a03 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 384), x3), a03)
+                a07 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 384), x7), a07)
+                a13 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 448), x3), a13)
+                a17 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 448), x7), a17)
+            # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs
+            r0 = vadd(vadd(a00, a04), vadd(a02, a06))
+            r0 = vadd(r0, vadd(vadd(a01, a05), vadd(a03, a07)))
+            r1 = vadd(vadd(a10, a14), vadd(a12, a16))
+            r1 = vadd(r1, vadd(vadd(a11, a15), vadd(a13, a17)))
+            vstore(ym, 0, vadd(r0, vload(sc_, nb * R)))
+            vstore(ym, 16, vadd(r1, vload(sc_, nb * R + 16)))
             if g * R + R <= n_rows:
                 vstore(y, tt * n_rows + g * R, vload(ym, 0))
                 vstore(y, tt * n_rows + g * R + 16, vload(ym, 16))

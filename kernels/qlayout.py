@@ -63,7 +63,12 @@ LAYOUT_VERSION = 3
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
 # KVCHAT_GGML_ORDER=1: q4_1 in ggml's AVX2 float order (kernels/matmul_lanes.py): bit-identical to
 # llama.cpp's products, ~1.4x the kernel's time for one token on AVX2 (docs/performance.md, "Accuracy")
-GGML_ORDER = os.environ.get("KVCHAT_GGML_ORDER", "") == "1"
+# "1" takes all three of ggml's orders; a comma list takes some: q4_1 (this matmul order), flash
+# (kernels/attention_ggml.py), softmax (the classic path's softmax form, kernels/attention_classic.py)
+_ORDER_ENV = os.environ.get("KVCHAT_GGML_ORDER", "")
+GGML_ORDER_ALL = frozenset(("q4_1", "flash", "softmax"))
+GGML_ORDER_PARTS = GGML_ORDER_ALL if _ORDER_ENV == "1" else GGML_ORDER_ALL & {p.strip() for p in _ORDER_ENV.split(",")}
+GGML_ORDER = "q4_1" in GGML_ORDER_PARTS
 # ggml's kvalues_mxfp4 (the e2m1 values doubled: integers) + 12, so that they are unsigned (<= 24:
 # the kernel's unsigned dot, no sign handling); 12 * sum(x) is taken off as a q4_0's 8 * sum(x)
 MXFP4_OFFSET = 12

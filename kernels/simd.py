@@ -384,3 +384,114 @@ def vround_bf16(typingctx, v):
         return builder.bitcast(builder.and_(r, k(-65536)), _VF)
 
     return f32vec(v), codegen
+
+
+def _transpose_lanes(builder, rows):
+    """The 16 x 16 transpose of 16 row vectors: 4 stages, stage b swapping bit b of the row and the
+    column index (the off-diagonal b-blocks of every 2b-block), 2 shuffles a row pair a stage."""
+    rows = list(rows)
+    b = LANES // 2
+    while b >= 1:
+        lo = [c if not c & b else LANES + c - b for c in range(LANES)]  # row r: (r, c) or (r + b, c - b)
+        hi = [c + b if not c & b else LANES + c for c in range(LANES)]  # row r + b: (r, c + b) or (r + b, c)
+        mk = lambda idx: ir.Constant(ir.VectorType(_I32, LANES), idx)  # noqa: E731
+        new = list(rows)
+        for r in range(LANES):
+            if not r & b:
+                new[r] = builder.shuffle_vector(rows[r], rows[r + b], mk(lo))
+                new[r + b] = builder.shuffle_vector(rows[r], rows[r + b], mk(hi))
+        rows, b = new, b // 2
+    return rows
+
+
+@intrinsic
+def vtranspose16(typingctx, src, i, si, dst, j, dj):
+    """dst[j + c * dj + r] = src[i + r * si + c] for r, c < 16 (float32 arrays, flat indices):
+    a 16 x 16 block copied transposed, by shuffles (values unchanged)."""
+    if not (
+        isinstance(src, types.Array)
+        and isinstance(dst, types.Array)
+        and src.dtype == dst.dtype == types.float32
+        and all(isinstance(x, types.Integer) for x in (i, si, j, dj))
+    ):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s, i_, si_, d, j_, dj_ = args
+        ts = sig.args
+        i64 = ir.IntType(64)
+
+        def idx(base, bt, stride, st, k):
+            b = context.cast(builder, base, bt, types.intp)
+            return builder.add(b, builder.mul(context.cast(builder, stride, st, types.intp), ir.Constant(i64, k)))
+
+        rows = [
+            builder.load(_vec_ptr(context, builder, ts[0], s, types.intp, idx(i_, ts[1], si_, ts[2], r)), align=4)
+            for r in range(LANES)
+        ]
+        for c, v in enumerate(_transpose_lanes(builder, rows)):
+            builder.store(v, _vec_ptr(context, builder, ts[3], d, types.intp, idx(j_, ts[4], dj_, ts[5], c)), align=4)
+        return context.get_dummy_value()
+
+    return types.none(src, i, si, dst, j, dj), codegen
+
+
+def _byte_vec_ptr(context, builder, aryty, ary, offty, off, elt):
+    """Pointer to LANES elements of type elt at byte offset off from the array's data pointer
+    (any layout: the caller computes the offset from its strides)."""
+    a = context.make_array(aryty)(context, builder, ary)
+    o = context.cast(builder, off, offty, types.intp)
+    p = builder.gep(builder.bitcast(a.data, ir.IntType(8).as_pointer()), [o])
+    return builder.bitcast(p, ir.VectorType(elt, LANES).as_pointer())
+
+
+@intrinsic
+def vload_f16_at(typingctx, a, off):
+    """16 f16 values at byte offset off of a's data (any array; no bounds check), as float32."""
+    if not (isinstance(a, types.Array) and isinstance(off, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_byte_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], ir.HalfType()))
+        return builder.fpext(v, _VF)
+
+    return f32vec(a, off), codegen
+
+
+@intrinsic
+def vtranspose16_f16(typingctx, src, off, stride, dst, j, dj):
+    """dst[j + c * dj + r] = the f16 value c of the 16 at byte offset off + r * stride of src's data,
+    as float32, for r, c < 16: 16 f16 rows widened and transposed by shuffles (values exact)."""
+    if not (
+        isinstance(src, types.Array)
+        and isinstance(dst, types.Array)
+        and dst.dtype == types.float32
+        and all(isinstance(x, types.Integer) for x in (off, stride, j, dj))
+    ):
+        return None
+
+    def codegen(context, builder, sig, args):
+        s, off_, st_, d, j_, dj_ = args
+        ts = sig.args
+        i64 = ir.IntType(64)
+
+        def lin(base, bt, stride, sty, k):
+            b = context.cast(builder, base, bt, types.intp)
+            return builder.add(b, builder.mul(context.cast(builder, stride, sty, types.intp), ir.Constant(i64, k)))
+
+        rows = [
+            builder.fpext(
+                builder.load(
+                    _byte_vec_ptr(
+                        context, builder, ts[0], s, types.intp, lin(off_, ts[1], st_, ts[2], r), ir.HalfType()
+                    )
+                ),
+                _VF,
+            )
+            for r in range(LANES)
+        ]
+        for c, v in enumerate(_transpose_lanes(builder, rows)):
+            builder.store(v, _vec_ptr(context, builder, ts[3], d, types.intp, lin(j_, ts[4], dj_, ts[5], c)), align=4)
+        return context.get_dummy_value()
+
+    return types.none(src, off, stride, dst, j, dj), codegen

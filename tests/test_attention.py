@@ -172,7 +172,7 @@ def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk, monkeypatch):
     import kvchat.kernels.attention as att
     from tests.helpers.ggml_order import classic_attention_reference
 
-    monkeypatch.setattr(att, "GGML_ORDER", True)
+    monkeypatch.setattr(att, "GGML_SOFTMAX", True)
 
     n_tokens, n_head, n_head_kv, n_kv, kv_size = 21, 6, 2, 96, 128
     rng = np.random.default_rng(dk)
@@ -192,7 +192,7 @@ def test_classic_path_is_ggmls_flash_off_attention_bit_for_bit(dk, monkeypatch):
     for t in (0, 7, n_tokens - 1):  # a row alone: the same bits
         alone = attention(q[t : t + 1], *args, mask[t : t + 1], ts[:1], n_head_kv, 0.125, flash=False, round_q=True)
         np.testing.assert_array_equal(alone[0], want[t])
-    monkeypatch.setattr(att, "GGML_ORDER", False)  # the default exp and sum: a p that rounds to
+    monkeypatch.setattr(att, "GGML_SOFTMAX", False)  # the default exp and sum: a p that rounds to
     default = attention(q, *args, mask, ts, n_head_kv, 0.125, flash=False, round_q=True)  # another f16
     np.testing.assert_allclose(default, want, rtol=0, atol=1e-4)
 
@@ -205,7 +205,7 @@ def test_ggml_order_flash_is_ggmls_tiled_flash_bit_for_bit(dk, monkeypatch):
     import kvchat.kernels.attention as att
     from tests.helpers.ggml_order import flash_tiled_reference
 
-    monkeypatch.setattr(att, "GGML_ORDER", True)
+    monkeypatch.setattr(att, "GGML_FLASH", True)
     n_tokens, n_head, n_head_kv, n_kv = 70, 6, 2, 150
     rng = np.random.default_rng(dk + 1)
     q = (rng.standard_normal((n_tokens, n_head, dk)) * 2).astype(np.float32)
@@ -231,7 +231,7 @@ def test_ggml_order_flash_two_streams_rows_are_their_streams(monkeypatch):
     import kvchat.kernels.attention as att
     from tests.helpers.ggml_order import flash_tiled_reference
 
-    monkeypatch.setattr(att, "GGML_ORDER", True)
+    monkeypatch.setattr(att, "GGML_FLASH", True)
     n_tokens, n_head, n_head_kv, dk, n_kv = 9, 4, 2, 64, 80
     q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", n_tokens, n_head, n_head_kv, dk, n_kv, 96, 2, seed=9)
     args = (kraw[:, :n_kv], GGMLType.F16, vraw[:, :n_kv], GGMLType.F16)
@@ -242,6 +242,30 @@ def test_ggml_order_flash_two_streams_rows_are_their_streams(monkeypatch):
             q[t : t + 1], kval[s].astype(np.float32), vval[s].astype(np.float32), mask[t : t + 1], 0.125
         )
         np.testing.assert_array_equal(got[t], want[0])
+
+
+def test_ggml_order_flash_splits_a_kv_heads_query_heads_over_units_without_changing_a_bit():
+    """One kv head (Gemma-3), one token: ggml_flash_units splits the query heads over the threads
+    (heads per unit 2, then 1); every unit layout gives the same rows, the tiled reference's."""
+    from kvchat.kernels.attention_ggml import ggml_flash_par, ggml_flash_ser, ggml_flash_units
+    from tests.helpers.ggml_order import flash_tiled_reference
+
+    assert ggml_flash_units(1, 4, 1, 2) == (1, 2, 2)
+    assert ggml_flash_units(1, 4, 1, 4) == (1, 1, 4)
+    assert ggml_flash_units(1, 9, 3, 2) == (1, 3, 3)  # enough kv heads: no split
+    n_tokens, n_head, n_head_kv, dk, n_kv = 3, 4, 1, 64, 200
+    q, kraw, kval, vraw, vval, mask, ts = _setup("f16", "f16", n_tokens, n_head, n_head_kv, dk, n_kv, 200, 1, seed=21)
+    start = np.zeros(n_tokens, np.int64)
+    want = flash_tiled_reference(q, kval[0].astype(np.float32), vval[0].astype(np.float32), mask, 0.125).reshape(
+        n_tokens, n_head, dk
+    )
+    for hpu in (4, 2, 1):
+        for fn in (ggml_flash_ser, ggml_flash_par):
+            out = np.full((n_tokens, n_head, dk), np.nan, np.float32)
+            n_units = n_tokens * (n_head // hpu)
+            fn(q, kraw, int(GGMLType.F16), vraw, int(GGMLType.F16), mask, start, ts, n_head_kv,
+               np.float32(0.125), np.float32(0.0), 1, hpu, n_units, out)  # fmt: skip
+            np.testing.assert_array_equal(out, want, err_msg=f"hpu {hpu}")
 
 
 def test_mixed_k_v_types_softcap_and_two_streams():

@@ -206,6 +206,36 @@ def test_f16_scale_decode_is_exact_for_every_half():
     assert np.isnan(got[nan]).all()
 
 
+def test_vector_transposes_copy_16_by_16_blocks_exactly():
+    """kernels/simd.vtranspose16 (f32) and vtranspose16_f16 (f16 bytes at byte offsets, any
+    stride) copy a 16 x 16 block transposed, every value exact (the ggml-order flash kernel's K tiles)."""
+    from numba import njit
+
+    from kvchat.kernels.simd import vtranspose16, vtranspose16_f16
+
+    @njit
+    def f32(a, b):
+        vtranspose16(a, 3 * 40 + 5, 40, b, 2 * 70 + 1, 70)
+
+    @njit
+    def f16(a, b):
+        vtranspose16_f16(a, 3 * 90 + 10, 90, b, 1, 70)
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((30, 40)).astype(np.float32)
+    b = np.zeros((30, 70), np.float32)
+    f32(a, b)
+    want = np.zeros_like(b)
+    want[2:18, 1:17] = a[3:19, 5:21].T
+    np.testing.assert_array_equal(b, want)
+    h = rng.standard_normal((30, 45)).astype(np.float16)  # rows of 90 bytes
+    b = np.zeros((30, 70), np.float32)
+    f16(h.view(np.uint8), b)
+    want = np.zeros_like(b)
+    want[0:16, 1:17] = h[3:19, 5:21].T.astype(np.float32)
+    np.testing.assert_array_equal(b, want)
+
+
 @pytest.mark.parametrize("t", [t for t in F16_FIELDS if t != GGMLType.MXFP4], ids=lambda t: t.name)
 def test_packed_layout_holds_the_file_bytes_once_with_f16_scales(t):
     """The integer layout keeps the file's f16 scales as 2-byte patterns, no offset array for

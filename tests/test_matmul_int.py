@@ -110,7 +110,8 @@ def test_q4_1_in_ggmls_order_is_llama_cpps_product_bit_for_bit():
     qm.fmt = qm.fmt._replace(lanes=True)
     x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
     want = ggml_q4_1_q8_1(raw, x)
-    np.testing.assert_array_equal(_run(qm, x, ISAS[0], serial=True), want)
+    for isa in ISAS:  # every instruction path
+        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
     for chunk, runs in ((32, 8), (1, 3), (5, 1)):
         np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
     for i in (0, 4, 8):

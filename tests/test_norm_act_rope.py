@@ -6,9 +6,10 @@ import pytest
 from numba import njit
 
 from kvchat.kernels.act import geglu, glu_fused, softmax, swiglu
-from kvchat.kernels.ggml_math import EXPF_AVX512, expf_ggml_avx2, expf_ggml_avx512
+from kvchat.kernels.ggml_math import EXPF_AVX512, expf_ggml_avx2, expf_ggml_avx512, vexpf_ggml_avx2, vexpf_ggml_avx512
 from kvchat.kernels.norm import rms_norm
 from kvchat.kernels.rope import prepare_qkv, rope_inplace
+from kvchat.kernels.simd import vload, vstore
 from tests.helpers.ggml_order import (
     expf_reference_avx2,
     expf_reference_avx512,
@@ -128,6 +129,28 @@ def test_both_forms_of_ggmls_exp_and_which_one_this_host_runs():
     _expf_both((np.float32(0.0) - g).astype(np.float32), e2, e512)  # silu(x) = x / (1 + e^(0 - x))
     sil = (g / (np.float32(1.0) + (e512 if EXPF_AVX512 else e2))).astype(np.float32)
     np.testing.assert_array_equal(swiglu(g[None], np.ones((1, g.size), np.float32))[0], sil)
+
+
+@njit(cache=True)
+def _vexpf_both(x, out2, out512):
+    for i in range(0, x.size, 16):
+        vstore(out2, i, vexpf_ggml_avx2(vload(x, i)))
+        vstore(out512, i, vexpf_ggml_avx512(vload(x, i)))
+
+
+def test_vector_forms_of_ggmls_exp_are_the_scalar_ones_bit_for_bit():
+    """kernels/ggml_math.vexpf_ggml_* (the ggml-order flash kernel's exp) equal the scalar forms in
+    every lane, over the ranges of the test above, infinities and signed zeros."""
+    x = np.concatenate(
+        [np.linspace(-210, 210, 40001), _rng(4).standard_normal(20000) * 8, np.linspace(-140, -80, 6001)]
+    ).astype(np.float32)
+    x = np.concatenate([x, np.float32([np.inf, -np.inf, 0.0, -0.0, 88.72, 88.73, -1e30, 1e30])])
+    x = np.concatenate([x, np.zeros(-x.size % 16, np.float32)])
+    s2, s512, v2, v512 = (np.empty_like(x) for _ in range(4))
+    _expf_both(x, s2, s512)
+    _vexpf_both(x, v2, v512)
+    np.testing.assert_array_equal(v2.view(np.uint32), s2.view(np.uint32))
+    np.testing.assert_array_equal(v512.view(np.uint32), s512.view(np.uint32))
 
 
 def test_gelu_saturates_like_ggml():
