@@ -102,6 +102,29 @@ def _block_into_acc(a0, a1, s, d0, d1, m0, m1, xsum, has_d, has_mn):
     return a0, a1
 
 
+@njit(inline="always")
+def _fold_group(acc, xs, i0, t, b, ng, s0, s1, s2, s3, d0, d1, m0, m1, has_d, has_mn):
+    """Block b's sums s0..s3 of tokens t .. t + ng - 1 into their rows of acc (token t at acc
+    row i0): scale, offset term and the running sum, as _block_into_acc spells them."""
+    for u in range(ng):
+        s = s0 if u == 0 else (s1 if u == 1 else (s2 if u == 2 else s3))
+        ia = (i0 + u) * R
+        a0, a1 = _block_into_acc(
+            vload(acc, ia),
+            vload(acc, ia + 16),
+            s,
+            d0,
+            d1,
+            m0,
+            m1,
+            xs[t + u, b] if has_mn else np.float32(0.0),
+            has_d,
+            has_mn,
+        )
+        vstore(acc, ia, a0)
+        vstore(acc, ia + 16, a1)
+
+
 @njit(cache=True)
 def block_sums(x, B):
     """x f32 [n, k] -> f32 [n, k // B]: each block's sum, by the same tree for every row."""
@@ -202,23 +225,7 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
                         s1 = _dot_step(s1, wa0, wa1, wb0, wb1, x[t + 1, x0 + j], x[t + 1, x0 + h + j])
                         s2 = _dot_step(s2, wa0, wa1, wb0, wb1, x[t + 2, x0 + j], x[t + 2, x0 + h + j])
                         s3 = _dot_step(s3, wa0, wa1, wb0, wb1, x[t + 3, x0 + j], x[t + 3, x0 + h + j])
-                    for u in range(4):
-                        s = s0 if u == 0 else (s1 if u == 1 else (s2 if u == 2 else s3))
-                        ia = (t + u - t0) * R
-                        a0, a1 = _block_into_acc(
-                            vload(acc, ia),
-                            vload(acc, ia + 16),
-                            s,
-                            d0,
-                            d1,
-                            m0,
-                            m1,
-                            xs[t + u, b] if has_mn else np.float32(0.0),
-                            has_d,
-                            has_mn,
-                        )
-                        vstore(acc, ia, a0)
-                        vstore(acc, ia + 16, a1)
+                    _fold_group(acc, xs, t - t0, t, b, 4, s0, s1, s2, s3, d0, d1, m0, m1, has_d, has_mn)
                     t += 4
                 while t < t1:  # the chunk's last tokens, one at a time, same scratch
                     s0 = (z, z, z, z)
@@ -267,23 +274,7 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
                             s2 = _dot_step(s2, wa0, wa1, wb0, wb1, x[t + 2, x0 + j], x[t + 2, x0 + h + j])
                         if ng > 3:
                             s3 = _dot_step(s3, wa0, wa1, wb0, wb1, x[t + 3, x0 + j], x[t + 3, x0 + h + j])
-                    for u in range(ng):
-                        s = s0 if u == 0 else (s1 if u == 1 else (s2 if u == 2 else s3))
-                        ia = (t + u - t0) * R
-                        a0, a1 = _block_into_acc(
-                            vload(acc, ia),
-                            vload(acc, ia + 16),
-                            s,
-                            d0,
-                            d1,
-                            m0,
-                            m1,
-                            xs[t + u, b] if has_mn else np.float32(0.0),
-                            has_d,
-                            has_mn,
-                        )
-                        vstore(acc, ia, a0)
-                        vstore(acc, ia + 16, a1)
+                    _fold_group(acc, xs, t - t0, t, b, ng, s0, s1, s2, s3, d0, d1, m0, m1, has_d, has_mn)
                     t += ng
         r1 = min(R, m - g * R)  # the last group's padding rows are not written
         for t in range(t0, t1):
