@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from kvchat.cli.option_checks import above, at_least, one_of, seed_value, spec_type_value, within
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
+from kvchat.runtime.speculative.speculator import DRAFT_MAX
 
 PANEL_MODEL = "Model"
 PANEL_CONTEXT = "Context and KV cache"
@@ -72,7 +73,7 @@ class ChatSettings:
     markdown: bool = False
     model_draft: Optional[str] = None
     spec_type: Optional[str] = None
-    draft_max: int = 16
+    draft_max: int = DRAFT_MAX
     draft_min: int = 0
     json_schema: Optional[str] = None
     json_schema_file: Optional[Path] = None

@@ -239,21 +239,7 @@ def _run_items(q, d, mn, x, xs, y, token_chunk, i0, i1):
                             x[t, x0 + j],
                             x[t, x0 + h + j],
                         )
-                    ia = (t - t0) * R
-                    a0, a1 = _block_into_acc(
-                        vload(acc, ia),
-                        vload(acc, ia + 16),
-                        s0,
-                        d0,
-                        d1,
-                        m0,
-                        m1,
-                        xs[t, b] if has_mn else np.float32(0.0),
-                        has_d,
-                        has_mn,
-                    )
-                    vstore(acc, ia, a0)
-                    vstore(acc, ia + 16, a1)
+                    _fold_group(acc, xs, t - t0, t, b, 1, s0, s0, s0, s0, d0, d1, m0, m1, has_d, has_mn)
                     t += 1
             else:  # fewer tokens (generation, a verify batch): decode in registers, four tokens per pass
                 while t < t1:

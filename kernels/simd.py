@@ -404,6 +404,12 @@ def _transpose_lanes(builder, rows):
     return rows
 
 
+def _strided(context, builder, base, bt, stride, st, k: int):
+    """base + stride * k as an intp (base of numba type bt, stride of st; k a constant)."""
+    b = context.cast(builder, base, bt, types.intp)
+    return builder.add(b, builder.mul(context.cast(builder, stride, st, types.intp), ir.Constant(ir.IntType(64), k)))
+
+
 @intrinsic
 def vtranspose16(typingctx, src, i, si, dst, j, dj):
     """dst[j + c * dj + r] = src[i + r * si + c] for r, c < 16 (float32 arrays, flat indices):
@@ -419,18 +425,16 @@ def vtranspose16(typingctx, src, i, si, dst, j, dj):
     def codegen(context, builder, sig, args):
         s, i_, si_, d, j_, dj_ = args
         ts = sig.args
-        i64 = ir.IntType(64)
-
-        def idx(base, bt, stride, st, k):
-            b = context.cast(builder, base, bt, types.intp)
-            return builder.add(b, builder.mul(context.cast(builder, stride, st, types.intp), ir.Constant(i64, k)))
-
         rows = [
-            builder.load(_vec_ptr(context, builder, ts[0], s, types.intp, idx(i_, ts[1], si_, ts[2], r)), align=4)
+            builder.load(
+                _vec_ptr(context, builder, ts[0], s, types.intp, _strided(context, builder, i_, ts[1], si_, ts[2], r)),
+                align=4,
+            )
             for r in range(LANES)
         ]
         for c, v in enumerate(_transpose_lanes(builder, rows)):
-            builder.store(v, _vec_ptr(context, builder, ts[3], d, types.intp, idx(j_, ts[4], dj_, ts[5], c)), align=4)
+            at = _strided(context, builder, j_, ts[4], dj_, ts[5], c)
+            builder.store(v, _vec_ptr(context, builder, ts[3], d, types.intp, at), align=4)
         return context.get_dummy_value()
 
     return types.none(src, i, si, dst, j, dj), codegen
@@ -473,17 +477,18 @@ def vtranspose16_f16(typingctx, src, off, stride, dst, j, dj):
     def codegen(context, builder, sig, args):
         s, off_, st_, d, j_, dj_ = args
         ts = sig.args
-        i64 = ir.IntType(64)
-
-        def lin(base, bt, stride, sty, k):
-            b = context.cast(builder, base, bt, types.intp)
-            return builder.add(b, builder.mul(context.cast(builder, stride, sty, types.intp), ir.Constant(i64, k)))
 
         rows = [
             builder.fpext(
                 builder.load(
                     _byte_vec_ptr(
-                        context, builder, ts[0], s, types.intp, lin(off_, ts[1], st_, ts[2], r), ir.HalfType()
+                        context,
+                        builder,
+                        ts[0],
+                        s,
+                        types.intp,
+                        _strided(context, builder, off_, ts[1], st_, ts[2], r),
+                        ir.HalfType(),
                     )
                 ),
                 _VF,
@@ -491,7 +496,8 @@ def vtranspose16_f16(typingctx, src, off, stride, dst, j, dj):
             for r in range(LANES)
         ]
         for c, v in enumerate(_transpose_lanes(builder, rows)):
-            builder.store(v, _vec_ptr(context, builder, ts[3], d, types.intp, lin(j_, ts[4], dj_, ts[5], c)), align=4)
+            at = _strided(context, builder, j_, ts[4], dj_, ts[5], c)
+            builder.store(v, _vec_ptr(context, builder, ts[3], d, types.intp, at), align=4)
         return context.get_dummy_value()
 
     return types.none(src, off, stride, dst, j, dj), codegen

@@ -5,13 +5,13 @@ draft sources (ngram.py, draft_model.py, self_quant.py), the draft length and co
 
 from __future__ import annotations
 
-from kvchat.runtime.speculative.speculator import Speculator
+from kvchat.runtime.speculative.speculator import DRAFT_MAX, Speculator
 
 SPEC_TYPES = ("draft", "ngram", "self:TYPE")
 
 
 def make_speculator(
-    target_ctx, kind: str, *, draft_path=None, draft_max: int = 16, draft_min: int = 0, abort_callback=None
+    target_ctx, kind: str, *, draft_path=None, draft_max: int = DRAFT_MAX, draft_min: int = 0, abort_callback=None
 ) -> Speculator:
     """A Speculator for `target_ctx` (a Context): kind "ngram", "draft" (draft_path: a GGUF of the
     same vocabulary) or "self:TYPE" (a TYPE copy of the target's weights). The draft model's

@@ -33,7 +33,7 @@ class DraftHead:
     without a row. rows(ids) -> u8 [len(ids), row_bytes] of the source head (any ggml type)."""
 
     def __init__(self, rows, n_vocab: int, k: int, n_base: int = DRAFT_HEAD_ROWS):
-        self.m, self.k, self.t = int(n_vocab), int(k), HEAD_TYPE
+        self.m, self.k = int(n_vocab), int(k)
         self._rows = rows
         n_base = min(int(n_base), self.m)
         self._base = self._matrix(np.arange(n_base))
@@ -46,10 +46,6 @@ class DraftHead:
     def _matrix(self, ids: np.ndarray) -> QMatrix:
         x = dequantize(self._rows(ids), self._rows.ggml_type, self.k)  # [len(ids), k] f32
         return QMatrix(quantize(x, int(HEAD_TYPE)), int(HEAD_TYPE), self.k, keep_raw=False)
-
-    @property
-    def packed_nbytes(self) -> int:
-        return self._base.packed_nbytes + (self._extra.packed_nbytes if self._extra is not None else 0)
 
     def add_tokens(self, ids) -> None:
         """Give the tokens in ids (a conversation's) a row, if they have none yet."""

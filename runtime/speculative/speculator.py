@@ -25,6 +25,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+DRAFT_MAX = 16  # --draft-max's default: most drafts per verify (llama.cpp's default too)
 PROBE_EVERY = 16  # plain steps before a probing draft when drafting does not pay (doubles per probe)
 PROBE_MAX = 64  # ... up to this many: a model draft's probe first catches up on every skipped token (one
 # batch, ~1/20 of the plain steps' time on Gemma-3 here), so a wrong "does not pay" lasts 64 tokens at most
@@ -55,7 +56,7 @@ class SpecStats:
 class DraftLength:
     """The number of tokens to draft next, from measured acceptance and costs (module docstring)."""
 
-    def __init__(self, draft_max: int = 16, draft_min: int = 0):
+    def __init__(self, draft_max: int = DRAFT_MAX, draft_min: int = 0):
         if draft_max < 0 or draft_min < 0 or draft_min > draft_max:
             raise ValueError(f"draft lengths: need 0 <= draft-min ({draft_min}) <= draft-max ({draft_max})")
         self.draft_max, self.draft_min = int(draft_max), int(draft_min)
@@ -154,7 +155,7 @@ class Speculator:
     """A draft source with its draft length and counts; one per conversation (or bench run).
     source: anything with propose(history, n_max) -> list[int] and close()."""
 
-    def __init__(self, source, draft_max: int = 16, draft_min: int = 0):
+    def __init__(self, source, draft_max: int = DRAFT_MAX, draft_min: int = 0):
         self.source = source
         self.length = DraftLength(draft_max, draft_min)
         self.stats = SpecStats()  # the whole run's
