@@ -75,3 +75,29 @@ def test_flash_f16_logits_do_not_depend_on_the_split(odd_model):
     one = all_logits(m, TOKENS, **flash)
     for kw in (dict(n_ubatch=5), dict(n_ubatch=1, call=1)):
         np.testing.assert_array_equal(all_logits(m, TOKENS, **dict(flash, **kw)), one, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("odd_model", model_names(), indirect=True)
+def test_speculative_drafts_give_the_plain_answer(odd_model):
+    """A q4_0 self-draft (its head kept in the file's rows where q8_0's 32-value blocks do not
+    divide n_embd) and n-gram drafts, every step drafting: greedy tokens equal plain greedy."""
+    from kvchat.runtime.generate import generate
+    from kvchat.runtime.speculative import make_speculator
+    from kvchat.runtime.speculative.generate import generate_speculative
+
+    name, m = odd_model
+
+    def greedy(logits):
+        return int(np.argmax(logits))
+
+    prompt = list(TOKENS) + list(TOKENS[1:4])  # a repeat for the n-gram lookup
+    plain = [s.token for s in generate(Context(m, ContextParams(**PARAMS)), greedy, prompt=prompt, max_tokens=24)]
+    for kind in ("self:q4_0", "ngram"):
+        ctx = Context(m, ContextParams(**PARAMS))
+        spec = make_speculator(ctx, kind)
+        spec.length.next = lambda: 3
+        got = [s.token for s in generate_speculative(ctx, greedy, spec, prompt=prompt, max_tokens=24)]
+        spec.close()
+        assert got == plain, f"{name} {kind}"
+        if kind != "ngram":  # a lookup drafts only where the answer repeats itself
+            assert spec.stats.n_drafted > 0, f"{name} {kind}: no drafts"

@@ -13,7 +13,8 @@ A token outside them is never drafted, which costs a rejected draft, never a wro
 target verifies every draft.
 
 Rows are requantized from the file's (or the target's) output matrix as they join; the seen
-tokens past the first ids live in a second, small matrix rebuilt when new ones arrive.
+tokens past the first ids live in a second, small matrix rebuilt when new ones arrive. A width
+that q8_0's 32-value blocks do not divide keeps the file's rows as they are.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DraftHead:
     def __init__(self, rows, n_vocab: int, k: int, n_base: int = DRAFT_HEAD_ROWS):
         self.m, self.k = int(n_vocab), int(k)
         self._rows = rows
+        self._requant = self.k % 32 == 0  # q8_0 blocks hold 32 values
         n_base = min(int(n_base), self.m)
         self._base = self._matrix(np.arange(n_base))
         self.n_base = n_base
@@ -44,6 +46,8 @@ class DraftHead:
         self._seen[:n_base] = True
 
     def _matrix(self, ids: np.ndarray) -> QMatrix:
+        if not self._requant:
+            return QMatrix(self._rows(ids), self._rows.ggml_type, self.k, keep_raw=False)
         x = dequantize(self._rows(ids), self._rows.ggml_type, self.k)  # [len(ids), k] f32
         return QMatrix(quantize(x, int(HEAD_TYPE)), int(HEAD_TYPE), self.k, keep_raw=False)
 
