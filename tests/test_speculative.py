@@ -411,3 +411,23 @@ def test_a_tuned_batch_larger_than_a_verify_runs_as_a_prompt_does(model):
     np.testing.assert_array_equal(got, decode_tokens(ref, long, 0, logits="all"))
     decode_tokens(ctx, PROMPT[:4], len(long), tuned=True)  # a verify-sized batch: the tuner's arm
     assert seen == [len(long)]
+
+
+def test_a_self_drafts_importances_are_the_mean_squares_of_each_matrixs_inputs(reference_dir):
+    """activation_importance on llama: layer 0's Q, K and V (one fused matrix) share one input,
+    RMSNorm(embedding) * attn_norm of the calibration text's tokens; its mean square per column."""
+    from kvchat.kernels.norm import rms_norm
+    from kvchat.runtime.speculative.importance import CALIBRATION_TEXT, activation_importance
+
+    m = Model.load(reference_dir / "tiny" / "llama3rope_s1.gguf")
+    imp = activation_importance(m)
+    schema = m.arch.tensors(m.hparams)
+    matrices = [t.name for spec in schema.layers for t in spec.values() if len(t.shape) == 2]
+    assert sorted(imp) == sorted(n for n in matrices if n in m.gguf.tensors)
+    ids = np.array(m.vocab.tokenize(CALIBRATION_TEXT, add_special=False), np.int32)
+    h = rms_norm(m.weights.tok_embd.get_rows(ids), m.weights.layers[0].attn_norm, m.hparams.norm_eps)
+    want = (h.astype(np.float64) ** 2).mean(axis=0)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"):
+        np.testing.assert_allclose(imp[name], want, rtol=1e-5)
+    assert imp["blk.1.ffn_down.weight"].shape == (m.hparams.n_ff,) and (imp["blk.1.ffn_down.weight"] > 0).all()
+    m.close()

@@ -16,8 +16,10 @@ import numpy as np
 
 from kvchat.kernels.ggml_types import GGMLType, row_bytes
 from kvchat.kernels.quants import dequantize, quantize
+from kvchat.kernels.quants_weighted import quantize_q4_0_weighted
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.speculative.draft_head import DraftHead, FileRows
+from kvchat.runtime.speculative.importance import activation_importance
 
 DRAFT_TYPES = {
     "q4_0": GGMLType.Q4_0,
@@ -34,11 +36,14 @@ ROWS_PER_SLICE = 4096  # rows dequantized at a time (a 262144 x 640 head would b
 
 
 class _Matrix:
-    """A 2-D tensor of the file seen as requantized to type t (rows made on first read)."""
+    """A 2-D tensor of the file seen as requantized to type t (rows made on first read); a q4_0
+    copy of a matrix with input importances is rounded to their weighted error
+    (kernels/quants_weighted.py)."""
 
-    def __init__(self, info, t: GGMLType):
+    def __init__(self, info, t: GGMLType, importance: np.ndarray | None = None):
         self.name, self.shape, self.ggml_type = info.name, info.shape, t
         self._src = info
+        self._importance = importance  # f32 [k] or None
         self._data = None
 
     @property
@@ -49,7 +54,10 @@ class _Matrix:
             out = np.empty((m, row_bytes(int(self.ggml_type), k)), np.uint8)  # [m, row_bytes]
             for r in range(0, m, ROWS_PER_SLICE):
                 x = dequantize(src.data[r : r + ROWS_PER_SLICE], int(src.ggml_type), k)  # [rows, k] f32
-                out[r : r + x.shape[0]] = quantize(x, int(self.ggml_type))
+                if self._importance is not None and self.ggml_type == GGMLType.Q4_0:
+                    out[r : r + x.shape[0]] = quantize_q4_0_weighted(x, self._importance)
+                else:
+                    out[r : r + x.shape[0]] = quantize(x, int(self.ggml_type))
             out.flags.writeable = False
             self._data = out
         return self._data
@@ -58,7 +66,7 @@ class _Matrix:
 class _RequantizedFile:
     """What load_group reads of a GGUFFile (tensors, fail), with the heavy matrices requantized."""
 
-    def __init__(self, gf, t: GGMLType):
+    def __init__(self, gf, t: GGMLType, importance: dict | None = None):
         self._gf = gf
         self.path = gf.path
         self.tensors = {}
@@ -66,7 +74,7 @@ class _RequantizedFile:
             heavy = (
                 len(info.shape) == 2 and info.ggml_type in SOURCE_BITS and int(info.shape[0]) % 32 == 0
             )  # q4_0 .. q8_0 blocks hold 32 values
-            self.tensors[name] = _Matrix(info, t) if heavy else info
+            self.tensors[name] = _Matrix(info, t, (importance or {}).get(name)) if heavy else info
 
     def fail(self, field: str, problem: str):
         self._gf.fail(field, problem)
@@ -98,7 +106,9 @@ def quantized_copy(model, type_name: str):
             f"--spec-type self:{type_name}: the model is {model.ftype_name}, a {type_name} copy of it reads "
             "about as many bytes per token; self-drafting needs a Q8_0, F16, BF16 or F32 model (or use -md / ngram)"
         )
-    view = _RequantizedFile(gf, t)
+    # q4_0 rounds to an activation-weighted error (importance.py): measured on a calibration text
+    importance = activation_importance(model) if t == GGMLType.Q4_0 else None
+    view = _RequantizedFile(gf, t, importance)
     schema = model.arch.tensors(model.hparams)
     specs = dict(schema.model)
     tw = model.weights
