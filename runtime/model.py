@@ -197,13 +197,21 @@ def matrix_types(gf: GGUFFile) -> set:
     }
 
 
+def _rows_of(ti) -> int:
+    """A tensor's row count from its shape (ne1 * ne2 ...), without reading its rows."""
+    return int(np.prod(ti.shape[1:], dtype=np.int64))
+
+
 def _qmatrix(gf: GGUFFile, name: str, packs=None) -> QMatrix:
     """A matrix tensor as a QMatrix on its file rows: its packing mapped from the weight cache
     when that has it (the rows are then not read), else repacked (and recorded for the cache)."""
     ti = gf.tensors[name]
-    t, k, m = int(ti.ggml_type), int(ti.shape[0]), int(ti.data.shape[0])
+    t, k, m = int(ti.ggml_type), int(ti.shape[0]), _rows_of(ti)
     hit = _cached(packs, name, t, k, m)
-    qm = QMatrix(ti.data, t, k, packed=hit)
+    if hit is not None and getattr(ti, "made_on_read", False):  # a self-draft's requantized rows: not made
+        qm = QMatrix(None, t, k, keep_raw=False, packed=hit, m=m)
+    else:
+        qm = QMatrix(ti.data, t, k, packed=hit)
     if packs is not None:
         packs.put(name, t, k, m, qm.packing())
     return qm
@@ -273,7 +281,7 @@ def _fused(infos: list, packs=None) -> QMatrix | None:
     t0, k0 = int(infos[0].ggml_type), int(infos[0].shape[0])
     if any(int(i.ggml_type) != t0 or int(i.shape[0]) != k0 for i in infos):
         return None
-    name, m = "+".join(i.name for i in infos), sum(int(i.data.shape[0]) for i in infos)
+    name, m = "+".join(i.name for i in infos), sum(_rows_of(i) for i in infos)
     hit = _cached(packs, name, t0, k0, m)
     if hit is not None:
         qm = QMatrix(None, t0, k0, keep_raw=False, packed=hit, m=m)

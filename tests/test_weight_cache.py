@@ -274,3 +274,34 @@ def test_rm_removes_the_models_pack(tmp_path, cache, capsys):
 
     assert out.startswith(f"removed smollm2 ({human_size(freed)} freed)")
     assert wc.PackStore(cache, [os.path.realpath(other)]).get(*_embd(other)) is not None
+
+
+def test_a_self_drafts_copy_is_cached_beside_its_targets_pack_and_mapped_on_the_next_load(
+    cache, reference_dir, monkeypatch
+):
+    """self:q4_0's requantized matrices go to a pack of their own (the target's stays); the next
+    copy maps it: no calibration forward, no row made, the same logits bit for bit."""
+    import kvchat.runtime.speculative.self_quant as sq
+
+    target = Model.load(reference_dir / "tiny" / "llama3rope_s1.gguf")
+    target_packs = _packs(cache)
+    assert len(target_packs) == 1
+    cold = sq.quantized_copy(target, "q4_0")
+    packs = _packs(cache)
+    assert len(packs) == 2 and target_packs[0] in packs
+    cold_logits = _logits(cold)
+
+    def no_calibration(model, text=None):
+        raise AssertionError("a cached copy measured its importances again")
+
+    monkeypatch.setattr(sq, "activation_importance", no_calibration)
+    warm = sq.quantized_copy(target, "q4_0")
+    assert _packs(cache) == packs
+    layer = warm.weights.layers[0]
+    fused = [v for v in vars(layer).values() if isinstance(v, QMatrix)]
+    assert fused and all(v.raw is None and all(_mapped(a) for a in v._packed if a.size) for v in fused)
+    np.testing.assert_array_equal(_logits(warm), cold_logits)
+    q8 = sq.quantized_copy(target, "q8_0")  # another type: another pack, the others kept
+    assert len(_packs(cache)) == 3 and set(packs) <= set(_packs(cache))
+    assert not np.array_equal(_logits(q8), cold_logits)
+    target.close()

@@ -20,6 +20,7 @@ from kvchat.kernels.quants_weighted import quantize_q4_0_weighted
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.speculative.draft_head import DraftHead, FileRows
 from kvchat.runtime.speculative.importance import activation_importance
+from kvchat.runtime.weights.cache import open_store
 
 DRAFT_TYPES = {
     "q4_0": GGMLType.Q4_0,
@@ -32,18 +33,27 @@ DRAFT_TYPES = {
 _BITS = {GGMLType.Q4_0: 4.5, GGMLType.Q4_1: 5.0, GGMLType.IQ4_NL: 4.5, GGMLType.Q5_0: 5.5, GGMLType.Q5_1: 6.0}
 _BITS[GGMLType.Q8_0] = 8.5
 SOURCE_BITS = {GGMLType.F32: 32.0, GGMLType.F16: 16.0, GGMLType.BF16: 16.0, GGMLType.Q8_0: 8.5}
+# what a copy's rows depend on besides the file and the packing code (the weight cache's key)
+_COPY_MODULES = (
+    "kvchat.runtime.speculative.self_quant",
+    "kvchat.runtime.speculative.importance",
+    "kvchat.kernels.quants_weighted",
+    "kvchat.kernels.quants_legacy",
+)
 ROWS_PER_SLICE = 4096  # rows dequantized at a time (a 262144 x 640 head would be 640 MiB in f32)
 
 
 class _Matrix:
-    """A 2-D tensor of the file seen as requantized to type t (rows made on first read); a q4_0
-    copy of a matrix with input importances is rounded to their weighted error
-    (kernels/quants_weighted.py)."""
+    """A 2-D tensor of the file seen as requantized to type t (rows made on first read: a load
+    whose weight cache holds the copy's packing never makes them); a q4_0 copy is rounded to the
+    error weighted by its input importances (kernels/quants_weighted.py), from importance(name)."""
 
-    def __init__(self, info, t: GGMLType, importance: np.ndarray | None = None):
+    made_on_read = True  # runtime/model.py: a cache hit does not read .data
+
+    def __init__(self, info, t: GGMLType, importance):
         self.name, self.shape, self.ggml_type = info.name, info.shape, t
         self._src = info
-        self._importance = importance  # f32 [k] or None
+        self._importance = importance  # name -> f32 [k] or None, computed on first use
         self._data = None
 
     @property
@@ -51,11 +61,12 @@ class _Matrix:
         if self._data is None:
             src, k = self._src, int(self._src.shape[0])
             m = int(src.data.shape[0])
+            imp = self._importance(self.name) if self.ggml_type == GGMLType.Q4_0 else None
             out = np.empty((m, row_bytes(int(self.ggml_type), k)), np.uint8)  # [m, row_bytes]
             for r in range(0, m, ROWS_PER_SLICE):
                 x = dequantize(src.data[r : r + ROWS_PER_SLICE], int(src.ggml_type), k)  # [rows, k] f32
-                if self._importance is not None and self.ggml_type == GGMLType.Q4_0:
-                    out[r : r + x.shape[0]] = quantize_q4_0_weighted(x, self._importance)
+                if imp is not None:
+                    out[r : r + x.shape[0]] = quantize_q4_0_weighted(x, imp)
                 else:
                     out[r : r + x.shape[0]] = quantize(x, int(self.ggml_type))
             out.flags.writeable = False
@@ -66,7 +77,7 @@ class _Matrix:
 class _RequantizedFile:
     """What load_group reads of a GGUFFile (tensors, fail), with the heavy matrices requantized."""
 
-    def __init__(self, gf, t: GGMLType, importance: dict | None = None):
+    def __init__(self, gf, t: GGMLType, importance):
         self._gf = gf
         self.path = gf.path
         self.tensors = {}
@@ -74,7 +85,7 @@ class _RequantizedFile:
             heavy = (
                 len(info.shape) == 2 and info.ggml_type in SOURCE_BITS and int(info.shape[0]) % 32 == 0
             )  # q4_0 .. q8_0 blocks hold 32 values
-            self.tensors[name] = _Matrix(info, t, (importance or {}).get(name)) if heavy else info
+            self.tensors[name] = _Matrix(info, t, importance) if heavy else info
 
     def fail(self, field: str, problem: str):
         self._gf.fail(field, problem)
@@ -106,9 +117,17 @@ def quantized_copy(model, type_name: str):
             f"--spec-type self:{type_name}: the model is {model.ftype_name}, a {type_name} copy of it reads "
             "about as many bytes per token; self-drafting needs a Q8_0, F16, BF16 or F32 model (or use -md / ngram)"
         )
-    # q4_0 rounds to an activation-weighted error (importance.py): measured on a calibration text
-    importance = activation_importance(model) if t == GGMLType.Q4_0 else None
+    measured: dict = {}
+
+    def importance(name: str):
+        """q4_0 rounds to an activation-weighted error (importance.py): measured on a calibration
+        text once, when the first matrix is made (never when the weight cache holds them all)."""
+        if not measured:
+            measured["by_name"] = activation_importance(model)
+        return measured["by_name"].get(name)
+
     view = _RequantizedFile(gf, t, importance)
+    packs = open_store(gf, variant=f"self:{GGMLType(t).name.lower()}", code=_COPY_MODULES)
     schema = model.arch.tensors(model.hparams)
     specs = dict(schema.model)
     tw = model.weights
@@ -118,9 +137,11 @@ def quantized_copy(model, type_name: str):
     specs.pop("output", None)
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
     w = Weights(
-        **load_group(view, specs),
-        layers=[Layer(**load_group(view, s, model.arch.fusions)) for s in schema.layers],
+        **load_group(view, specs, packs=packs),
+        layers=[Layer(**load_group(view, s, model.arch.fusions, packs)) for s in schema.layers],
     )
+    if packs is not None:
+        packs.save()
     w.tok_embd = tw.tok_embd
     w.output = DraftHead(FileRows(head), int(head.data.shape[0]), int(head.shape[0]))
     # nothing is looked up among the requantized matrices: they keep packed rows only. Matrices

@@ -74,17 +74,18 @@ def _model_files(gf) -> list[str]:
     return [os.path.realpath(p) for p in getattr(gf, "part_paths", None) or [gf.path]]
 
 
-def _code_digest() -> str:
+def _code_digest(modules=_PACK_MODULES) -> str:
     h = hashlib.sha256()
-    for name in _PACK_MODULES:
+    for name in modules:
         origin = importlib.util.find_spec(name).origin
         with open(origin, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
 
 
-def pack_key(files: list[str]) -> str:
-    """The key of the packs of these model files on this machine (module docstring)."""
+def pack_key(files: list[str], variant: str = "", code: tuple = ()) -> str:
+    """The key of the packs of these model files on this machine (module docstring); variant and
+    the source of the modules in code for packs derived from the file's rows (a self-draft's copy)."""
     from kvchat.kernels.cpu import ISA
     from kvchat.kernels.qlayout import LAYOUT_VERSION
 
@@ -101,6 +102,8 @@ def pack_key(files: list[str]) -> str:
         "byteorder": sys.byteorder,
         "files": parts,
     }
+    if variant:
+        what["variant"] = [variant, _code_digest(code)]
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
@@ -134,11 +137,12 @@ class PackStore:
     """The packs of one model for one load: ``get`` hands out mapped arrays of a valid cache file,
     ``put`` records every matrix's packing, ``save`` writes the file when anything was missing."""
 
-    def __init__(self, directory: Path, files: list[str]):
+    def __init__(self, directory: Path, files: list[str], variant: str = "", code: tuple = ()):
         self.directory = Path(directory)
         self.files = files
-        self.key = pack_key(files)
-        self.path = self.directory / f"{_stem(files[0])}-{self.key[:24]}{SUFFIX}"
+        self.key = pack_key(files, variant, code)
+        stem = _stem(files[0] + (f"#{variant}" if variant else ""))  # a variant's packs live beside the model's
+        self.path = self.directory / f"{stem}-{self.key[:24]}{SUFFIX}"
         self._entries: dict = {}
         self._mm = None
         self._base = 0
@@ -319,13 +323,14 @@ def sweep(directory: Path | None = None, keep: Path | None = None) -> int:
     return freed
 
 
-def open_store(gf) -> PackStore | None:
-    """The pack store of an open GGUF model, or None when the cache is off or unusable."""
+def open_store(gf, variant: str = "", code: tuple = ()) -> PackStore | None:
+    """The pack store of an open GGUF model (or of a variant of its weights made by the modules
+    in code, e.g. "self:q4_0"), or None when the cache is off or unusable."""
     directory = cache_dir()
     if directory is None:
         return None
     try:
-        return PackStore(directory, _model_files(gf))
+        return PackStore(directory, _model_files(gf), variant, code)
     except (OSError, ValueError) as e:
         log.debug("weight cache: off for %s: %s", gf.path, e)
         return None
