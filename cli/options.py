@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from kvchat.cli.option_checks import above, at_least, one_of, seed_value, spec_type_value, within
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
-from kvchat.runtime.speculative.speculator import DRAFT_MAX
+from kvchat.runtime.speculative.speculator import DRAFT_MAX, DRAFT_P_MIN
 
 PANEL_MODEL = "Model"
 PANEL_CONTEXT = "Context and KV cache"
@@ -75,6 +75,7 @@ class ChatSettings:
     spec_type: Optional[str] = None
     draft_max: int = DRAFT_MAX
     draft_min: int = 0
+    draft_p_min: float = DRAFT_P_MIN
     json_schema: Optional[str] = None
     json_schema_file: Optional[Path] = None
     grammar: Optional[str] = None
@@ -369,6 +370,14 @@ OPTIONS = [
         "fewest draft tokens worth a verify batch (below: plain steps)",
         PANEL_SPEC,
         at_least(0),
+    ),
+    Option(
+        "draft_p_min",
+        float,
+        ("--draft-p-min", "--spec-draft-p-min"),
+        "a draft model stops before a token it gives less probability than this (0: never)",
+        PANEL_SPEC,
+        within(0.0, 1.0),
     ),
     Option(
         "json_schema",

@@ -205,10 +205,10 @@ def test_no_probes_while_a_draft_step_costs_so_much_that_even_accepted_drafts_wo
     then one is made anyway; with cheap draft steps they come every PROBE_EVERY."""
     from kvchat.runtime.speculative.speculator import HOPELESS_WAIT, PROBE_EVERY
 
-    def length(t_draft):
+    def length(t_draft, samples=3):
         dl = DraftLength(draft_max=4)
         for n, t in ((1, 0.0075), (2, 0.0085), (3, 0.0093), (5, 0.011)):
-            for _ in range(3):
+            for _ in range(1 + samples):  # a size's first decode is not a sample
                 dl.record_decode(n, t)
         dl.acc, dl.trials = 0.0, 20.0  # drafts were rejected: plain steps, probes
         for _ in range(4):
@@ -217,6 +217,7 @@ def test_no_probes_while_a_draft_step_costs_so_much_that_even_accepted_drafts_wo
 
     dear = length(0.0080)
     assert dear.hopeless() and not length(0.0020).hopeless()
+    assert not length(0.0080, samples=2).hopeless()  # two times a size: a noisy one could decide
     ks = [dear.next() for _ in range(PROBE_EVERY + HOPELESS_WAIT)]
     assert ks[:-1] == [0] * (PROBE_EVERY + HOPELESS_WAIT - 1) and ks[-1] == 2
     cheap = length(0.0020)
@@ -431,3 +432,22 @@ def test_a_self_drafts_importances_are_the_mean_squares_of_each_matrixs_inputs(r
         np.testing.assert_allclose(imp[name], want, rtol=1e-5)
     assert imp["blk.1.ffn_down.weight"].shape == (m.hparams.n_ff,) and (imp["blk.1.ffn_down.weight"] > 0).all()
     m.close()
+
+
+def test_a_model_draft_stops_before_a_token_it_gives_less_than_p_min(model):
+    from kvchat.runtime.speculative import make_speculator
+    from kvchat.runtime.speculative.draft_model import confident_greedy
+
+    row = np.full(10, -np.inf, np.float32)
+    row[[2, 7]] = [np.log(3.0), 0.0]  # p = 0.75 / 0.25
+    assert confident_greedy(row, 0.74) == (2, True) and confident_greedy(row, 0.76) == (2, False)
+    assert confident_greedy(row, 0.0) == (2, True)
+    answers, drafted = {}, {}
+    for p_min in (0.0, 0.6, 1.0):
+        conv = conversation(model, n_predict=40)
+        conv.speculative = make_speculator(conv.ctx, "self:q4_0", draft_max=4, draft_p_min=p_min)
+        conv.speculative.length.next = lambda: 4  # every step drafts: what p_min leaves of a draft is under test
+        conv.ask("one two three one two three one two three four")
+        answers[p_min], drafted[p_min] = conv.tokens, conv.speculative.stats.n_drafted
+    assert answers[0.6] == answers[0.0] == answers[1.0]
+    assert drafted[1.0] == 0 < drafted[0.6] <= drafted[0.0]

@@ -315,6 +315,7 @@ def make_speculator(engine: Engine, settings: ChatSettings, renderer: Renderer, 
             draft_path=draft_path,
             draft_max=settings.draft_max,
             draft_min=settings.draft_min,
+            draft_p_min=settings.draft_p_min,
             abort_callback=stop_event.is_set,
         )
         draft_ctx = getattr(spec.source, "ctx", None)

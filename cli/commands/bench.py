@@ -65,7 +65,7 @@ def model_desc(model) -> str:
 
 
 BENCH_FLAGS = ("model", "hf_repo", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v", "flash_attn")
-SPEC_FLAGS = ("model_draft", "draft_max", "draft_min")
+SPEC_FLAGS = ("model_draft", "draft_max", "draft_min", "draft_p_min")
 
 
 def register(app: typer.Typer) -> None:

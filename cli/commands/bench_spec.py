@@ -71,7 +71,14 @@ def bench_spec(
     prompt = prompt_tokens(ctx.model, prompt_file, raw_prompt)
     if len(prompt) + n_gen + settings.draft_max + 2 > ctx.n_ctx:
         raise KvchatError(f"the prompt ({len(prompt)} tokens) and -n {n_gen} do not fit in -c {ctx.n_ctx}")
-    spec = make_speculator(ctx, kind, draft_path=draft_path, draft_max=settings.draft_max, draft_min=settings.draft_min)
+    spec = make_speculator(
+        ctx,
+        kind,
+        draft_path=draft_path,
+        draft_max=settings.draft_max,
+        draft_min=settings.draft_min,
+        draft_p_min=settings.draft_p_min,
+    )
     print(f"bench: spec {kind}, prompt {len(prompt)} tokens, warm-up ...", file=sys.stderr)
     one_run(ctx, prompt, min(n_gen, 16), None)
     one_run(ctx, prompt, min(n_gen, 16), spec)

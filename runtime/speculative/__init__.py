@@ -5,17 +5,25 @@ draft sources (ngram.py, draft_model.py, self_quant.py), the draft length and co
 
 from __future__ import annotations
 
-from kvchat.runtime.speculative.speculator import DRAFT_MAX, Speculator
+from kvchat.runtime.speculative.speculator import DRAFT_MAX, DRAFT_P_MIN, Speculator
 
 SPEC_TYPES = ("draft", "ngram", "self:TYPE")
 
 
 def make_speculator(
-    target_ctx, kind: str, *, draft_path=None, draft_max: int = DRAFT_MAX, draft_min: int = 0, abort_callback=None
+    target_ctx,
+    kind: str,
+    *,
+    draft_path=None,
+    draft_max: int = DRAFT_MAX,
+    draft_min: int = 0,
+    draft_p_min: float = DRAFT_P_MIN,
+    abort_callback=None,
 ) -> Speculator:
     """A Speculator for `target_ctx` (a Context): kind "ngram", "draft" (draft_path: a GGUF of the
     same vocabulary) or "self:TYPE" (a TYPE copy of the target's weights). The draft model's
-    Context takes the target's context parameters. KvchatError (one line) for what cannot work."""
+    Context takes the target's context parameters; a model draft stops before a token it gives less
+    than draft_p_min probability. KvchatError (one line) for what cannot work."""
     from kvchat.runtime.errors import KvchatError
 
     if kind == "ngram":
@@ -45,7 +53,7 @@ def make_speculator(
 
         one = replace(params, n_ctx=int(target_ctx.n_ctx_seq), n_seq_max=1, kv_unified=True)
         ctx = Context(draft, one, abort_callback=abort_callback)
-        source = ModelDraft(ctx, name=name, n_vocab_target=int(target.hparams.n_vocab))
+        source = ModelDraft(ctx, name=name, n_vocab_target=int(target.hparams.n_vocab), p_min=draft_p_min)
     else:
         raise KvchatError(f"--spec-type {kind}: unknown; use one of {', '.join(SPEC_TYPES)}")
     try:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 DRAFT_MAX = 16  # --draft-max's default: most drafts per verify (llama.cpp's default too)
+DRAFT_P_MIN = 0.5  # --draft-p-min's default: a model draft stops before a token it gives less (llama.cpp: 0)
 PROBE_EVERY = 16  # plain steps before a probing draft when drafting does not pay (doubles per probe)
 PROBE_MAX = 64  # ... up to this many: a model draft's probe first catches up on every skipped token (one
 # batch, ~1/20 of the plain steps' time on Gemma-3 here), so a wrong "does not pay" lasts 64 tokens at most
@@ -73,9 +74,10 @@ class DraftLength:
     def p(self) -> float:
         return min(0.99, self.acc / self.trials)
 
-    def _t(self, n: int) -> float:
-        """Estimated seconds of an n-token target decode: a line through the sizes measured."""
-        pts = sorted(self.t_size.items())
+    def _t(self, n: int, min_samples: int = 1) -> float:
+        """Estimated seconds of an n-token target decode: a line through the sizes measured (those
+        with at least min_samples samples)."""
+        pts = sorted((m, t) for m, t in self.t_size.items() if len(self._times[m]) >= min_samples)
         if not pts:
             return 1.0 + 0.15 * (n - 1)  # before any measurement: only ratios matter
         if len(pts) == 1:
@@ -118,11 +120,16 @@ class DraftLength:
     def hopeless(self) -> bool:
         """Would drafting lose even if every draft were accepted? Then a probe (which first
         catches a draft model up on the skipped tokens: ~9 % of their plain steps for SmolLM2's
-        q4_0 self-draft) cannot pay. True only on MIN_DRAFT_SAMPLES draft-step times."""
-        if len(self._draft_times) < MIN_DRAFT_SAMPLES or 1 not in self.t_size:
+        q4_0 self-draft) cannot pay. True only on MIN_DRAFT_SAMPLES draft-step times and as many
+        target decode times of one token and of another batch size (a verify)."""
+        if len(self._draft_times) < MIN_DRAFT_SAMPLES:
             return False
-        plain = 1.0 / self._t(1)
-        return all((k + 1) / (self._t(k + 1) + k * self.t_draft) <= plain for k in range(1, self.draft_max + 1))
+        sampled = [m for m in self.t_size if len(self._times[m]) >= MIN_DRAFT_SAMPLES]
+        if 1 not in sampled or len(sampled) < 2:  # one noisy batch time must not stop drafting for 512 steps
+            return False
+        t = lambda n: self._t(n, MIN_DRAFT_SAMPLES)  # noqa: E731
+        plain = 1.0 / t(1)
+        return all((k + 1) / (t(k + 1) + k * self.t_draft) <= plain for k in range(1, self.draft_max + 1))
 
     def record_decode(self, n: int, seconds: float) -> None:
         """A target decode of n tokens took `seconds`. t_size[n] is the median of the last
