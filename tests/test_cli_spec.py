@@ -27,7 +27,12 @@ ARGS = ["-p", "one two three one two three one two three", "-n", "48", "--temp",
 
 @pytest.mark.parametrize(
     "spec",
-    [["--spec-type", "ngram"], ["--spec-type", "self:q4_0", "--draft-max", "4"], ["-md", "SELF"]],
+    # --draft-p-min 0: a random-weight model is never sure of a token; the drafting is under test
+    [
+        ["--spec-type", "ngram"],
+        ["--spec-type", "self:q4_0", "--draft-max", "4", "--draft-p-min", "0"],
+        ["-md", "SELF", "--spec-draft-p-min", "0"],
+    ],
 )
 def test_run_with_drafts_prints_the_plain_answer(dense, spec):
     spec = [str(dense) if a == "SELF" else a for a in spec]  # the model as its own draft

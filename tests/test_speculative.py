@@ -217,7 +217,17 @@ def test_no_probes_while_a_draft_step_costs_so_much_that_even_accepted_drafts_wo
 
     dear = length(0.0080)
     assert dear.hopeless() and not length(0.0020).hopeless()
-    assert not length(0.0080, samples=2).hopeless()  # two times a size: a noisy one could decide
+    assert not length(0.0080, samples=2).hopeless()  # two one-token times: not yet a verdict
+    noisy = DraftLength(draft_max=4)  # steps of 7.5 ms, draft steps of 4 ms (d = 0.53): drafting can pay
+    for n, t in ((1, 0.0075), (1, 0.0075), (1, 0.0075), (1, 0.0075), (2, 0.0085), (2, 0.030)):
+        noisy.record_decode(n, t)  # the one 2-row verify timed was stretched 3x by a busy machine
+    noisy.acc, noisy.trials = 0.0, 20.0
+    for t in (0.004, 0.004, 0.012, 0.004, 0.004):
+        noisy.record_draft(1, 0, True, t)
+    assert noisy.t_size[2] == 0.030 and not noisy.hopeless()
+    for _ in range(2):
+        noisy.record_decode(2, 0.0085)
+    assert not noisy.hopeless()  # three 2-row times, their median 8.5 ms
     ks = [dear.next() for _ in range(PROBE_EVERY + HOPELESS_WAIT)]
     assert ks[:-1] == [0] * (PROBE_EVERY + HOPELESS_WAIT - 1) and ks[-1] == 2
     cheap = length(0.0020)
@@ -328,7 +338,7 @@ def test_self_q4_0_drafts_give_the_plain_answer(model):
 
     plain = conversation(model, n_predict=40)
     spec_conv = conversation(model, n_predict=40)
-    spec_conv.speculative = make_speculator(spec_conv.ctx, "self:q4_0", draft_max=4)
+    spec_conv.speculative = make_speculator(spec_conv.ctx, "self:q4_0", draft_max=4, draft_p_min=0.0)
     for conv in (plain, spec_conv):
         conv.ask("one two three one two three one two three four")
     assert spec_conv.tokens == plain.tokens

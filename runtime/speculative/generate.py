@@ -78,6 +78,8 @@ class SpecGeneration(Generation):
                 # lookup (n-gram) costs its whole call, one step per drafted token
                 t_draft = getattr(self.spec.source, "step_times", None) or (len(drafts), time.perf_counter() - t0)
             if not drafts:
+                if k > 0 and t_draft[0]:  # a model draft's steps that proposed nothing (below --draft-p-min)
+                    self.spec.length.record_draft(0, 0, True, t_draft[1], n_steps=t_draft[0])
                 stop = self._plain(token)
                 if stop is not None:
                     return stop

@@ -75,8 +75,8 @@ class DraftLength:
         return min(0.99, self.acc / self.trials)
 
     def _t(self, n: int, min_samples: int = 1) -> float:
-        """Estimated seconds of an n-token target decode: a line through the sizes measured (those
-        with at least min_samples samples)."""
+        """Estimated seconds of an n-token target decode: a line through the medians of the sizes
+        measured at least min_samples times."""
         pts = sorted((m, t) for m, t in self.t_size.items() if len(self._times[m]) >= min_samples)
         if not pts:
             return 1.0 + 0.15 * (n - 1)  # before any measurement: only ratios matter
@@ -121,15 +121,16 @@ class DraftLength:
         """Would drafting lose even if every draft were accepted? Then a probe (which first
         catches a draft model up on the skipped tokens: ~9 % of their plain steps for SmolLM2's
         q4_0 self-draft) cannot pay. True only on MIN_DRAFT_SAMPLES draft-step times and as many
-        target decode times of one token and of another batch size (a verify)."""
-        if len(self._draft_times) < MIN_DRAFT_SAMPLES:
+        one-token target decodes."""
+        if len(self._draft_times) < MIN_DRAFT_SAMPLES or len(self._times.get(1, ())) < MIN_DRAFT_SAMPLES:
             return False
-        sampled = [m for m in self.t_size if len(self._times[m]) >= MIN_DRAFT_SAMPLES]
-        if 1 not in sampled or len(sampled) < 2:  # one noisy batch time must not stop drafting for 512 steps
-            return False
-        t = lambda n: self._t(n, MIN_DRAFT_SAMPLES)  # noqa: E731
-        plain = 1.0 / t(1)
-        return all((k + 1) / (t(k + 1) + k * self.t_draft) <= plain for k in range(1, self.draft_max + 1))
+        # medians of sizes timed MIN_DRAFT_SAMPLES times: one verify stretched by a busy machine must
+        # not stop drafting for HOPELESS_WAIT steps (with only one-token times, the prior slope)
+        plain = 1.0 / self._t(1, MIN_DRAFT_SAMPLES)
+        return all(
+            (k + 1) / (self._t(k + 1, MIN_DRAFT_SAMPLES) + k * self.t_draft) <= plain
+            for k in range(1, self.draft_max + 1)
+        )
 
     def record_decode(self, n: int, seconds: float) -> None:
         """A target decode of n tokens took `seconds`. t_size[n] is the median of the last
