@@ -461,3 +461,26 @@ def test_a_model_draft_stops_before_a_token_it_gives_less_than_p_min(model):
         answers[p_min], drafted[p_min] = conv.tokens, conv.speculative.stats.n_drafted
     assert answers[0.6] == answers[0.0] == answers[1.0]
     assert drafted[1.0] == 0 < drafted[0.6] <= drafted[0.0]
+
+
+def test_empty_proposals_count_as_a_draft_step_spent_for_one_token():
+    """q, the share of proposals that drafted something, weighs the draft length's rate: with
+    drafts accepted 90 % of the time a half-step draft pays while every proposal drafts, and not when
+    nine in ten are empty (each then costs a draft step before the plain one)."""
+
+    def length(empty_share):
+        dl = DraftLength(draft_max=8)
+        for n in (1, 2, 3, 4, 5, 9):
+            for _ in range(4):
+                dl.record_decode(n, 0.010 * (1 + 0.08 * (n - 1)))
+        for i in range(40):
+            if i % 10 < 10 * empty_share:
+                dl.record_draft(0, 0, False, 0.005, n_steps=1)
+            else:
+                dl.record_draft(3, 3 if i % 10 else 2, i % 10 == 0, 0.015, n_steps=3)
+        return dl
+
+    full, mostly_empty = length(0.0), length(0.9)
+    assert full.q > 0.99 and full.next() >= 3
+    assert mostly_empty.q < 0.2 and mostly_empty.next() == 0
+    assert abs(mostly_empty.p - full.p) < 0.1  # empty proposals leave the acceptance alone

@@ -79,7 +79,7 @@ class SpecGeneration(Generation):
                 t_draft = getattr(self.spec.source, "step_times", None) or (len(drafts), time.perf_counter() - t0)
             if not drafts:
                 if k > 0 and t_draft[0]:  # a model draft's steps that proposed nothing (below --draft-p-min)
-                    self.spec.length.record_draft(0, 0, True, t_draft[1], n_steps=t_draft[0])
+                    self.spec.length.record_draft(0, 0, False, t_draft[1], n_steps=t_draft[0])
                 stop = self._plain(token)
                 if stop is not None:
                     return stop

@@ -13,7 +13,10 @@ and after PROBE_EVERY plain steps a draft of draft_min (at least 2, one of them 
 step) is tried again, so that the estimates can recover (the wait doubles after each probe that
 does not pay, up to PROBE_MAX; HOPELESS_WAIT while a draft step costs so much that even accepted
 drafts would lose, as a q4_0 self-draft of SmolLM2's Q8_0 copy does here).
-p is counted with decay (recent drafts weigh most). Both times are medians of their last N_TIMES
+A model draft may propose nothing (it is unsure of the next token, --draft-p-min): a share
+1 - q of the proposals then costs a draft step and a plain step for one token, and the rate of a
+k is (q·gain(k) + 1 - q) / (q·(t(k + 1) + k·t_draft) + (1 - q)·(t(1) + t_draft)).
+p and q are counted with decay (recent drafts weigh most). Both times are medians of their last N_TIMES
 measurements: on a shared machine one step can take 3x (a descheduled thread), and a mean seeded
 by such a probe kept a run from drafting for its remaining few hundred tokens (a Gemma-3 F16 copy
 with self:q4_0 at 0.73x plain in one run, 1.66x in the next).
@@ -62,6 +65,9 @@ class DraftLength:
             raise ValueError(f"draft lengths: need 0 <= draft-min ({draft_min}) <= draft-max ({draft_max})")
         self.draft_max, self.draft_min = int(draft_max), int(draft_min)
         self.acc, self.trials = 1.0, 2.0  # prior p = 0.5 (pseudo-counts)
+        # proposals that drafted something, of those asked for (a model draft proposes nothing when
+        # it is unsure of the first token, --draft-p-min): prior 1 (pseudo-counts)
+        self.made, self.asked = 2.0, 2.0
         self.t_size: dict[int, float] = {}  # batch size n -> median seconds of a target decode of n tokens
         self._times: dict[int, deque] = {}  # batch size n -> its last N_TIMES decode times
         self.t_draft = 0.0  # median seconds per drafted token over the last N_TIMES proposals
@@ -69,6 +75,11 @@ class DraftLength:
         self._draft_warm = False
         self.n_plain = 0  # plain steps since the last draft
         self.probe_every = PROBE_EVERY  # plain steps before the next probe
+
+    @property
+    def q(self) -> float:
+        """The share of proposals that drafted at least one token (decayed counts)."""
+        return self.made / self.asked
 
     @property
     def p(self) -> float:
@@ -93,13 +104,14 @@ class DraftLength:
 
     def next(self) -> int:
         """How many tokens to draft for the next verify."""
-        p = self.p
+        p, q = self.p, self.q
         t_draft = self.t_draft if self.t_size else 0.0  # seconds only mean something next to measured t(n)
         best, best_rate = 0, 1.0 / self._t(1)
         gain = 1.0
         for k in range(1, self.draft_max + 1):
             gain += p**k
-            rate = gain / (self._t(k + 1) + k * t_draft)
+            # a share 1 - q of the proposals is empty: one draft step, then a plain step
+            rate = (q * gain + 1.0 - q) / (q * (self._t(k + 1) + k * t_draft) + (1.0 - q) * (self._t(1) + t_draft))
             if rate > best_rate:
                 best, best_rate = k, rate
         if best < max(1, self.draft_min):
@@ -148,9 +160,13 @@ class DraftLength:
     ) -> None:
         """A proposal of n_drafted tokens, of which the first n_accepted were accepted (`rejected`:
         the next one was not; False when all were, or the run stopped); its n_steps draft steps
-        (n_drafted when None) took `seconds` (none: no sample of a step's cost)."""
-        self.acc = DECAY * self.acc + n_accepted
-        self.trials = DECAY * self.trials + n_accepted + (1 if rejected else 0)
+        (n_drafted when None) took `seconds` (none: no sample of a step's cost). An empty proposal
+        (n_drafted 0) counts toward q only."""
+        self.made = DECAY * self.made + (1 if n_drafted else 0)
+        self.asked = DECAY * self.asked + 1
+        if n_drafted:
+            self.acc = DECAY * self.acc + n_accepted
+            self.trials = DECAY * self.trials + n_accepted + (1 if rejected else 0)
         n_steps = n_drafted if n_steps is None else n_steps
         if n_steps and not self._draft_warm:
             self._draft_warm = True  # the first draft steps load the draft's kernels: not a sample
