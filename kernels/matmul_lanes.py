@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from kvchat.kernels.qlayout import QFormat, R
 from kvchat.kernels.simd import f32vec, vadd, vbcast, vfma, vload, vmul, vstore, vzero
-from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, i32x16
+from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, bhi, blo, bload, bplane, i32x16
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _F32 = ir.FloatType()
@@ -120,6 +120,70 @@ def bcast_dot_f(typingctx, isa, w, x):
     return f32vec(isa, w, x), codegen
 
 
+def _lane_dot(off: int, signed_w: bool):
+    """bcast_dot_f for weights stored with an offset (q5_0's value + 16, off = 16) or as signed
+    bytes (q8_0): the 16 rows' exact float(sum of (w - off) * x) over the 4 values. The correction
+    off * (sum of the 4 activation bytes), plus 128 * that sum where the path flips signed
+    weights to unsigned (VNNI, simd_int.s8_bias), starts the accumulator below the bits of
+    2^23 + 2^22, so the lanes read as floats are 2^23 + 2^22 + dot exactly (|dot| + the
+    corrections < 2^18) and one exact subtraction leaves float(dot), as in bcast_dot_f."""
+
+    @intrinsic
+    def dot(typingctx, isa, w, x):
+        if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer)):
+            return None
+        gen = _dot_codegen(isa.isa, signed_w)
+        bias = off + (128 if signed_w and isa.isa in ("vnni512", "vnni256") else 0)
+
+        def codegen(context, builder, sig, args):
+            vi = ir.VectorType(_I32, 16)
+            x32 = context.cast(builder, args[2], sig.args[2], types.int32)
+            xv = builder.insert_element(ir.Constant(vi, ir.Undefined), x32, ir.Constant(_I32, 0))
+            xv = builder.shuffle_vector(xv, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
+            init = ir.Constant(vi, [_MAGIC] * 16)
+            if bias:
+                xb = builder.sext(builder.bitcast(x32, ir.VectorType(_I8, 4)), ir.VectorType(_I32, 4))
+                s4 = builder.extract_element(xb, ir.Constant(_I32, 0))
+                for i in range(1, 4):
+                    s4 = builder.add(s4, builder.extract_element(xb, ir.Constant(_I32, i)))
+                c = builder.sub(ir.Constant(_I32, _MAGIC), builder.mul(s4, ir.Constant(_I32, bias)))
+                init = builder.insert_element(ir.Constant(vi, ir.Undefined), c, ir.Constant(_I32, 0))
+                init = builder.shuffle_vector(init, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
+            r = gen(builder, init, args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
+            vf = ir.VectorType(_F32, 16)
+            return builder.fsub(builder.bitcast(r, vf), ir.Constant(vf, [float(2**23 + 2**22)] * 16))
+
+        return f32vec(isa, w, x), codegen
+
+    return dot
+
+
+bcast_dot_q5_0 = _lane_dot(16, False)  # q5_0: values stored + 16 (nibble | bit-plane bit)
+bcast_dot_q8_0 = _lane_dot(0, True)  # q8_0: signed bytes
+
+
+@njit(cache=True, inline="always")
+def _pair_q4_1(q, base, s, hh):
+    """Lanes s and 4 + s of rows 16 hh .. 16 hh + 15 of the nibble sub-block at byte base."""
+    o = base + s * 128 + 64 * hh
+    return nib64_lo(q, o), nib64_hi(q, o)
+
+
+@njit(cache=True, inline="always")
+def _pair_q5_0(q, base, s, hh):
+    """_pair_q4_1 for a 5-bit sub-block: the nibbles with the bit plane's fifth bits ORed in
+    (words low 0-15, low 16-31, high 0-15, high 16-31 of step s after the 512 nibble bytes)."""
+    v = bload(q, base + s * 128 + 64 * hh)
+    pb = base + 16 * R + s * 32 + 8 * hh
+    return bplane(blo(v), q, pb, 16), bplane(bhi(v), q, pb + 16, 16)
+
+
+@njit(cache=True, inline="always")
+def _pair_q8_0(q, base, s, hh):
+    """Lanes s and 4 + s of rows 16 hh .. of a byte sub-block ([8 steps, 32 rows, 4 bytes])."""
+    return bload(q, base + s * 128 + 64 * hh), bload(q, base + (4 + s) * 128 + 64 * hh)
+
+
 @njit(cache=True, inline="always")
 def _lane_scales(d, m, xd, xm, tt, g, nb, lmin, sc_, o):
     """Token tt's block scales d_w * d_x of the group's 32 rows into sc_[o + 32 b ..], then the
@@ -159,9 +223,17 @@ def _lane_store(y, src, o, tt, g):
 def lanes_impl(fmt: QFormat):
     """The implementation of _run_expanded (kernels/matmul_int.py) for a lane-order format: runs
     tokens t .. t1 - 1 of row group g and returns True."""
-    assert fmt.lanes and fmt.nib and fmt.sub == 32 and fmt.n_sub == 1 and fmt.planes == 0 and fmt.offset == 0
+    assert fmt.lanes and fmt.sub == 32 and fmt.n_sub == 1 and fmt.name in ("q4_1", "q5_0", "q8_0")
     lmin = fmt.lmin
-    sub_bytes = 32 * R // 2  # one 32-row block of nibbles: 4 steps x 32 rows x 4 bytes
+    # one 32-row block: 4 steps x 32 rows x 4 nibble bytes (+ q5_0's 4 plane words a step), or
+    # q8_0's 8 steps x 32 rows x 4 bytes
+    sub_bytes = 32 * R // 2 + 4 * fmt.planes * 32 if fmt.nib else 32 * R
+    if fmt.name == "q4_1":
+        pair, dotf = _pair_q4_1, bcast_dot_f
+    elif fmt.name == "q5_0":
+        pair, dotf = _pair_q5_0, bcast_dot_q5_0
+    else:
+        pair, dotf = _pair_q8_0, bcast_dot_q8_0
 
     def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):  # runs whatever expand says
         nb = xd.shape[1]
@@ -178,30 +250,33 @@ def lanes_impl(fmt: QFormat):
                 for b in range(nb):
                     ea = vload(sc_, b * R + 16 * hh)
                     eb = vload(sc_, o2 + b * R + 16 * hh)
-                    base = (g * nb + b) * sub_bytes + 64 * hh
+                    base = (g * nb + b) * sub_bytes
                     xo = b * 8
-                    lo, hi = nib64_lo(q, base), nib64_hi(q, base)
-                    a0 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo]), a0)
-                    a4 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 4]), a4)
-                    b0 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo]), b0)
-                    b4 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 4]), b4)
-                    lo, hi = nib64_lo(q, base + 128), nib64_hi(q, base + 128)
-                    a1 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 1]), a1)
-                    a5 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 5]), a5)
-                    b1 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 1]), b1)
-                    b5 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 5]), b5)
-                    lo, hi = nib64_lo(q, base + 256), nib64_hi(q, base + 256)
-                    a2 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 2]), a2)
-                    a6 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 6]), a6)
-                    b2 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 2]), b2)
-                    b6 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 6]), b6)
-                    lo, hi = nib64_lo(q, base + 384), nib64_hi(q, base + 384)
-                    a3 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 3]), a3)
-                    a7 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 7]), a7)
-                    b3 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 3]), b3)
-                    b7 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 7]), b7)
-                ra = vadd(_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vload(sc_, nb * R + 16 * hh))
-                rb = vadd(_hsum8(b0, b1, b2, b3, b4, b5, b6, b7), vload(sc_, o2 + nb * R + 16 * hh))
+                    lo, hi = pair(q, base, 0, hh)
+                    a0 = vfma(ea, dotf(isa, lo, x32[tt, xo]), a0)
+                    a4 = vfma(ea, dotf(isa, hi, x32[tt, xo + 4]), a4)
+                    b0 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo]), b0)
+                    b4 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 4]), b4)
+                    lo, hi = pair(q, base, 1, hh)
+                    a1 = vfma(ea, dotf(isa, lo, x32[tt, xo + 1]), a1)
+                    a5 = vfma(ea, dotf(isa, hi, x32[tt, xo + 5]), a5)
+                    b1 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 1]), b1)
+                    b5 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 5]), b5)
+                    lo, hi = pair(q, base, 2, hh)
+                    a2 = vfma(ea, dotf(isa, lo, x32[tt, xo + 2]), a2)
+                    a6 = vfma(ea, dotf(isa, hi, x32[tt, xo + 6]), a6)
+                    b2 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 2]), b2)
+                    b6 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 6]), b6)
+                    lo, hi = pair(q, base, 3, hh)
+                    a3 = vfma(ea, dotf(isa, lo, x32[tt, xo + 3]), a3)
+                    a7 = vfma(ea, dotf(isa, hi, x32[tt, xo + 7]), a7)
+                    b3 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 3]), b3)
+                    b7 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 7]), b7)
+                ra = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7)
+                rb = _hsum8(b0, b1, b2, b3, b4, b5, b6, b7)
+                if lmin:  # + summs (q4_1); ggml's q8_0-type dots end at the tree
+                    ra = vadd(ra, vload(sc_, nb * R + 16 * hh))
+                    rb = vadd(rb, vload(sc_, o2 + nb * R + 16 * hh))
                 vstore(sc_, 2 * o2 + 16 * hh, ra)
                 vstore(sc_, 2 * o2 + R + 16 * hh, rb)
             _lane_store(y, sc_, 2 * o2, tt, g)
@@ -231,29 +306,40 @@ def lanes_impl(fmt: QFormat):
                 xo = b * 8
                 x0, x1, x2, x3 = x32[tt, xo], x32[tt, xo + 1], x32[tt, xo + 2], x32[tt, xo + 3]
                 x4, x5, x6, x7 = x32[tt, xo + 4], x32[tt, xo + 5], x32[tt, xo + 6], x32[tt, xo + 7]
-                a00 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base), x0), a00)
-                a04 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base), x4), a04)
-                a10 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 64), x0), a10)
-                a14 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 64), x4), a14)
-                a01 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 128), x1), a01)
-                a05 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 128), x5), a05)
-                a11 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 192), x1), a11)
-                a15 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 192), x5), a15)
-                a02 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 256), x2), a02)
-                a06 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 256), x6), a06)
-                a12 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 320), x2), a12)
-                a16 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 320), x6), a16)
-                a03 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 384), x3), a03)
-                a07 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 384), x7), a07)
-                a13 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 448), x3), a13)
-                a17 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 448), x7), a17)
-            # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs
+                lo, hi = pair(q, base, 0, 0)
+                a00 = vfma(e0, dotf(isa, lo, x0), a00)
+                a04 = vfma(e0, dotf(isa, hi, x4), a04)
+                lo, hi = pair(q, base, 0, 1)
+                a10 = vfma(e1, dotf(isa, lo, x0), a10)
+                a14 = vfma(e1, dotf(isa, hi, x4), a14)
+                lo, hi = pair(q, base, 1, 0)
+                a01 = vfma(e0, dotf(isa, lo, x1), a01)
+                a05 = vfma(e0, dotf(isa, hi, x5), a05)
+                lo, hi = pair(q, base, 1, 1)
+                a11 = vfma(e1, dotf(isa, lo, x1), a11)
+                a15 = vfma(e1, dotf(isa, hi, x5), a15)
+                lo, hi = pair(q, base, 2, 0)
+                a02 = vfma(e0, dotf(isa, lo, x2), a02)
+                a06 = vfma(e0, dotf(isa, hi, x6), a06)
+                lo, hi = pair(q, base, 2, 1)
+                a12 = vfma(e1, dotf(isa, lo, x2), a12)
+                a16 = vfma(e1, dotf(isa, hi, x6), a16)
+                lo, hi = pair(q, base, 3, 0)
+                a03 = vfma(e0, dotf(isa, lo, x3), a03)
+                a07 = vfma(e0, dotf(isa, hi, x7), a07)
+                lo, hi = pair(q, base, 3, 1)
+                a13 = vfma(e1, dotf(isa, lo, x3), a13)
+                a17 = vfma(e1, dotf(isa, hi, x7), a17)
+            # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs (q4_1)
             r0 = vadd(vadd(a00, a04), vadd(a02, a06))
             r0 = vadd(r0, vadd(vadd(a01, a05), vadd(a03, a07)))
             r1 = vadd(vadd(a10, a14), vadd(a12, a16))
             r1 = vadd(r1, vadd(vadd(a11, a15), vadd(a13, a17)))
-            vstore(ym, 0, vadd(r0, vload(sc_, nb * R)))
-            vstore(ym, 16, vadd(r1, vload(sc_, nb * R + 16)))
+            if lmin:
+                r0 = vadd(r0, vload(sc_, nb * R))
+                r1 = vadd(r1, vload(sc_, nb * R + 16))
+            vstore(ym, 0, r0)
+            vstore(ym, 16, r1)
             if g * R + R <= n_rows:
                 vstore(y, tt * n_rows + g * R, vload(ym, 0))
                 vstore(y, tt * n_rows + g * R + 16, vload(ym, 16))

@@ -11,7 +11,7 @@ import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.qlayout import ACT_Q8_1, ACT_Q8_K, FORMATS
+from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 
 
 def quantize_act(x: np.ndarray, act: int):
@@ -117,3 +117,43 @@ def ggml_q4_1_q8_1(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         summs = summs + mw[None, :, b] * s[:, None, b]
     a = [acc[..., i] for i in range(8)]
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + summs
+
+
+def q0_values(raw: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d f32 [m, nb], signed values i64 [m, nb, 32]) of Q5_0 or Q8_0 rows raw u8 [m, nb * block bytes]."""
+    t = GGMLType(t)
+    m = raw.shape[0]
+    if t == GGMLType.Q8_0:
+        blocks = raw.reshape(m, -1, 34)
+        vals = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).astype(np.int64)
+    elif t == GGMLType.Q5_0:
+        blocks = raw.reshape(m, -1, 22)
+        qh = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")[..., 0].astype(np.int64)  # [m, nb]
+        qs = blocks[:, :, 6:22].astype(np.int64)
+        nib = np.concatenate([qs & 15, qs >> 4], axis=2)  # values 0-15 low nibbles, 16-31 high
+        hb = (qh[..., None] >> np.arange(32)) & 1
+        vals = (nib | (hb << 4)) - 16
+    else:
+        raise ValueError(t)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    return d, vals
+
+
+def ggml_q0_q8_0_batch(raw: np.ndarray, t: int, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q5_0 / Q8_0 rows raw times x f32 [n, k] exactly as llamafile's
+    tinyBLAS_Q0_AVX (ggml-cpu/llamafile/sgemm.cpp) computes a batch of >= 2 tokens on x86: x
+    quantized to q8_0, then per output 8 float lanes, lane l the integer dot of values 4l .. 4l+3
+    of each block (updot), acc_l = fma(d_w * d_x, float(lane), acc_l) over the blocks in order
+    from +0 (madd), and hsum(__m256): ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
+    d_w, vals = q0_values(raw, t)
+    m, nb, _ = vals.shape
+    n, k = x.shape
+    q, d, _, _ = quantize_act(x, ACT_Q8_0)
+    qx = q.reshape(n, nb, 32).astype(np.int64)
+    lanes = (vals[None] * qx[:, None]).reshape(n, m, nb, 8, 4).sum(-1).astype(np.float32)  # [n, m, nb, 8]
+    dd = d_w[None] * d[:, None]  # float32 products [n, m, nb]
+    acc = np.zeros((n, m, 8), np.float32)
+    for b in range(nb):
+        acc = fma32(dd[:, :, b, None], lanes[:, :, b], acc)
+    a = [acc[..., i] for i in range(8)]
+    return ((a[4] + a[0]) + (a[6] + a[2])) + ((a[5] + a[1]) + (a[7] + a[3]))
