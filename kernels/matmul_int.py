@@ -36,7 +36,7 @@ from kvchat.kernels.matmul_lanes import lanes_impl
 from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kvchat.kernels.qlayout import ACT_Q8_K, QFormatType, R
 from kvchat.kernels.quant_act import quantize_row_q8  # NaN-keeping block scales (#24): inlined here
-from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vscale, vstore, vzero
+from kvchat.kernels.simd import vadd, vbcast, vfma, vload, vmul, vscale, vstore, vzero
 from kvchat.kernels.simd_int import (
     bhi,
     blo,
@@ -300,6 +300,64 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng, pf):
         _store(y, ym, u3, g, a[6], a[7])
 
 
+@njit(cache=True, forceinline=True, _nrt=False)
+def _fold_super_km(d, m, xd, t, B, g, n_super, acc, a0, a1, b0, b1):
+    """_fold_super for a K-quant with mins in ggml's repacked gemm order (QFormat.lanes: q4_K,
+    ggml_gemm_q4_K_8x8_q8_K): the scales' terms of a sub-block pair of super-block B into
+    (a0, a1), the mins' into their own (b0, b1)."""
+    I0, I1, M0, M1 = acc
+    so = (g * n_super + B) * R
+    dx = vbcast(xd[t, B])
+    a0 = vfma(vmul(vscale(d, so), dx), itof(I0), a0)
+    a1 = vfma(vmul(vscale(d, so + 16), dx), itof(I1), a1)
+    b0 = vfma(vmul(vload(m, so), dx), itof(M0), b0)
+    b1 = vfma(vmul(vload(m, so + 16), dx), itof(M1), b1)
+    return a0, a1, b0, b1
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
+    """_row4 (ng 1-4 tokens) in the float order of ggml's repacked q4_K gemm (x86
+    arch/x86/repack.cpp ggml_gemm_q4_K_8x8_q8_K, which llama.cpp runs for 4 tokens and more: a
+    prompt's batch; its one-token gemv steps per super-block instead): per pair of sub-blocks
+    (64 values) acc = fma(float(I), d_w * d_x, acc) and, apart, acc_min = fma(float(M),
+    dmin_w * d_x, acc_min), I and M the pair's exact integers; the output acc - acc_min. m holds
+    -dmin, so the second sum is -acc_min exactly (from -0) and the output is acc + it."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
+    z = izero()
+    f = vzero()
+    nz = vbcast(np.float32(-0.0))
+    a = (f, f, f, f, f, f, f, f)
+    c = (nz, nz, nz, nz, nz, nz, nz, nz)
+    for jp in range(n_sub_all // 2):  # a pair of sub-blocks (64 values) per float step
+        B = jp * 2 // NS
+        c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
+        for j in range(2 * jp, 2 * jp + 2):
+            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
+            c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
+        a0, a1, b0, b1 = _fold_super_km(d, m, xd, t, B, g, n_super, c0, a[0], a[1], c[0], c[1])
+        a2, a3, b2, b3 = _fold_super_km(d, m, xd, u1, B, g, n_super, c1, a[2], a[3], c[2], c[3])
+        a4, a5, b4, b5 = _fold_super_km(d, m, xd, u2, B, g, n_super, c2, a[4], a[5], c[4], c[5])
+        a6, a7, b6, b7 = _fold_super_km(d, m, xd, u3, B, g, n_super, c3, a[6], a[7], c[6], c[7])
+        a = (a0, a1, a2, a3, a4, a5, a6, a7)
+        c = (b0, b1, b2, b3, b4, b5, b6, b7)
+    _store(y, ym, t, g, vadd(a[0], c[0]), vadd(a[1], c[1]))
+    if ng > 1:
+        _store(y, ym, u1, g, vadd(a[2], c[2]), vadd(a[3], c[3]))
+    if ng > 2:
+        _store(y, ym, u2, g, vadd(a[4], c[4]), vadd(a[5], c[5]))
+    if ng > 3:
+        _store(y, ym, u3, g, vadd(a[6], c[6]), vadd(a[7], c[7]))
+
+
 EXPAND_MIN_TOKENS = 16  # a chunk of at least this many tokens runs on its group's values expanded to bytes
 
 
@@ -350,7 +408,17 @@ def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, q
 def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
     if not isinstance(fmt, QFormatType) or not isinstance(expand, types.BooleanLiteral):
         return None
-    if fmt.fmt.lanes:  # every token in ggml's lane order (q4_1)
+    if fmt.fmt.lanes and fmt.fmt.kmin:  # every token in ggml's repacked q4_K order
+
+        def impl_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
+            while t < t1:
+                ng = min(4, t1 - t)
+                _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
+                t += ng
+            return True
+
+        return impl_km
+    if fmt.fmt.lanes:  # every token in ggml's lane order (q4_1, q5_0, q8_0: kernels/matmul_lanes.py)
         return lanes_impl(fmt.fmt)
     if fmt.fmt.planes == 0 or not expand.literal_value:  # nothing compiled: a second _row/_row4 per format
         return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand: False
@@ -384,7 +452,7 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
     long_chunks = expand and fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
     n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
-    if fmt_get(fmt, "lanes"):
+    if fmt_get(fmt, "lanes") and not fmt_get(fmt, "kmin"):
         # kernels/matmul_lanes.py (inlined here: numba's cache key is this file's text, so a change
         # there needs one here): two tokens' f32 block scales, summs and outputs
         n_qx = (2 * (q.shape[1] + 1) + 2) * R * 4

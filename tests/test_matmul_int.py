@@ -22,7 +22,13 @@ from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
 from kvchat.kernels.matmul_int import quantize_activations as quantize_rows
 from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 from kvchat.kernels.simd_int import Isa
-from tests.helpers.qref import ggml_q0_q8_0_batch, ggml_q4_1_q8_1, int_matmul_reference, quantize_act
+from tests.helpers.qref import (
+    ggml_q0_q8_0_batch,
+    ggml_q4_1_q8_1,
+    ggml_q4_K_repacked,
+    int_matmul_reference,
+    quantize_act,
+)
 from tests.test_matmul import random_raw
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -140,6 +146,30 @@ def test_q5_0_and_q8_0_in_tinyblas_order_are_llama_cpps_batch_product_bit_for_bi
     for chunk, runs in ((32, 8), (1, 3), (5, 1)):
         np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
     for i in (0, 3, 8):  # alone: the bits it has in the batch
+        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
+    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
+    assert not np.array_equal(old, want)
+    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_q4_K_in_the_repacked_gemms_order_is_llama_cpps_product_bit_for_bit():
+    """KVCHAT_GGML_ORDER's q4_K (QFormat.lanes with mins: kernels/matmul_int._row4_km) follows
+    the float order of ggml's x86 repacked q4_K gemm (CPU_REPACK, which llama.cpp takes on x86
+    with AVX2 for a Q4_K matrix of 8n rows, one token or many): every output bit-identical to
+    the emulation (tests/helpers/qref.py) on every instruction path, for one token and in a
+    batch, whatever the token chunk, run split or driver (batch invariance)."""
+    t, k, m = GGMLType.Q4_K, 1024, 75
+    raw = random_raw(t, m, k, seed=15)
+    qm = QMatrix(raw, t, k)
+    qm.fmt = qm.fmt._replace(lanes=True)
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
+    want = ggml_q4_K_repacked(raw, x)
+    for isa in ISAS:  # every instruction path
+        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
+    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
+        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
+    for i in (0, 4, 8):  # alone: the bits it has in the batch
         np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
     old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
     assert not np.array_equal(old, want)

@@ -157,3 +157,48 @@ def ggml_q0_q8_0_batch(raw: np.ndarray, t: int, x: np.ndarray) -> np.ndarray:
         acc = fma32(dd[:, :, b, None], lanes[:, :, b], acc)
     a = [acc[..., i] for i in range(8)]
     return ((a[4] + a[0]) + (a[6] + a[2])) + ((a[5] + a[1]) + (a[7] + a[3]))
+
+
+def q4_K_parts(raw: np.ndarray):
+    """Q4_K rows raw u8 [m, nB * 144] -> (d, dmin f32 [m, nB], sc, mn i64 [m, nB, 8], values i64 [m, nB, 8, 32])."""
+    m = raw.shape[0]
+    blocks = raw.reshape(m, -1, 144)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[:, :, 4:16].astype(np.int64)  # 12 scale bytes
+    sc = np.empty(q.shape[:2] + (8,), np.int64)
+    mn = np.empty_like(sc)
+    for j in range(8):  # ggml's get_scale_min_k4
+        if j < 4:
+            sc[..., j] = q[..., j] & 63
+            mn[..., j] = q[..., j + 4] & 63
+        else:
+            sc[..., j] = (q[..., j + 4] & 0xF) | ((q[..., j - 4] >> 6) << 4)
+            mn[..., j] = (q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4)
+    qs = blocks[:, :, 16:144].astype(np.int64).reshape(m, -1, 4, 32)  # 4 chunks of 64 values
+    vals = np.stack([qs & 15, qs >> 4], axis=3).reshape(m, -1, 8, 32)  # sub-block 2c: low, 2c + 1: high
+    return d, dmin, sc, mn, vals
+
+
+def ggml_q4_K_repacked(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q4_K rows times x f32 [n, k] as ggml-cpu's x86 repacked gemm
+    (arch/x86/repack.cpp ggml_gemm_q4_K_8x8_q8_K, 4 tokens and more) computes each output:
+    x quantized to q8_K; per pair of sub-blocks (64 values, 4 a super-block B) the exact integers
+    I = sum_j sc_j * (values_j . q_j) and M = sum_j mn_j * sum(q_j) over its two sub-blocks j;
+    acc = fma(float(I), d_w * d_x, acc), acc_min = fma(float(M), dmin_w * d_x, acc_min), both from
+    +0 in order; the output acc - acc_min. (The one-token gemv steps per super-block.)"""
+    d_w, dmin_w, sc, mn, vals = q4_K_parts(raw)
+    m, nB = d_w.shape
+    n, k = x.shape
+    q, d, _, _ = quantize_act(x, ACT_Q8_K)
+    qx = q.reshape(n, nB, 8, 32).astype(np.int64)
+    dots = np.einsum("mbjv,nbjv->nmbj", vals, qx)  # [n, m, nB, 8] exact
+    ii = (dots * sc[None]).reshape(n, m, nB, 4, 2).sum(-1)  # [n, m, nB, 4 pairs]
+    mm = (qx.sum(-1)[:, None] * mn[None]).reshape(n, m, nB, 4, 2).sum(-1)
+    acc = np.zeros((n, m), np.float32)
+    accm = np.zeros((n, m), np.float32)
+    for b in range(nB):
+        for sb in range(4):
+            acc = fma32(ii[:, :, b, sb].astype(np.float32), d_w[None, :, b] * d[:, None, b], acc)
+            accm = fma32(mm[:, :, b, sb].astype(np.float32), dmin_w[None, :, b] * d[:, None, b], accm)
+    return acc - accm
