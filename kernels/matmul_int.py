@@ -358,6 +358,54 @@ def _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
         _store(y, ym, u3, g, vadd(a[6], c[6]), vadd(a[7], c[7]))
 
 
+@njit(cache=True, forceinline=True, _nrt=False)
+def _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
+    """_row4 (ng 1-4 tokens) in the float order of ggml-cpu's tiled K-quant matmul without mins
+    (tiled/tiled-kernel.cpp's VNNI microtile, which llama.cpp takes for a q6_K matrix and 8 tokens
+    or more): per super-block the exact integer I of _row4, then
+    acc = fma(float(I) * d_w, d_x, acc) from +0 in block order (the microtile's
+    buf + (float(I) * d) * d_x, its multiply and add contracted to one fma by the compiler: the
+    build llama.cpp's x86 binaries are made with)."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
+    z = izero()
+    f = vzero()
+    a = (f, f, f, f, f, f, f, f)
+    for B in range(n_super):
+        c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
+        for jj in range(NS):
+            j = B * NS + jj
+            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
+            c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
+        so = (g * n_super + B) * R
+        d0, d1 = vscale(d, so), vscale(d, so + 16)
+        e0, e1, e2, e3 = vbcast(xd[t, B]), vbcast(xd[u1, B]), vbcast(xd[u2, B]), vbcast(xd[u3, B])
+        a = (
+            vfma(vmul(itof(c0[0]), d0), e0, a[0]),
+            vfma(vmul(itof(c0[1]), d1), e0, a[1]),
+            vfma(vmul(itof(c1[0]), d0), e1, a[2]),
+            vfma(vmul(itof(c1[1]), d1), e1, a[3]),
+            vfma(vmul(itof(c2[0]), d0), e2, a[4]),
+            vfma(vmul(itof(c2[1]), d1), e2, a[5]),
+            vfma(vmul(itof(c3[0]), d0), e3, a[6]),
+            vfma(vmul(itof(c3[1]), d1), e3, a[7]),
+        )
+    _store(y, ym, t, g, a[0], a[1])
+    if ng > 1:
+        _store(y, ym, u1, g, a[2], a[3])
+    if ng > 2:
+        _store(y, ym, u2, g, a[4], a[5])
+    if ng > 3:
+        _store(y, ym, u3, g, a[6], a[7])
+
+
 EXPAND_MIN_TOKENS = 16  # a chunk of at least this many tokens runs on its group's values expanded to bytes
 
 
@@ -408,6 +456,16 @@ def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, q
 def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
     if not isinstance(fmt, QFormatType) or not isinstance(expand, types.BooleanLiteral):
         return None
+    if fmt.fmt.lanes and fmt.fmt.n_sub > 1 and not fmt.fmt.kmin:  # every token in ggml's tiled q6_K order
+
+        def impl_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
+            while t < t1:
+                ng = min(4, t1 - t)
+                _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
+                t += ng
+            return True
+
+        return impl_tl
     if fmt.fmt.lanes and fmt.fmt.kmin:  # every token in ggml's repacked q4_K order
 
         def impl_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
@@ -452,7 +510,7 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
     long_chunks = expand and fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
     n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
-    if fmt_get(fmt, "lanes") and not fmt_get(fmt, "kmin"):
+    if fmt_get(fmt, "lanes") and fmt_get(fmt, "n_sub") == 1:
         # kernels/matmul_lanes.py (inlined here: numba's cache key is this file's text, so a change
         # there needs one here): two tokens' f32 block scales, summs and outputs
         n_qx = (2 * (q.shape[1] + 1) + 2) * R * 4

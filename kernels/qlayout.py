@@ -65,10 +65,11 @@ ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_typ
 # llama.cpp's products, ~1.4x the kernel's time for one token on AVX2 (docs/performance.md, "Accuracy")
 # "1" takes all of ggml's orders; a comma list takes some: q4_1 (this matmul order), q5_0 and q8_0
 # (llamafile's tinyBLAS_Q0_AVX order of a batch, kernels/matmul_lanes.py), q4_K (the repacked
-# gemm's order: mins summed apart, kernels/matmul_int._row4_km), flash
+# gemm's order: mins summed apart, kernels/matmul_int._row4_km), q6_K (the tiled matmul's order,
+# _row4_tl), flash
 # (kernels/attention_ggml.py), softmax (the classic path's softmax form, kernels/attention_classic.py)
 _ORDER_ENV = os.environ.get("KVCHAT_GGML_ORDER", "")
-GGML_ORDER_ALL = frozenset(("q4_1", "q5_0", "q8_0", "q4_K", "flash", "softmax"))
+GGML_ORDER_ALL = frozenset(("q4_1", "q5_0", "q8_0", "q4_K", "q6_K", "flash", "softmax"))
 GGML_ORDER_PARTS = GGML_ORDER_ALL if _ORDER_ENV == "1" else GGML_ORDER_ALL & {p.strip() for p in _ORDER_ENV.split(",")}
 GGML_ORDER = "q4_1" in GGML_ORDER_PARTS
 # ggml's kvalues_mxfp4 (the e2m1 values doubled: integers) + 12, so that they are unsigned (<= 24:
@@ -124,7 +125,9 @@ FORMATS = {
     GGMLType.Q3_K: QFormat("q3_K", 16, 16, 4, True, False, ACT_Q8_K, False, False),
     GGMLType.Q4_K: QFormat("q4_K", 32, 8, 0, True, False, ACT_Q8_K, False, True, lanes="q4_K" in GGML_ORDER_PARTS),
     GGMLType.Q5_K: QFormat("q5_K", 32, 8, 0, True, False, ACT_Q8_K, False, True, 1),
-    GGMLType.Q6_K: QFormat("q6_K", 16, 16, 32, True, False, ACT_Q8_K, False, False, 2),
+    GGMLType.Q6_K: QFormat(
+        "q6_K", 16, 16, 32, True, False, ACT_Q8_K, False, False, 2, lanes="q6_K" in GGML_ORDER_PARTS
+    ),
 }
 
 

@@ -26,6 +26,7 @@ from tests.helpers.qref import (
     ggml_q0_q8_0_batch,
     ggml_q4_1_q8_1,
     ggml_q4_K_repacked,
+    ggml_q6_K_tiled,
     int_matmul_reference,
     quantize_act,
 )
@@ -152,19 +153,21 @@ def test_q5_0_and_q8_0_in_tinyblas_order_are_llama_cpps_batch_product_bit_for_bi
     np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_q4_K_in_the_repacked_gemms_order_is_llama_cpps_product_bit_for_bit():
-    """KVCHAT_GGML_ORDER's q4_K (QFormat.lanes with mins: kernels/matmul_int._row4_km) follows
-    the float order of ggml's x86 repacked q4_K gemm (CPU_REPACK, which llama.cpp takes on x86
-    with AVX2 for a Q4_K matrix of 8n rows, one token or many): every output bit-identical to
-    the emulation (tests/helpers/qref.py) on every instruction path, for one token and in a
-    batch, whatever the token chunk, run split or driver (batch invariance)."""
-    t, k, m = GGMLType.Q4_K, 1024, 75
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_k_quants_in_the_batch_order_of_llama_cpp_are_its_product_bit_for_bit(t):
+    """KVCHAT_GGML_ORDER's q4_K and q6_K (QFormat.lanes: kernels/matmul_int._row4_km, _row4_tl)
+    follow the float order llama.cpp takes on x86 for a prompt's batch: the repacked q4_K gemm
+    (CPU_REPACK, 4 tokens and more) and the tiled q6_K matmul (tiled.cpp, 8 tokens and more):
+    every output bit-identical to the emulations (tests/helpers/qref.py) on every instruction
+    path, for one token and in a batch, whatever the token chunk, run split or driver (batch
+    invariance)."""
+    k, m = 1024, 75
     raw = random_raw(t, m, k, seed=15)
     qm = QMatrix(raw, t, k)
     qm.fmt = qm.fmt._replace(lanes=True)
     rng = np.random.default_rng(16)
     x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
-    want = ggml_q4_K_repacked(raw, x)
+    want = ggml_q4_K_repacked(raw, x) if t == GGMLType.Q4_K else ggml_q6_K_tiled(raw, x)
     for isa in ISAS:  # every instruction path
         np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
     for chunk, runs in ((32, 8), (1, 3), (5, 1)):

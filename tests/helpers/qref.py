@@ -202,3 +202,42 @@ def ggml_q4_K_repacked(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
             acc = fma32(ii[:, :, b, sb].astype(np.float32), d_w[None, :, b] * d[:, None, b], acc)
             accm = fma32(mm[:, :, b, sb].astype(np.float32), dmin_w[None, :, b] * d[:, None, b], accm)
     return acc - accm
+
+
+def q6_K_parts(raw: np.ndarray):
+    """Q6_K rows raw u8 [m, nB * 210] -> (d f32 [m, nB], sc i64 [m, nB, 16], signed values i64 [m, nB, 256])."""
+    m = raw.shape[0]
+    blocks = raw.reshape(m, -1, 210)
+    ql = blocks[:, :, 0:128].astype(np.int64).reshape(m, -1, 2, 64)
+    qh = blocks[:, :, 128:192].astype(np.int64).reshape(m, -1, 2, 32)
+    sc = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).astype(np.int64)
+    d = np.ascontiguousarray(blocks[:, :, 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    lo, hi = ql[..., :32], ql[..., 32:]
+    parts = [  # values 0-31, 32-63, 64-95, 96-127 of each half (ggml's dequantize_row_q6_K)
+        (lo & 15) | (((qh >> 0) & 3) << 4),
+        (hi & 15) | (((qh >> 2) & 3) << 4),
+        (lo >> 4) | (((qh >> 4) & 3) << 4),
+        (hi >> 4) | (((qh >> 6) & 3) << 4),
+    ]
+    vals = np.concatenate(parts, axis=-1).reshape(m, -1, 256) - 32
+    return d, sc, vals
+
+
+def ggml_q6_K_tiled(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q6_K rows times x f32 [n, k] as ggml-cpu's tiled K-quant matmul
+    (tiled/tiled-kernel.cpp, VNNI microtile; llama.cpp's x86 path for q6_K and >= 8 tokens)
+    computes each output: x quantized to q8_K; per super-block B the exact integer
+    I = sum_s sc_s * (values_s . q_s) over its 16 sub-blocks; acc = fma(float(I) * d_w, d_x, acc),
+    from +0 in block order (the microtile's buf + result * d_x, which GCC contracts to an fma:
+    this equals llama.cpp's layer-0 ffn_down of Gemma-3 bit for bit, the unfused form does not)."""
+    d_w, sc, vals = q6_K_parts(raw)
+    m, nB = d_w.shape
+    n, k = x.shape
+    q, d, _, _ = quantize_act(x, ACT_Q8_K)
+    qx = q.reshape(n, nB, 16, 16).astype(np.int64)
+    dots = np.einsum("mbsv,nbsv->nmbs", vals.reshape(m, nB, 16, 16), qx)  # [n, m, nB, 16] exact
+    ii = (dots * sc[None]).sum(-1)  # [n, m, nB]
+    acc = np.zeros((n, m), np.float32)
+    for b in range(nB):
+        acc = fma32(ii[:, :, b].astype(np.float32) * d_w[None, :, b], np.broadcast_to(d[:, None, b], acc.shape), acc)
+    return acc
