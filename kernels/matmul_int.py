@@ -406,6 +406,47 @@ def _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
         _store(y, ym, u3, g, a[6], a[7])
 
 
+@njit(cache=True, forceinline=True, _nrt=False)
+def _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+    """One token of _row4_km (q4_K) or _row4_tl (q6_K): the same operations in the same order
+    on _sub_dot's integers (one token's, without _row4's three spare slots), so the same bits."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    z = izero()
+    a0, a1 = vzero(), vzero()
+    b0 = b1 = vbcast(np.float32(-0.0))
+    if fmt_get(fmt, "kmin"):
+        for jp in range(n_sub_all // 2):
+            B = jp * 2 // NS
+            c = (z, z, z, z)
+            for j in range(2 * jp, 2 * jp + 2):
+                base = (g * n_sub_all + j) * sub_bytes
+                for o in range(0, sub_bytes, 64):
+                    prefetch(q, base + PREFETCH_BYTES + o)
+                i0, i1 = _sub_dot(isa, fmt, q, base, x32, t, j * S // 4)
+                c = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, c)
+            a0, a1, b0, b1 = _fold_super_km(d, m, xd, t, B, g, n_super, c, a0, a1, b0, b1)
+        _store(y, ym, t, g, vadd(a0, b0), vadd(a1, b1))
+    else:
+        for B in range(n_super):
+            c = (z, z, z, z)
+            for jj in range(NS):
+                j = B * NS + jj
+                base = (g * n_sub_all + j) * sub_bytes
+                for o in range(0, sub_bytes, 64):
+                    prefetch(q, base + PREFETCH_BYTES + o)
+                i0, i1 = _sub_dot(isa, fmt, q, base, x32, t, j * S // 4)
+                c = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, c)
+            so = (g * n_super + B) * R
+            e = vbcast(xd[t, B])
+            a0 = vfma(vmul(itof(c[0]), vscale(d, so)), e, a0)
+            a1 = vfma(vmul(itof(c[1]), vscale(d, so + 16)), e, a1)
+        _store(y, ym, t, g, a0, a1)
+
+
 EXPAND_MIN_TOKENS = 16  # a chunk of at least this many tokens runs on its group's values expanded to bytes
 
 
@@ -461,7 +502,10 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, 
         def impl_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
             while t < t1:
                 ng = min(4, t1 - t)
-                _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
+                if ng == 1:
+                    _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+                else:
+                    _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
                 t += ng
             return True
 
@@ -471,7 +515,10 @@ def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, 
         def impl_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
             while t < t1:
                 ng = min(4, t1 - t)
-                _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
+                if ng == 1:
+                    _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+                else:
+                    _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
                 t += ng
             return True
 
@@ -512,8 +559,8 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
     if fmt_get(fmt, "lanes") and fmt_get(fmt, "n_sub") == 1:
         # kernels/matmul_lanes.py (inlined here: numba's cache key is this file's text, so a change
-        # there needs one here): two tokens' f32 block scales, summs and outputs
-        n_qx = (2 * (q.shape[1] + 1) + 2) * R * 4
+        # there needs one here): two tokens' f32 block scales, summs, outputs and lane corrections
+        n_qx = ((2 * (q.shape[1] + 1) + 2) * R + 16 * q.shape[1]) * 4
     qx = np.empty(n_qx, np.uint8)
     # a chunk of a few tokens (a verify batch) streams each group's weights once: prefetch them;
     # a prompt's chunk re-reads them from cache for every four tokens (hints cost pp512 ~3 %)

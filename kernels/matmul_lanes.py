@@ -120,46 +120,122 @@ def bcast_dot_f(typingctx, isa, w, x):
     return f32vec(isa, w, x), codegen
 
 
-def _lane_dot(off: int, signed_w: bool):
-    """bcast_dot_f for weights stored with an offset (q5_0's value + 16, off = 16) or as signed
-    bytes (q8_0): the 16 rows' exact float(sum of (w - off) * x) over the 4 values. The correction
-    off * (sum of the 4 activation bytes), plus 128 * that sum where the path flips signed
-    weights to unsigned (VNNI, simd_int.s8_bias), starts the accumulator below the bits of
-    2^23 + 2^22, so the lanes read as floats are 2^23 + 2^22 + dot exactly (|dot| + the
-    corrections < 2^18) and one exact subtraction leaves float(dot), as in bcast_dot_f."""
+def _lane_dot_k(signed_w: bool):
+    """bcast_dot_f with the float subtracted per call: kf = 2^23 + 2^22 + the lane's correction
+    (_lane_k), for weights stored with an offset (q5_0's value + 16) or as signed bytes (q8_0,
+    flipped to unsigned on VNNI: simd_int.s8_bias). The dot accumulates onto the bits of
+    2^23 + 2^22, so the lanes read as floats are 2^23 + 2^22 + (unsigned dot) exactly, kf is an
+    integer below 2^24 (exact), and one subtraction of two such floats leaves the exact
+    float(signed dot)."""
 
     @intrinsic
-    def dot(typingctx, isa, w, x):
-        if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer)):
+    def dot(typingctx, isa, w, x, kf):
+        if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer) and kf == types.float32):
             return None
         gen = _dot_codegen(isa.isa, signed_w)
-        bias = off + (128 if signed_w and isa.isa in ("vnni512", "vnni256") else 0)
 
         def codegen(context, builder, sig, args):
             vi = ir.VectorType(_I32, 16)
+            vf = ir.VectorType(_F32, 16)
             x32 = context.cast(builder, args[2], sig.args[2], types.int32)
             xv = builder.insert_element(ir.Constant(vi, ir.Undefined), x32, ir.Constant(_I32, 0))
             xv = builder.shuffle_vector(xv, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
-            init = ir.Constant(vi, [_MAGIC] * 16)
-            if bias:
-                xb = builder.sext(builder.bitcast(x32, ir.VectorType(_I8, 4)), ir.VectorType(_I32, 4))
-                s4 = builder.extract_element(xb, ir.Constant(_I32, 0))
-                for i in range(1, 4):
-                    s4 = builder.add(s4, builder.extract_element(xb, ir.Constant(_I32, i)))
-                c = builder.sub(ir.Constant(_I32, _MAGIC), builder.mul(s4, ir.Constant(_I32, bias)))
-                init = builder.insert_element(ir.Constant(vi, ir.Undefined), c, ir.Constant(_I32, 0))
-                init = builder.shuffle_vector(init, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
-            r = gen(builder, init, args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
-            vf = ir.VectorType(_F32, 16)
-            return builder.fsub(builder.bitcast(r, vf), ir.Constant(vf, [float(2**23 + 2**22)] * 16))
+            r = gen(builder, ir.Constant(vi, [_MAGIC] * 16), args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
+            k = builder.insert_element(ir.Constant(vf, ir.Undefined), args[3], ir.Constant(_I32, 0))
+            k = builder.shuffle_vector(k, ir.Constant(vf, ir.Undefined), _lanes(16, [0] * 16))
+            return builder.fsub(builder.bitcast(r, vf), k)
 
-        return f32vec(isa, w, x), codegen
+        return f32vec(isa, w, x, kf), codegen
 
     return dot
 
 
-bcast_dot_q5_0 = _lane_dot(16, False)  # q5_0: values stored + 16 (nibble | bit-plane bit)
-bcast_dot_q8_0 = _lane_dot(0, True)  # q8_0: signed bytes
+def _lane_k(off: int, signed_w: bool):
+    """16 lanes' kf for _lane_dot_k from 16 activation words (two 32-blocks' 8 lanes each) of the
+    int32 array a at flat index i: 2^23 + 2^22 + bias * (sum of the word's 4 signed bytes), bias =
+    off, plus 128 where the path flips signed weights (VNNI). The byte sums by one integer dot
+    with 1s, exact; the float steps exact (integers < 2^24)."""
+
+    @intrinsic
+    def kvec(typingctx, isa, a, i):
+        if not (isinstance(isa, IsaType) and isinstance(a, types.Array) and a.dtype == types.int32):
+            return None
+        gen = _dot_codegen(isa.isa, False)
+        bias = off + (128 if signed_w and isa.isa in ("vnni512", "vnni256") else 0)
+
+        def codegen(context, builder, sig, args):
+            vi = ir.VectorType(_I32, 16)
+            vf = ir.VectorType(_F32, 16)
+            xv = builder.load(_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], vi), align=1)
+            ones = ir.Constant(ir.VectorType(_I8, 64), [1] * 64)
+            sums = gen(builder, ir.Constant(vi, None), ones, builder.bitcast(xv, ir.VectorType(_I8, 64)))
+            f = builder.sitofp(builder.mul(sums, ir.Constant(vi, [bias] * 16)), vf)
+            return builder.fadd(f, ir.Constant(vf, [float(2**23 + 2**22)] * 16))
+
+        return f32vec(isa, a, i), codegen
+
+    @intrinsic
+    def kbias(typingctx, isa):
+        if not isinstance(isa, IsaType):
+            return None
+        bias = off + (128 if signed_w and isa.isa in ("vnni512", "vnni256") else 0)
+
+        def codegen(context, builder, sig, args):
+            return ir.Constant(_I32, bias)
+
+        return types.int32(isa), codegen
+
+    return kvec, kbias
+
+
+bcast_dot_q5_0 = _lane_dot_k(False)  # q5_0: values stored + 16 (nibble | bit-plane bit)
+bcast_dot_q8_0 = _lane_dot_k(True)  # q8_0: signed bytes
+kvec_q5_0, kbias_q5_0 = _lane_k(16, False)
+kvec_q8_0, kbias_q8_0 = _lane_k(0, True)
+
+
+@njit(cache=True, inline="always")
+def _bcast_dot_q4_1(isa, w, x, kf):
+    """bcast_dot_f with _lane_dot_k's signature (q4_1 needs no correction: kf unused)."""
+    return bcast_dot_f(isa, w, x)
+
+
+@njit(cache=True, inline="always")
+def _k_q5_0(isa, x32, tt, nb, sc_, ko):
+    """Token tt's kf of every lane of every block (nb * 8) into sc_[ko ..] (q5_0)."""
+    n4 = x32.shape[1]
+    for b in range(0, nb - 1, 2):
+        vstore(sc_, ko + b * 8, kvec_q5_0(isa, x32, tt * n4 + b * 8))
+    if nb % 2:  # the last block alone: no 16-word load past the row
+        bias = kbias_q5_0(isa)
+        for j in range((nb - 1) * 8, nb * 8):
+            v = np.int64(x32[tt, j])
+            s4 = 0
+            for i in range(4):
+                s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
+            sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+
+
+@njit(cache=True, inline="always")
+def _k_q8_0(isa, x32, tt, nb, sc_, ko):
+    """_k_q5_0 for q8_0."""
+    n4 = x32.shape[1]
+    for b in range(0, nb - 1, 2):
+        vstore(sc_, ko + b * 8, kvec_q8_0(isa, x32, tt * n4 + b * 8))
+    if nb % 2:
+        bias = kbias_q8_0(isa)
+        for j in range((nb - 1) * 8, nb * 8):
+            v = np.int64(x32[tt, j])
+            s4 = 0
+            for i in range(4):
+                s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
+            sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+
+
+@njit(cache=True, inline="always")
+def _k_none(isa, x32, tt, nb, sc_, ko):
+    """q4_1: no corrections."""
+    return
 
 
 @njit(cache=True, inline="always")
@@ -229,21 +305,25 @@ def lanes_impl(fmt: QFormat):
     # q8_0's 8 steps x 32 rows x 4 bytes
     sub_bytes = 32 * R // 2 + 4 * fmt.planes * 32 if fmt.nib else 32 * R
     if fmt.name == "q4_1":
-        pair, dotf = _pair_q4_1, bcast_dot_f
+        pair, dotf, kfill = _pair_q4_1, _bcast_dot_q4_1, _k_none
     elif fmt.name == "q5_0":
-        pair, dotf = _pair_q5_0, bcast_dot_q5_0
+        pair, dotf, kfill = _pair_q5_0, bcast_dot_q5_0, _k_q5_0
     else:
-        pair, dotf = _pair_q8_0, bcast_dot_q8_0
+        pair, dotf, kfill = _pair_q8_0, bcast_dot_q8_0, _k_q8_0
 
     def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):  # runs whatever expand says
         nb = xd.shape[1]
         n_rows = y.shape[1]
         sc_ = qx.view(np.float32)  # per block the 32 rows' d_w * d_x, then the 32 summs (_run_items sizes it)
         o2 = (nb + 1) * R  # the second token's scales; its outputs after them
+        ko = 2 * o2 + 2 * R  # the two tokens' lane corrections kf (q5_0, q8_0: nb * 8 each)
+        kb = ko + nb * 8
         tt = t
         while tt + 2 <= t1:  # two tokens share each 16 rows' nibble loads, 16 rows at a time
             _lane_scales(d, m, xd, xm, tt, g, nb, lmin, sc_, 0)
             _lane_scales(d, m, xd, xm, tt + 1, g, nb, lmin, sc_, o2)
+            kfill(isa, x32, tt, nb, sc_, ko)
+            kfill(isa, x32, tt + 1, nb, sc_, kb)
             for hh in range(2):
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()  # token tt, lane l of rows 16hh ..
                 b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()  # token tt + 1
@@ -253,25 +333,25 @@ def lanes_impl(fmt: QFormat):
                     base = (g * nb + b) * sub_bytes
                     xo = b * 8
                     lo, hi = pair(q, base, 0, hh)
-                    a0 = vfma(ea, dotf(isa, lo, x32[tt, xo]), a0)
-                    a4 = vfma(ea, dotf(isa, hi, x32[tt, xo + 4]), a4)
-                    b0 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo]), b0)
-                    b4 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 4]), b4)
+                    a0 = vfma(ea, dotf(isa, lo, x32[tt, xo], sc_[ko + xo]), a0)
+                    a4 = vfma(ea, dotf(isa, hi, x32[tt, xo + 4], sc_[ko + xo + 4]), a4)
+                    b0 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo], sc_[kb + xo]), b0)
+                    b4 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 4], sc_[kb + xo + 4]), b4)
                     lo, hi = pair(q, base, 1, hh)
-                    a1 = vfma(ea, dotf(isa, lo, x32[tt, xo + 1]), a1)
-                    a5 = vfma(ea, dotf(isa, hi, x32[tt, xo + 5]), a5)
-                    b1 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 1]), b1)
-                    b5 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 5]), b5)
+                    a1 = vfma(ea, dotf(isa, lo, x32[tt, xo + 1], sc_[ko + xo + 1]), a1)
+                    a5 = vfma(ea, dotf(isa, hi, x32[tt, xo + 5], sc_[ko + xo + 5]), a5)
+                    b1 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 1], sc_[kb + xo + 1]), b1)
+                    b5 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 5], sc_[kb + xo + 5]), b5)
                     lo, hi = pair(q, base, 2, hh)
-                    a2 = vfma(ea, dotf(isa, lo, x32[tt, xo + 2]), a2)
-                    a6 = vfma(ea, dotf(isa, hi, x32[tt, xo + 6]), a6)
-                    b2 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 2]), b2)
-                    b6 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 6]), b6)
+                    a2 = vfma(ea, dotf(isa, lo, x32[tt, xo + 2], sc_[ko + xo + 2]), a2)
+                    a6 = vfma(ea, dotf(isa, hi, x32[tt, xo + 6], sc_[ko + xo + 6]), a6)
+                    b2 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 2], sc_[kb + xo + 2]), b2)
+                    b6 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 6], sc_[kb + xo + 6]), b6)
                     lo, hi = pair(q, base, 3, hh)
-                    a3 = vfma(ea, dotf(isa, lo, x32[tt, xo + 3]), a3)
-                    a7 = vfma(ea, dotf(isa, hi, x32[tt, xo + 7]), a7)
-                    b3 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 3]), b3)
-                    b7 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 7]), b7)
+                    a3 = vfma(ea, dotf(isa, lo, x32[tt, xo + 3], sc_[ko + xo + 3]), a3)
+                    a7 = vfma(ea, dotf(isa, hi, x32[tt, xo + 7], sc_[ko + xo + 7]), a7)
+                    b3 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 3], sc_[kb + xo + 3]), b3)
+                    b7 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 7], sc_[kb + xo + 7]), b7)
                 ra = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7)
                 rb = _hsum8(b0, b1, b2, b3, b4, b5, b6, b7)
                 if lmin:  # + summs (q4_1); ggml's q8_0-type dots end at the tree
@@ -295,6 +375,7 @@ def lanes_impl(fmt: QFormat):
                     s1 = vfma(vload(m, so + 16), sx, s1)
             vstore(sc_, nb * R, s0)
             vstore(sc_, nb * R + 16, s1)
+            kfill(isa, x32, tt, nb, sc_, ko)
             # lane l of rows 0-15 in a0l, of rows 16-31 in a1l: per step s one 64-byte load of 16
             # rows' packed bytes gives lanes s (low nibbles) and 4 + s (high) of all 16
             a00 = a01 = a02 = a03 = a04 = a05 = a06 = a07 = vzero()
@@ -307,29 +388,29 @@ def lanes_impl(fmt: QFormat):
                 x0, x1, x2, x3 = x32[tt, xo], x32[tt, xo + 1], x32[tt, xo + 2], x32[tt, xo + 3]
                 x4, x5, x6, x7 = x32[tt, xo + 4], x32[tt, xo + 5], x32[tt, xo + 6], x32[tt, xo + 7]
                 lo, hi = pair(q, base, 0, 0)
-                a00 = vfma(e0, dotf(isa, lo, x0), a00)
-                a04 = vfma(e0, dotf(isa, hi, x4), a04)
+                a00 = vfma(e0, dotf(isa, lo, x0, sc_[ko + xo + 0]), a00)
+                a04 = vfma(e0, dotf(isa, hi, x4, sc_[ko + xo + 4]), a04)
                 lo, hi = pair(q, base, 0, 1)
-                a10 = vfma(e1, dotf(isa, lo, x0), a10)
-                a14 = vfma(e1, dotf(isa, hi, x4), a14)
+                a10 = vfma(e1, dotf(isa, lo, x0, sc_[ko + xo + 0]), a10)
+                a14 = vfma(e1, dotf(isa, hi, x4, sc_[ko + xo + 4]), a14)
                 lo, hi = pair(q, base, 1, 0)
-                a01 = vfma(e0, dotf(isa, lo, x1), a01)
-                a05 = vfma(e0, dotf(isa, hi, x5), a05)
+                a01 = vfma(e0, dotf(isa, lo, x1, sc_[ko + xo + 1]), a01)
+                a05 = vfma(e0, dotf(isa, hi, x5, sc_[ko + xo + 5]), a05)
                 lo, hi = pair(q, base, 1, 1)
-                a11 = vfma(e1, dotf(isa, lo, x1), a11)
-                a15 = vfma(e1, dotf(isa, hi, x5), a15)
+                a11 = vfma(e1, dotf(isa, lo, x1, sc_[ko + xo + 1]), a11)
+                a15 = vfma(e1, dotf(isa, hi, x5, sc_[ko + xo + 5]), a15)
                 lo, hi = pair(q, base, 2, 0)
-                a02 = vfma(e0, dotf(isa, lo, x2), a02)
-                a06 = vfma(e0, dotf(isa, hi, x6), a06)
+                a02 = vfma(e0, dotf(isa, lo, x2, sc_[ko + xo + 2]), a02)
+                a06 = vfma(e0, dotf(isa, hi, x6, sc_[ko + xo + 6]), a06)
                 lo, hi = pair(q, base, 2, 1)
-                a12 = vfma(e1, dotf(isa, lo, x2), a12)
-                a16 = vfma(e1, dotf(isa, hi, x6), a16)
+                a12 = vfma(e1, dotf(isa, lo, x2, sc_[ko + xo + 2]), a12)
+                a16 = vfma(e1, dotf(isa, hi, x6, sc_[ko + xo + 6]), a16)
                 lo, hi = pair(q, base, 3, 0)
-                a03 = vfma(e0, dotf(isa, lo, x3), a03)
-                a07 = vfma(e0, dotf(isa, hi, x7), a07)
+                a03 = vfma(e0, dotf(isa, lo, x3, sc_[ko + xo + 3]), a03)
+                a07 = vfma(e0, dotf(isa, hi, x7, sc_[ko + xo + 7]), a07)
                 lo, hi = pair(q, base, 3, 1)
-                a13 = vfma(e1, dotf(isa, lo, x3), a13)
-                a17 = vfma(e1, dotf(isa, hi, x7), a17)
+                a13 = vfma(e1, dotf(isa, lo, x3, sc_[ko + xo + 3]), a13)
+                a17 = vfma(e1, dotf(isa, hi, x7, sc_[ko + xo + 7]), a17)
             # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs (q4_1)
             r0 = vadd(vadd(a00, a04), vadd(a02, a06))
             r0 = vadd(r0, vadd(vadd(a01, a05), vadd(a03, a07)))
