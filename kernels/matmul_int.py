@@ -36,7 +36,7 @@ from kvchat.kernels.matmul_lanes import lanes_impl
 from kvchat.kernels.parallel import QUANT_ACT_PAR_MIN_ROWS
 from kvchat.kernels.qlayout import ACT_Q8_K, QFormatType, R
 from kvchat.kernels.quant_act import quantize_row_q8  # NaN-keeping block scales (#24): inlined here
-from kvchat.kernels.simd import vbcast, vfma, vload, vmul, vscale, vstore, vzero
+from kvchat.kernels.simd import vadd, vbcast, vfma, vload, vmul, vscale, vstore, vzero
 from kvchat.kernels.simd_int import (
     bhi,
     blo,
@@ -300,6 +300,153 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng, pf):
         _store(y, ym, u3, g, a[6], a[7])
 
 
+@njit(cache=True, forceinline=True, _nrt=False)
+def _fold_super_km(d, m, xd, t, B, g, n_super, acc, a0, a1, b0, b1):
+    """_fold_super for a K-quant with mins in ggml's repacked gemm order (QFormat.lanes: q4_K,
+    ggml_gemm_q4_K_8x8_q8_K): the scales' terms of a sub-block pair of super-block B into
+    (a0, a1), the mins' into their own (b0, b1)."""
+    I0, I1, M0, M1 = acc
+    so = (g * n_super + B) * R
+    dx = vbcast(xd[t, B])
+    a0 = vfma(vmul(vscale(d, so), dx), itof(I0), a0)
+    a1 = vfma(vmul(vscale(d, so + 16), dx), itof(I1), a1)
+    b0 = vfma(vmul(vload(m, so), dx), itof(M0), b0)
+    b1 = vfma(vmul(vload(m, so + 16), dx), itof(M1), b1)
+    return a0, a1, b0, b1
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
+    """_row4 (ng 1-4 tokens) in the float order of ggml's repacked q4_K gemm (x86
+    arch/x86/repack.cpp ggml_gemm_q4_K_8x8_q8_K, which llama.cpp runs for 4 tokens and more: a
+    prompt's batch; its one-token gemv steps per super-block instead): per pair of sub-blocks
+    (64 values) acc = fma(float(I), d_w * d_x, acc) and, apart, acc_min = fma(float(M),
+    dmin_w * d_x, acc_min), I and M the pair's exact integers; the output acc - acc_min. m holds
+    -dmin, so the second sum is -acc_min exactly (from -0) and the output is acc + it."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
+    z = izero()
+    f = vzero()
+    nz = vbcast(np.float32(-0.0))
+    a = (f, f, f, f, f, f, f, f)
+    c = (nz, nz, nz, nz, nz, nz, nz, nz)
+    for jp in range(n_sub_all // 2):  # a pair of sub-blocks (64 values) per float step
+        B = jp * 2 // NS
+        c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
+        for j in range(2 * jp, 2 * jp + 2):
+            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
+            c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
+        a0, a1, b0, b1 = _fold_super_km(d, m, xd, t, B, g, n_super, c0, a[0], a[1], c[0], c[1])
+        a2, a3, b2, b3 = _fold_super_km(d, m, xd, u1, B, g, n_super, c1, a[2], a[3], c[2], c[3])
+        a4, a5, b4, b5 = _fold_super_km(d, m, xd, u2, B, g, n_super, c2, a[4], a[5], c[4], c[5])
+        a6, a7, b6, b7 = _fold_super_km(d, m, xd, u3, B, g, n_super, c3, a[6], a[7], c[6], c[7])
+        a = (a0, a1, a2, a3, a4, a5, a6, a7)
+        c = (b0, b1, b2, b3, b4, b5, b6, b7)
+    _store(y, ym, t, g, vadd(a[0], c[0]), vadd(a[1], c[1]))
+    if ng > 1:
+        _store(y, ym, u1, g, vadd(a[2], c[2]), vadd(a[3], c[3]))
+    if ng > 2:
+        _store(y, ym, u2, g, vadd(a[4], c[4]), vadd(a[5], c[5]))
+    if ng > 3:
+        _store(y, ym, u3, g, vadd(a[6], c[6]), vadd(a[7], c[7]))
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
+    """_row4 (ng 1-4 tokens) in the float order of ggml-cpu's tiled K-quant matmul without mins
+    (tiled/tiled-kernel.cpp's VNNI microtile, which llama.cpp takes for a q6_K matrix and 8 tokens
+    or more): per super-block the exact integer I of _row4, then
+    acc = fma(float(I) * d_w, d_x, acc) from +0 in block order (the microtile's
+    buf + (float(I) * d) * d_x, its multiply and add contracted to one fma by the compiler: the
+    build llama.cpp's x86 binaries are made with)."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
+    z = izero()
+    f = vzero()
+    a = (f, f, f, f, f, f, f, f)
+    for B in range(n_super):
+        c0, c1, c2, c3 = (z, z, z, z), (z, z, z, z), (z, z, z, z), (z, z, z, z)
+        for jj in range(NS):
+            j = B * NS + jj
+            p = _sub_dot4(isa, fmt, q, (g * n_sub_all + j) * sub_bytes, x32, t, u1, u2, u3, j * S // 4)
+            c0 = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, p[0], p[1], c0)
+            c1 = _fold_sub(isa, fmt, sc, mn, xs, u1, j, g, n_sub_all, p[2], p[3], c1)
+            c2 = _fold_sub(isa, fmt, sc, mn, xs, u2, j, g, n_sub_all, p[4], p[5], c2)
+            c3 = _fold_sub(isa, fmt, sc, mn, xs, u3, j, g, n_sub_all, p[6], p[7], c3)
+        so = (g * n_super + B) * R
+        d0, d1 = vscale(d, so), vscale(d, so + 16)
+        e0, e1, e2, e3 = vbcast(xd[t, B]), vbcast(xd[u1, B]), vbcast(xd[u2, B]), vbcast(xd[u3, B])
+        a = (
+            vfma(vmul(itof(c0[0]), d0), e0, a[0]),
+            vfma(vmul(itof(c0[1]), d1), e0, a[1]),
+            vfma(vmul(itof(c1[0]), d0), e1, a[2]),
+            vfma(vmul(itof(c1[1]), d1), e1, a[3]),
+            vfma(vmul(itof(c2[0]), d0), e2, a[4]),
+            vfma(vmul(itof(c2[1]), d1), e2, a[5]),
+            vfma(vmul(itof(c3[0]), d0), e3, a[6]),
+            vfma(vmul(itof(c3[1]), d1), e3, a[7]),
+        )
+    _store(y, ym, t, g, a[0], a[1])
+    if ng > 1:
+        _store(y, ym, u1, g, a[2], a[3])
+    if ng > 2:
+        _store(y, ym, u2, g, a[4], a[5])
+    if ng > 3:
+        _store(y, ym, u3, g, a[6], a[7])
+
+
+@njit(cache=True, forceinline=True, _nrt=False)
+def _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
+    """One token of _row4_km (q4_K) or _row4_tl (q6_K): the same operations in the same order
+    on _sub_dot's integers (one token's, without _row4's three spare slots), so the same bits."""
+    S = fmt_get(fmt, "sub")
+    NS = fmt_get(fmt, "n_sub")
+    n_sub_all = xs.shape[1] * 16 // S
+    n_super = n_sub_all // NS
+    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    z = izero()
+    a0, a1 = vzero(), vzero()
+    b0 = b1 = vbcast(np.float32(-0.0))
+    if fmt_get(fmt, "kmin"):
+        for jp in range(n_sub_all // 2):
+            B = jp * 2 // NS
+            c = (z, z, z, z)
+            for j in range(2 * jp, 2 * jp + 2):
+                base = (g * n_sub_all + j) * sub_bytes
+                for o in range(0, sub_bytes, 64):
+                    prefetch(q, base + PREFETCH_BYTES + o)
+                i0, i1 = _sub_dot(isa, fmt, q, base, x32, t, j * S // 4)
+                c = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, c)
+            a0, a1, b0, b1 = _fold_super_km(d, m, xd, t, B, g, n_super, c, a0, a1, b0, b1)
+        _store(y, ym, t, g, vadd(a0, b0), vadd(a1, b1))
+    else:
+        for B in range(n_super):
+            c = (z, z, z, z)
+            for jj in range(NS):
+                j = B * NS + jj
+                base = (g * n_sub_all + j) * sub_bytes
+                for o in range(0, sub_bytes, 64):
+                    prefetch(q, base + PREFETCH_BYTES + o)
+                i0, i1 = _sub_dot(isa, fmt, q, base, x32, t, j * S // 4)
+                c = _fold_sub(isa, fmt, sc, mn, xs, t, j, g, n_sub_all, i0, i1, c)
+            so = (g * n_super + B) * R
+            e = vbcast(xd[t, B])
+            a0 = vfma(vmul(itof(c[0]), vscale(d, so)), e, a0)
+            a1 = vfma(vmul(itof(c[1]), vscale(d, so + 16)), e, a1)
+        _store(y, ym, t, g, a0, a1)
+
+
 EXPAND_MIN_TOKENS = 16  # a chunk of at least this many tokens runs on its group's values expanded to bytes
 
 
@@ -350,7 +497,33 @@ def _run_expanded(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, q
 def _run_expanded_impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
     if not isinstance(fmt, QFormatType) or not isinstance(expand, types.BooleanLiteral):
         return None
-    if fmt.fmt.lanes:  # every token in ggml's lane order (q4_1)
+    if fmt.fmt.lanes and fmt.fmt.n_sub > 1 and not fmt.fmt.kmin:  # every token in ggml's tiled q6_K order
+
+        def impl_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
+            while t < t1:
+                ng = min(4, t1 - t)
+                if ng == 1:
+                    _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+                else:
+                    _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
+                t += ng
+            return True
+
+        return impl_tl
+    if fmt.fmt.lanes and fmt.fmt.kmin:  # every token in ggml's repacked q4_K order
+
+        def impl_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):
+            while t < t1:
+                ng = min(4, t1 - t)
+                if ng == 1:
+                    _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym)
+                else:
+                    _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng)
+                t += ng
+            return True
+
+        return impl_km
+    if fmt.fmt.lanes:  # every token in ggml's lane order (q4_1, q5_0, q8_0: kernels/matmul_lanes.py)
         return lanes_impl(fmt.fmt)
     if fmt.fmt.planes == 0 or not expand.literal_value:  # nothing compiled: a second _row/_row4 per format
         return lambda isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand: False
@@ -384,10 +557,10 @@ def _run_items(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, y, token_chunk, i0, i
     ym = np.empty(R, np.float32)  # the last group's 32 sums before the partial store
     long_chunks = expand and fmt_get(fmt, "planes") > 0 and min(n, token_chunk) >= EXPAND_MIN_TOKENS
     n_qx = q.shape[1] * fmt_get(fmt, "sub") * R if long_chunks else 0  # one group's bytes
-    if fmt_get(fmt, "lanes"):
+    if fmt_get(fmt, "lanes") and fmt_get(fmt, "n_sub") == 1:
         # kernels/matmul_lanes.py (inlined here: numba's cache key is this file's text, so a change
-        # there needs one here): two tokens' f32 block scales, summs and outputs
-        n_qx = (2 * (q.shape[1] + 1) + 2) * R * 4
+        # there needs one here): two tokens' f32 block scales, summs, outputs and lane corrections
+        n_qx = ((2 * (q.shape[1] + 1) + 2) * R + 16 * q.shape[1]) * 4
     qx = np.empty(n_qx, np.uint8)
     # a chunk of a few tokens (a verify batch) streams each group's weights once: prefetch them;
     # a prompt's chunk re-reads them from cache for every four tokens (hints cost pp512 ~3 %)

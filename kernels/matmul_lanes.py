@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from kvchat.kernels.qlayout import QFormat, R
 from kvchat.kernels.simd import f32vec, vadd, vbcast, vfma, vload, vmul, vstore, vzero
-from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, i32x16
+from kvchat.kernels.simd_int import IsaType, _dot_codegen, _ptr, b64, bhi, blo, bload, bplane, i32x16
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _F32 = ir.FloatType()
@@ -120,6 +120,146 @@ def bcast_dot_f(typingctx, isa, w, x):
     return f32vec(isa, w, x), codegen
 
 
+def _lane_dot_k(signed_w: bool):
+    """bcast_dot_f with the float subtracted per call: kf = 2^23 + 2^22 + the lane's correction
+    (_lane_k), for weights stored with an offset (q5_0's value + 16) or as signed bytes (q8_0,
+    flipped to unsigned on VNNI: simd_int.s8_bias). The dot accumulates onto the bits of
+    2^23 + 2^22, so the lanes read as floats are 2^23 + 2^22 + (unsigned dot) exactly, kf is an
+    integer below 2^24 (exact), and one subtraction of two such floats leaves the exact
+    float(signed dot)."""
+
+    @intrinsic
+    def dot(typingctx, isa, w, x, kf):
+        if not (isinstance(isa, IsaType) and w == b64 and isinstance(x, types.Integer) and kf == types.float32):
+            return None
+        gen = _dot_codegen(isa.isa, signed_w)
+
+        def codegen(context, builder, sig, args):
+            vi = ir.VectorType(_I32, 16)
+            vf = ir.VectorType(_F32, 16)
+            x32 = context.cast(builder, args[2], sig.args[2], types.int32)
+            xv = builder.insert_element(ir.Constant(vi, ir.Undefined), x32, ir.Constant(_I32, 0))
+            xv = builder.shuffle_vector(xv, ir.Constant(vi, ir.Undefined), _lanes(16, [0] * 16))
+            r = gen(builder, ir.Constant(vi, [_MAGIC] * 16), args[1], builder.bitcast(xv, ir.VectorType(_I8, 64)))
+            k = builder.insert_element(ir.Constant(vf, ir.Undefined), args[3], ir.Constant(_I32, 0))
+            k = builder.shuffle_vector(k, ir.Constant(vf, ir.Undefined), _lanes(16, [0] * 16))
+            return builder.fsub(builder.bitcast(r, vf), k)
+
+        return f32vec(isa, w, x, kf), codegen
+
+    return dot
+
+
+def _lane_k(off: int, signed_w: bool):
+    """16 lanes' kf for _lane_dot_k from 16 activation words (two 32-blocks' 8 lanes each) of the
+    int32 array a at flat index i: 2^23 + 2^22 + bias * (sum of the word's 4 signed bytes), bias =
+    off, plus 128 where the path flips signed weights (VNNI). The byte sums by one integer dot
+    with 1s, exact; the float steps exact (integers < 2^24)."""
+
+    @intrinsic
+    def kvec(typingctx, isa, a, i):
+        if not (isinstance(isa, IsaType) and isinstance(a, types.Array) and a.dtype == types.int32):
+            return None
+        gen = _dot_codegen(isa.isa, False)
+        bias = off + (128 if signed_w and isa.isa in ("vnni512", "vnni256") else 0)
+
+        def codegen(context, builder, sig, args):
+            vi = ir.VectorType(_I32, 16)
+            vf = ir.VectorType(_F32, 16)
+            xv = builder.load(_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2], vi), align=1)
+            ones = ir.Constant(ir.VectorType(_I8, 64), [1] * 64)
+            sums = gen(builder, ir.Constant(vi, None), ones, builder.bitcast(xv, ir.VectorType(_I8, 64)))
+            f = builder.sitofp(builder.mul(sums, ir.Constant(vi, [bias] * 16)), vf)
+            return builder.fadd(f, ir.Constant(vf, [float(2**23 + 2**22)] * 16))
+
+        return f32vec(isa, a, i), codegen
+
+    @intrinsic
+    def kbias(typingctx, isa):
+        if not isinstance(isa, IsaType):
+            return None
+        bias = off + (128 if signed_w and isa.isa in ("vnni512", "vnni256") else 0)
+
+        def codegen(context, builder, sig, args):
+            return ir.Constant(_I32, bias)
+
+        return types.int32(isa), codegen
+
+    return kvec, kbias
+
+
+bcast_dot_q5_0 = _lane_dot_k(False)  # q5_0: values stored + 16 (nibble | bit-plane bit)
+bcast_dot_q8_0 = _lane_dot_k(True)  # q8_0: signed bytes
+kvec_q5_0, kbias_q5_0 = _lane_k(16, False)
+kvec_q8_0, kbias_q8_0 = _lane_k(0, True)
+
+
+@njit(cache=True, inline="always")
+def _bcast_dot_q4_1(isa, w, x, kf):
+    """bcast_dot_f with _lane_dot_k's signature (q4_1 needs no correction: kf unused)."""
+    return bcast_dot_f(isa, w, x)
+
+
+@njit(cache=True, inline="always")
+def _k_q5_0(isa, x32, tt, nb, sc_, ko):
+    """Token tt's kf of every lane of every block (nb * 8) into sc_[ko ..] (q5_0)."""
+    n4 = x32.shape[1]
+    for b in range(0, nb - 1, 2):
+        vstore(sc_, ko + b * 8, kvec_q5_0(isa, x32, tt * n4 + b * 8))
+    if nb % 2:  # the last block alone: no 16-word load past the row
+        bias = kbias_q5_0(isa)
+        for j in range((nb - 1) * 8, nb * 8):
+            v = np.int64(x32[tt, j])
+            s4 = 0
+            for i in range(4):
+                s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
+            sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+
+
+@njit(cache=True, inline="always")
+def _k_q8_0(isa, x32, tt, nb, sc_, ko):
+    """_k_q5_0 for q8_0."""
+    n4 = x32.shape[1]
+    for b in range(0, nb - 1, 2):
+        vstore(sc_, ko + b * 8, kvec_q8_0(isa, x32, tt * n4 + b * 8))
+    if nb % 2:
+        bias = kbias_q8_0(isa)
+        for j in range((nb - 1) * 8, nb * 8):
+            v = np.int64(x32[tt, j])
+            s4 = 0
+            for i in range(4):
+                s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
+            sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+
+
+@njit(cache=True, inline="always")
+def _k_none(isa, x32, tt, nb, sc_, ko):
+    """q4_1: no corrections."""
+    return
+
+
+@njit(cache=True, inline="always")
+def _pair_q4_1(q, base, s, hh):
+    """Lanes s and 4 + s of rows 16 hh .. 16 hh + 15 of the nibble sub-block at byte base."""
+    o = base + s * 128 + 64 * hh
+    return nib64_lo(q, o), nib64_hi(q, o)
+
+
+@njit(cache=True, inline="always")
+def _pair_q5_0(q, base, s, hh):
+    """_pair_q4_1 for a 5-bit sub-block: the nibbles with the bit plane's fifth bits ORed in
+    (words low 0-15, low 16-31, high 0-15, high 16-31 of step s after the 512 nibble bytes)."""
+    v = bload(q, base + s * 128 + 64 * hh)
+    pb = base + 16 * R + s * 32 + 8 * hh
+    return bplane(blo(v), q, pb, 16), bplane(bhi(v), q, pb + 16, 16)
+
+
+@njit(cache=True, inline="always")
+def _pair_q8_0(q, base, s, hh):
+    """Lanes s and 4 + s of rows 16 hh .. of a byte sub-block ([8 steps, 32 rows, 4 bytes])."""
+    return bload(q, base + s * 128 + 64 * hh), bload(q, base + (4 + s) * 128 + 64 * hh)
+
+
 @njit(cache=True, inline="always")
 def _lane_scales(d, m, xd, xm, tt, g, nb, lmin, sc_, o):
     """Token tt's block scales d_w * d_x of the group's 32 rows into sc_[o + 32 b ..], then the
@@ -159,49 +299,64 @@ def _lane_store(y, src, o, tt, g):
 def lanes_impl(fmt: QFormat):
     """The implementation of _run_expanded (kernels/matmul_int.py) for a lane-order format: runs
     tokens t .. t1 - 1 of row group g and returns True."""
-    assert fmt.lanes and fmt.nib and fmt.sub == 32 and fmt.n_sub == 1 and fmt.planes == 0 and fmt.offset == 0
+    assert fmt.lanes and fmt.sub == 32 and fmt.n_sub == 1 and fmt.name in ("q4_1", "q5_0", "q8_0")
     lmin = fmt.lmin
-    sub_bytes = 32 * R // 2  # one 32-row block of nibbles: 4 steps x 32 rows x 4 bytes
+    # one 32-row block: 4 steps x 32 rows x 4 nibble bytes (+ q5_0's 4 plane words a step), or
+    # q8_0's 8 steps x 32 rows x 4 bytes
+    sub_bytes = 32 * R // 2 + 4 * fmt.planes * 32 if fmt.nib else 32 * R
+    if fmt.name == "q4_1":
+        pair, dotf, kfill = _pair_q4_1, _bcast_dot_q4_1, _k_none
+    elif fmt.name == "q5_0":
+        pair, dotf, kfill = _pair_q5_0, bcast_dot_q5_0, _k_q5_0
+    else:
+        pair, dotf, kfill = _pair_q8_0, bcast_dot_q8_0, _k_q8_0
 
     def impl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, t1, g, y, ym, qx, expand):  # runs whatever expand says
         nb = xd.shape[1]
         n_rows = y.shape[1]
         sc_ = qx.view(np.float32)  # per block the 32 rows' d_w * d_x, then the 32 summs (_run_items sizes it)
         o2 = (nb + 1) * R  # the second token's scales; its outputs after them
+        ko = 2 * o2 + 2 * R  # the two tokens' lane corrections kf (q5_0, q8_0: nb * 8 each)
+        kb = ko + nb * 8
         tt = t
         while tt + 2 <= t1:  # two tokens share each 16 rows' nibble loads, 16 rows at a time
             _lane_scales(d, m, xd, xm, tt, g, nb, lmin, sc_, 0)
             _lane_scales(d, m, xd, xm, tt + 1, g, nb, lmin, sc_, o2)
+            kfill(isa, x32, tt, nb, sc_, ko)
+            kfill(isa, x32, tt + 1, nb, sc_, kb)
             for hh in range(2):
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzero()  # token tt, lane l of rows 16hh ..
                 b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = vzero()  # token tt + 1
                 for b in range(nb):
                     ea = vload(sc_, b * R + 16 * hh)
                     eb = vload(sc_, o2 + b * R + 16 * hh)
-                    base = (g * nb + b) * sub_bytes + 64 * hh
+                    base = (g * nb + b) * sub_bytes
                     xo = b * 8
-                    lo, hi = nib64_lo(q, base), nib64_hi(q, base)
-                    a0 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo]), a0)
-                    a4 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 4]), a4)
-                    b0 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo]), b0)
-                    b4 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 4]), b4)
-                    lo, hi = nib64_lo(q, base + 128), nib64_hi(q, base + 128)
-                    a1 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 1]), a1)
-                    a5 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 5]), a5)
-                    b1 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 1]), b1)
-                    b5 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 5]), b5)
-                    lo, hi = nib64_lo(q, base + 256), nib64_hi(q, base + 256)
-                    a2 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 2]), a2)
-                    a6 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 6]), a6)
-                    b2 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 2]), b2)
-                    b6 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 6]), b6)
-                    lo, hi = nib64_lo(q, base + 384), nib64_hi(q, base + 384)
-                    a3 = vfma(ea, bcast_dot_f(isa, lo, x32[tt, xo + 3]), a3)
-                    a7 = vfma(ea, bcast_dot_f(isa, hi, x32[tt, xo + 7]), a7)
-                    b3 = vfma(eb, bcast_dot_f(isa, lo, x32[tt + 1, xo + 3]), b3)
-                    b7 = vfma(eb, bcast_dot_f(isa, hi, x32[tt + 1, xo + 7]), b7)
-                ra = vadd(_hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vload(sc_, nb * R + 16 * hh))
-                rb = vadd(_hsum8(b0, b1, b2, b3, b4, b5, b6, b7), vload(sc_, o2 + nb * R + 16 * hh))
+                    lo, hi = pair(q, base, 0, hh)
+                    a0 = vfma(ea, dotf(isa, lo, x32[tt, xo], sc_[ko + xo]), a0)
+                    a4 = vfma(ea, dotf(isa, hi, x32[tt, xo + 4], sc_[ko + xo + 4]), a4)
+                    b0 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo], sc_[kb + xo]), b0)
+                    b4 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 4], sc_[kb + xo + 4]), b4)
+                    lo, hi = pair(q, base, 1, hh)
+                    a1 = vfma(ea, dotf(isa, lo, x32[tt, xo + 1], sc_[ko + xo + 1]), a1)
+                    a5 = vfma(ea, dotf(isa, hi, x32[tt, xo + 5], sc_[ko + xo + 5]), a5)
+                    b1 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 1], sc_[kb + xo + 1]), b1)
+                    b5 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 5], sc_[kb + xo + 5]), b5)
+                    lo, hi = pair(q, base, 2, hh)
+                    a2 = vfma(ea, dotf(isa, lo, x32[tt, xo + 2], sc_[ko + xo + 2]), a2)
+                    a6 = vfma(ea, dotf(isa, hi, x32[tt, xo + 6], sc_[ko + xo + 6]), a6)
+                    b2 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 2], sc_[kb + xo + 2]), b2)
+                    b6 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 6], sc_[kb + xo + 6]), b6)
+                    lo, hi = pair(q, base, 3, hh)
+                    a3 = vfma(ea, dotf(isa, lo, x32[tt, xo + 3], sc_[ko + xo + 3]), a3)
+                    a7 = vfma(ea, dotf(isa, hi, x32[tt, xo + 7], sc_[ko + xo + 7]), a7)
+                    b3 = vfma(eb, dotf(isa, lo, x32[tt + 1, xo + 3], sc_[kb + xo + 3]), b3)
+                    b7 = vfma(eb, dotf(isa, hi, x32[tt + 1, xo + 7], sc_[kb + xo + 7]), b7)
+                ra = _hsum8(a0, a1, a2, a3, a4, a5, a6, a7)
+                rb = _hsum8(b0, b1, b2, b3, b4, b5, b6, b7)
+                if lmin:  # + summs (q4_1); ggml's q8_0-type dots end at the tree
+                    ra = vadd(ra, vload(sc_, nb * R + 16 * hh))
+                    rb = vadd(rb, vload(sc_, o2 + nb * R + 16 * hh))
                 vstore(sc_, 2 * o2 + 16 * hh, ra)
                 vstore(sc_, 2 * o2 + R + 16 * hh, rb)
             _lane_store(y, sc_, 2 * o2, tt, g)
@@ -220,6 +375,7 @@ def lanes_impl(fmt: QFormat):
                     s1 = vfma(vload(m, so + 16), sx, s1)
             vstore(sc_, nb * R, s0)
             vstore(sc_, nb * R + 16, s1)
+            kfill(isa, x32, tt, nb, sc_, ko)
             # lane l of rows 0-15 in a0l, of rows 16-31 in a1l: per step s one 64-byte load of 16
             # rows' packed bytes gives lanes s (low nibbles) and 4 + s (high) of all 16
             a00 = a01 = a02 = a03 = a04 = a05 = a06 = a07 = vzero()
@@ -231,29 +387,40 @@ def lanes_impl(fmt: QFormat):
                 xo = b * 8
                 x0, x1, x2, x3 = x32[tt, xo], x32[tt, xo + 1], x32[tt, xo + 2], x32[tt, xo + 3]
                 x4, x5, x6, x7 = x32[tt, xo + 4], x32[tt, xo + 5], x32[tt, xo + 6], x32[tt, xo + 7]
-                a00 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base), x0), a00)
-                a04 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base), x4), a04)
-                a10 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 64), x0), a10)
-                a14 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 64), x4), a14)
-                a01 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 128), x1), a01)
-                a05 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 128), x5), a05)
-                a11 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 192), x1), a11)
-                a15 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 192), x5), a15)
-                a02 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 256), x2), a02)
-                a06 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 256), x6), a06)
-                a12 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 320), x2), a12)
-                a16 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 320), x6), a16)
-                a03 = vfma(e0, bcast_dot_f(isa, nib64_lo(q, base + 384), x3), a03)
-                a07 = vfma(e0, bcast_dot_f(isa, nib64_hi(q, base + 384), x7), a07)
-                a13 = vfma(e1, bcast_dot_f(isa, nib64_lo(q, base + 448), x3), a13)
-                a17 = vfma(e1, bcast_dot_f(isa, nib64_hi(q, base + 448), x7), a17)
-            # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs
+                lo, hi = pair(q, base, 0, 0)
+                a00 = vfma(e0, dotf(isa, lo, x0, sc_[ko + xo + 0]), a00)
+                a04 = vfma(e0, dotf(isa, hi, x4, sc_[ko + xo + 4]), a04)
+                lo, hi = pair(q, base, 0, 1)
+                a10 = vfma(e1, dotf(isa, lo, x0, sc_[ko + xo + 0]), a10)
+                a14 = vfma(e1, dotf(isa, hi, x4, sc_[ko + xo + 4]), a14)
+                lo, hi = pair(q, base, 1, 0)
+                a01 = vfma(e0, dotf(isa, lo, x1, sc_[ko + xo + 1]), a01)
+                a05 = vfma(e0, dotf(isa, hi, x5, sc_[ko + xo + 5]), a05)
+                lo, hi = pair(q, base, 1, 1)
+                a11 = vfma(e1, dotf(isa, lo, x1, sc_[ko + xo + 1]), a11)
+                a15 = vfma(e1, dotf(isa, hi, x5, sc_[ko + xo + 5]), a15)
+                lo, hi = pair(q, base, 2, 0)
+                a02 = vfma(e0, dotf(isa, lo, x2, sc_[ko + xo + 2]), a02)
+                a06 = vfma(e0, dotf(isa, hi, x6, sc_[ko + xo + 6]), a06)
+                lo, hi = pair(q, base, 2, 1)
+                a12 = vfma(e1, dotf(isa, lo, x2, sc_[ko + xo + 2]), a12)
+                a16 = vfma(e1, dotf(isa, hi, x6, sc_[ko + xo + 6]), a16)
+                lo, hi = pair(q, base, 3, 0)
+                a03 = vfma(e0, dotf(isa, lo, x3, sc_[ko + xo + 3]), a03)
+                a07 = vfma(e0, dotf(isa, hi, x7, sc_[ko + xo + 7]), a07)
+                lo, hi = pair(q, base, 3, 1)
+                a13 = vfma(e1, dotf(isa, lo, x3, sc_[ko + xo + 3]), a13)
+                a17 = vfma(e1, dotf(isa, hi, x7, sc_[ko + xo + 7]), a17)
+            # hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs (q4_1)
             r0 = vadd(vadd(a00, a04), vadd(a02, a06))
             r0 = vadd(r0, vadd(vadd(a01, a05), vadd(a03, a07)))
             r1 = vadd(vadd(a10, a14), vadd(a12, a16))
             r1 = vadd(r1, vadd(vadd(a11, a15), vadd(a13, a17)))
-            vstore(ym, 0, vadd(r0, vload(sc_, nb * R)))
-            vstore(ym, 16, vadd(r1, vload(sc_, nb * R + 16)))
+            if lmin:
+                r0 = vadd(r0, vload(sc_, nb * R))
+                r1 = vadd(r1, vload(sc_, nb * R + 16))
+            vstore(ym, 0, r0)
+            vstore(ym, 16, r1)
             if g * R + R <= n_rows:
                 vstore(y, tt * n_rows + g * R, vload(ym, 0))
                 vstore(y, tt * n_rows + g * R + 16, vload(ym, 16))

@@ -63,10 +63,13 @@ LAYOUT_VERSION = 3
 ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = 0, 1, 2  # activation formats (ggml's vec_dot_type of the weight)
 # KVCHAT_GGML_ORDER=1: q4_1 in ggml's AVX2 float order (kernels/matmul_lanes.py): bit-identical to
 # llama.cpp's products, ~1.4x the kernel's time for one token on AVX2 (docs/performance.md, "Accuracy")
-# "1" takes all three of ggml's orders; a comma list takes some: q4_1 (this matmul order), flash
+# "1" takes all of ggml's orders; a comma list takes some: q4_1 (this matmul order), q5_0 and q8_0
+# (llamafile's tinyBLAS_Q0_AVX order of a batch, kernels/matmul_lanes.py), q4_K (the repacked
+# gemm's order: mins summed apart, kernels/matmul_int._row4_km), q6_K (the tiled matmul's order,
+# _row4_tl), flash
 # (kernels/attention_ggml.py), softmax (the classic path's softmax form, kernels/attention_classic.py)
 _ORDER_ENV = os.environ.get("KVCHAT_GGML_ORDER", "")
-GGML_ORDER_ALL = frozenset(("q4_1", "flash", "softmax"))
+GGML_ORDER_ALL = frozenset(("q4_1", "q5_0", "q8_0", "q4_K", "q6_K", "flash", "softmax"))
 GGML_ORDER_PARTS = GGML_ORDER_ALL if _ORDER_ENV == "1" else GGML_ORDER_ALL & {p.strip() for p in _ORDER_ENV.split(",")}
 GGML_ORDER = "q4_1" in GGML_ORDER_PARTS
 # ggml's kvalues_mxfp4 (the e2m1 values doubled: integers) + 12, so that they are unsigned (<= 24:
@@ -89,7 +92,7 @@ class QFormat(NamedTuple):
     lmin: bool  # + m * s (q4_1, q5_1 with q8_1's s = d * sum(q))
     kmin: bool  # + (-dmin) * dx * sum_j mn_j * sum(x of sub-block j) (q4_K, q5_K, q2_K)
     planes: int = 0  # high bits above the nibble: 1 for the 5-bit formats (a bit plane), 2 for q6_K (crumbs)
-    lanes: bool = False  # ggml's AVX2 order: 8 float lanes per output across blocks (kernels/matmul_lanes.py)
+    lanes: bool = False  # ggml's x86 order: 8 float lanes per output across blocks (kernels/matmul_lanes.py)
     lut: tuple = ()  # nibble code -> stored value (16 entries, <= 63) when the file's codes index a table (mxfp4)
 
     @property
@@ -111,18 +114,20 @@ _NUMBA_TYPES: dict = {}
 FORMATS = {
     GGMLType.Q4_0: QFormat("q4_0", 32, 1, 8, True, False, ACT_Q8_0, False, False),
     GGMLType.Q4_1: QFormat("q4_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, lanes=GGML_ORDER),
-    GGMLType.Q5_0: QFormat("q5_0", 32, 1, 16, True, False, ACT_Q8_0, False, False, 1),
+    GGMLType.Q5_0: QFormat("q5_0", 32, 1, 16, True, False, ACT_Q8_0, False, False, 1, lanes="q5_0" in GGML_ORDER_PARTS),
     GGMLType.Q5_1: QFormat("q5_1", 32, 1, 0, True, False, ACT_Q8_1, True, False, 1),
-    GGMLType.Q8_0: QFormat("q8_0", 32, 1, 0, False, True, ACT_Q8_0, False, False),
+    GGMLType.Q8_0: QFormat("q8_0", 32, 1, 0, False, True, ACT_Q8_0, False, False, lanes="q8_0" in GGML_ORDER_PARTS),
     GGMLType.IQ4_NL: QFormat("iq4_nl", 32, 1, 0, False, True, ACT_Q8_0, False, False),
     # mxfp4: the file's e2m1 codes as nibbles, mapped by the kernel to the doubled values + 12; its
     # e8m0 exponent bytes as d (below)
     GGMLType.MXFP4: QFormat("mxfp4", 32, 1, MXFP4_OFFSET, True, False, ACT_Q8_0, False, False, lut=MXFP4_LUT),
     GGMLType.Q2_K: QFormat("q2_K", 16, 16, 0, True, False, ACT_Q8_K, False, True),
     GGMLType.Q3_K: QFormat("q3_K", 16, 16, 4, True, False, ACT_Q8_K, False, False),
-    GGMLType.Q4_K: QFormat("q4_K", 32, 8, 0, True, False, ACT_Q8_K, False, True),
+    GGMLType.Q4_K: QFormat("q4_K", 32, 8, 0, True, False, ACT_Q8_K, False, True, lanes="q4_K" in GGML_ORDER_PARTS),
     GGMLType.Q5_K: QFormat("q5_K", 32, 8, 0, True, False, ACT_Q8_K, False, True, 1),
-    GGMLType.Q6_K: QFormat("q6_K", 16, 16, 32, True, False, ACT_Q8_K, False, False, 2),
+    GGMLType.Q6_K: QFormat(
+        "q6_K", 16, 16, 32, True, False, ACT_Q8_K, False, False, 2, lanes="q6_K" in GGML_ORDER_PARTS
+    ),
 }
 
 

@@ -22,7 +22,14 @@ from kvchat.kernels.matmul_int import matmul_q, matmul_q_serial
 from kvchat.kernels.matmul_int import quantize_activations as quantize_rows
 from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 from kvchat.kernels.simd_int import Isa
-from tests.helpers.qref import ggml_q4_1_q8_1, int_matmul_reference, quantize_act
+from tests.helpers.qref import (
+    ggml_q0_q8_0_batch,
+    ggml_q4_1_q8_1,
+    ggml_q4_K_repacked,
+    ggml_q6_K_tiled,
+    int_matmul_reference,
+    quantize_act,
+)
 from tests.test_matmul import random_raw
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -117,6 +124,58 @@ def test_q4_1_in_ggmls_order_is_llama_cpps_product_bit_for_bit():
     for i in (0, 4, 8):
         np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
     old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
+    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_q5_0_and_q8_0_in_tinyblas_order_are_llama_cpps_batch_product_bit_for_bit(t):
+    """KVCHAT_GGML_ORDER's q5_0 / q8_0 (QFormat.lanes, kernels/matmul_lanes.py) follow the float
+    order of llamafile's tinyBLAS_Q0_AVX, which llama.cpp runs on x86 for a batch of >= 2 tokens
+    (perplexity's ubatches): every output bit-identical to the emulation (tests/helpers/qref.py)
+    on every instruction path, for one token and in a batch, whatever the token chunk, run split
+    or driver (batch invariance)."""
+    k, m = 640, 75  # Gemma-3 270m's width; 75 rows: a partial last group
+    raw = random_raw(t, m, k, seed=13)
+    qm = QMatrix(raw, t, k)
+    qm.fmt = qm.fmt._replace(lanes=True)
+    rng = np.random.default_rng(14)
+    x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
+    x[3, 64:96] = 0.0  # an all-zero activation block (d 0)
+    want = ggml_q0_q8_0_batch(raw, t, x)
+    for isa in ISAS:  # every instruction path
+        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
+    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
+        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
+    for i in (0, 3, 8):  # alone: the bits it has in the batch
+        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
+    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
+    assert not np.array_equal(old, want)
+    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_k_quants_in_the_batch_order_of_llama_cpp_are_its_product_bit_for_bit(t):
+    """KVCHAT_GGML_ORDER's q4_K and q6_K (QFormat.lanes: kernels/matmul_int._row4_km, _row4_tl)
+    follow the float order llama.cpp takes on x86 for a prompt's batch: the repacked q4_K gemm
+    (CPU_REPACK, 4 tokens and more) and the tiled q6_K matmul (tiled.cpp, 8 tokens and more):
+    every output bit-identical to the emulations (tests/helpers/qref.py) on every instruction
+    path, for one token and in a batch, whatever the token chunk, run split or driver (batch
+    invariance)."""
+    k, m = 1024, 75
+    raw = random_raw(t, m, k, seed=15)
+    qm = QMatrix(raw, t, k)
+    qm.fmt = qm.fmt._replace(lanes=True)
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
+    want = ggml_q4_K_repacked(raw, x) if t == GGMLType.Q4_K else ggml_q6_K_tiled(raw, x)
+    for isa in ISAS:  # every instruction path
+        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
+    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
+        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
+    for i in (0, 4, 8):  # alone: the bits it has in the batch
+        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
+    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
+    assert not np.array_equal(old, want)
     np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

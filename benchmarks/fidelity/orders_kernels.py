@@ -1,8 +1,10 @@
 """The ggml-order kernels' time against the default ones, in process (docs/performance.md,
-"Accuracy", issue 24 fid9): python benchmarks/fidelity/orders_kernels.py attention N_HEAD N_HEAD_KV D
-| q4_1. attention: flash attention of f16 K/V under a causal mask, default kernel vs
-kernels/attention_ggml.py (kvchat.kernels.attention.GGML_FLASH), min over repeated calls;
-q4_1: matmul_q_serial of random q4_1 matrices of SmolLM2's shapes, default order vs ggml's lanes.
+"Accuracy", issue 24 fid9, fid10): python benchmarks/fidelity/orders_kernels.py attention N_HEAD
+N_HEAD_KV D | q4_1 | gemma [GGUF]. attention: flash attention of f16 K/V under a causal mask,
+default kernel vs kernels/attention_ggml.py (kvchat.kernels.attention.GGML_FLASH), min over repeated
+calls; q4_1: matmul_q_serial of random q4_1 matrices of SmolLM2's shapes, default order vs ggml's
+lanes; gemma: matmul_q_serial of Gemma-3 270m's real matrices of each type (q5_0, q8_0, q4_K,
+q6_K; the tied q8_0 output's first 8192 rows), default order vs ggml's batch order (QFormat.lanes).
 Ratios only (the machine is shared); run under flock /tmp/kvchat-bench.lock."""
 
 import sys
@@ -76,8 +78,58 @@ def q4_1():
             print(f"k {k} m {m} {n} tokens: lanes / default {best['lanes'] / best['default']:.2f}x", flush=True)
 
 
+def gemma(path):
+    import os
+
+    from gguf import GGUFReader
+
+    from kvchat.kernels.cpu import select_isa
+    from kvchat.kernels.ggml_types import GGMLType
+    from kvchat.kernels.matmul import QMatrix
+    from kvchat.kernels.matmul_int import matmul_q_serial
+
+    isa = select_isa()
+    tensors = {t.name: t for t in GGUFReader(os.path.expanduser(path)).tensors}
+    rng = np.random.default_rng(1)
+    for name, rows in (
+        ("blk.0.attn_q.weight", None),  # q5_0 640 -> 1024
+        ("blk.0.ffn_gate.weight", None),  # q5_0 640 -> 2048
+        ("blk.0.attn_v.weight", None),  # q8_0 640 -> 256
+        ("token_embd.weight", 8192),  # q8_0 output, 8192 of its 262144 rows
+        ("blk.2.ffn_down.weight", None),  # q4_K 2048 -> 640
+        ("blk.0.attn_output.weight", None),  # q4_K 1024 -> 640
+        ("blk.0.ffn_down.weight", None),  # q6_K 2048 -> 640
+    ):
+        t = tensors[name]
+        k = int(t.shape[0])
+        raw = np.asarray(t.data).reshape(int(t.shape[1]), -1)[:rows]
+        qm = QMatrix(np.ascontiguousarray(raw), GGMLType(int(t.tensor_type)), k)
+        fmts = {"default": qm.fmt._replace(lanes=False), "ggml": qm.fmt._replace(lanes=True)}
+        for n in (1, 64, 512):
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            y = np.empty((n, qm.m), np.float32)
+            best = {}
+            for f in fmts.values():
+                matmul_q_serial(isa, f, *qm._packed, x, y, 32)
+            reps = max(1, int(2e6 // (qm.m * k * n // 64 + 1)))
+            for _ in range(9 if n < 512 else 3):
+                for nm, f in fmts.items():
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        matmul_q_serial(isa, f, *qm._packed, x, y, 32)
+                    best[nm] = min(best.get(nm, 1e9), (time.perf_counter() - t0) / reps)
+            print(
+                f"{name:26s} {qm.fmt.name:5s} k {k:5d} m {qm.m:5d} {n:3d} tokens: default "
+                f"{best['default'] * 1e3:8.3f} ms, ggml {best['ggml'] * 1e3:8.3f} ms, "
+                f"{best['ggml'] / best['default']:.2f}x",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "attention":
         attention(*map(int, sys.argv[2:5]))
+    elif sys.argv[1] == "gemma":
+        gemma(sys.argv[2] if len(sys.argv) > 2 else "~/.cache/kvchat/models/gemma-3-270m-q4_k_m.gguf")
     else:
         q4_1()

@@ -11,7 +11,7 @@ import numpy as np
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvchat.kernels.ggml_types import GGMLType
-from kvchat.kernels.qlayout import ACT_Q8_1, ACT_Q8_K, FORMATS
+from kvchat.kernels.qlayout import ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, FORMATS
 
 
 def quantize_act(x: np.ndarray, act: int):
@@ -117,3 +117,127 @@ def ggml_q4_1_q8_1(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         summs = summs + mw[None, :, b] * s[:, None, b]
     a = [acc[..., i] for i in range(8)]
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + summs
+
+
+def q0_values(raw: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d f32 [m, nb], signed values i64 [m, nb, 32]) of Q5_0 or Q8_0 rows raw u8 [m, nb * block bytes]."""
+    t = GGMLType(t)
+    m = raw.shape[0]
+    if t == GGMLType.Q8_0:
+        blocks = raw.reshape(m, -1, 34)
+        vals = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).astype(np.int64)
+    elif t == GGMLType.Q5_0:
+        blocks = raw.reshape(m, -1, 22)
+        qh = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")[..., 0].astype(np.int64)  # [m, nb]
+        qs = blocks[:, :, 6:22].astype(np.int64)
+        nib = np.concatenate([qs & 15, qs >> 4], axis=2)  # values 0-15 low nibbles, 16-31 high
+        hb = (qh[..., None] >> np.arange(32)) & 1
+        vals = (nib | (hb << 4)) - 16
+    else:
+        raise ValueError(t)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    return d, vals
+
+
+def ggml_q0_q8_0_batch(raw: np.ndarray, t: int, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q5_0 / Q8_0 rows raw times x f32 [n, k] exactly as llamafile's
+    tinyBLAS_Q0_AVX (ggml-cpu/llamafile/sgemm.cpp) computes a batch of >= 2 tokens on x86: x
+    quantized to q8_0, then per output 8 float lanes, lane l the integer dot of values 4l .. 4l+3
+    of each block (updot), acc_l = fma(d_w * d_x, float(lane), acc_l) over the blocks in order
+    from +0 (madd), and hsum(__m256): ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
+    d_w, vals = q0_values(raw, t)
+    m, nb, _ = vals.shape
+    n, k = x.shape
+    q, d, _, _ = quantize_act(x, ACT_Q8_0)
+    qx = q.reshape(n, nb, 32).astype(np.int64)
+    lanes = (vals[None] * qx[:, None]).reshape(n, m, nb, 8, 4).sum(-1).astype(np.float32)  # [n, m, nb, 8]
+    dd = d_w[None] * d[:, None]  # float32 products [n, m, nb]
+    acc = np.zeros((n, m, 8), np.float32)
+    for b in range(nb):
+        acc = fma32(dd[:, :, b, None], lanes[:, :, b], acc)
+    a = [acc[..., i] for i in range(8)]
+    return ((a[4] + a[0]) + (a[6] + a[2])) + ((a[5] + a[1]) + (a[7] + a[3]))
+
+
+def q4_K_parts(raw: np.ndarray):
+    """Q4_K rows raw u8 [m, nB * 144] -> (d, dmin f32 [m, nB], sc, mn i64 [m, nB, 8], values i64 [m, nB, 8, 32])."""
+    m = raw.shape[0]
+    blocks = raw.reshape(m, -1, 144)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[:, :, 4:16].astype(np.int64)  # 12 scale bytes
+    sc = np.empty(q.shape[:2] + (8,), np.int64)
+    mn = np.empty_like(sc)
+    for j in range(8):  # ggml's get_scale_min_k4
+        if j < 4:
+            sc[..., j] = q[..., j] & 63
+            mn[..., j] = q[..., j + 4] & 63
+        else:
+            sc[..., j] = (q[..., j + 4] & 0xF) | ((q[..., j - 4] >> 6) << 4)
+            mn[..., j] = (q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4)
+    qs = blocks[:, :, 16:144].astype(np.int64).reshape(m, -1, 4, 32)  # 4 chunks of 64 values
+    vals = np.stack([qs & 15, qs >> 4], axis=3).reshape(m, -1, 8, 32)  # sub-block 2c: low, 2c + 1: high
+    return d, dmin, sc, mn, vals
+
+
+def ggml_q4_K_repacked(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q4_K rows times x f32 [n, k] as ggml-cpu's x86 repacked gemm
+    (arch/x86/repack.cpp ggml_gemm_q4_K_8x8_q8_K, 4 tokens and more) computes each output:
+    x quantized to q8_K; per pair of sub-blocks (64 values, 4 a super-block B) the exact integers
+    I = sum_j sc_j * (values_j . q_j) and M = sum_j mn_j * sum(q_j) over its two sub-blocks j;
+    acc = fma(float(I), d_w * d_x, acc), acc_min = fma(float(M), dmin_w * d_x, acc_min), both from
+    +0 in order; the output acc - acc_min. (The one-token gemv steps per super-block.)"""
+    d_w, dmin_w, sc, mn, vals = q4_K_parts(raw)
+    m, nB = d_w.shape
+    n, k = x.shape
+    q, d, _, _ = quantize_act(x, ACT_Q8_K)
+    qx = q.reshape(n, nB, 8, 32).astype(np.int64)
+    dots = np.einsum("mbjv,nbjv->nmbj", vals, qx)  # [n, m, nB, 8] exact
+    ii = (dots * sc[None]).reshape(n, m, nB, 4, 2).sum(-1)  # [n, m, nB, 4 pairs]
+    mm = (qx.sum(-1)[:, None] * mn[None]).reshape(n, m, nB, 4, 2).sum(-1)
+    acc = np.zeros((n, m), np.float32)
+    accm = np.zeros((n, m), np.float32)
+    for b in range(nB):
+        for sb in range(4):
+            acc = fma32(ii[:, :, b, sb].astype(np.float32), d_w[None, :, b] * d[:, None, b], acc)
+            accm = fma32(mm[:, :, b, sb].astype(np.float32), dmin_w[None, :, b] * d[:, None, b], accm)
+    return acc - accm
+
+
+def q6_K_parts(raw: np.ndarray):
+    """Q6_K rows raw u8 [m, nB * 210] -> (d f32 [m, nB], sc i64 [m, nB, 16], signed values i64 [m, nB, 256])."""
+    m = raw.shape[0]
+    blocks = raw.reshape(m, -1, 210)
+    ql = blocks[:, :, 0:128].astype(np.int64).reshape(m, -1, 2, 64)
+    qh = blocks[:, :, 128:192].astype(np.int64).reshape(m, -1, 2, 32)
+    sc = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).astype(np.int64)
+    d = np.ascontiguousarray(blocks[:, :, 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    lo, hi = ql[..., :32], ql[..., 32:]
+    parts = [  # values 0-31, 32-63, 64-95, 96-127 of each half (ggml's dequantize_row_q6_K)
+        (lo & 15) | (((qh >> 0) & 3) << 4),
+        (hi & 15) | (((qh >> 2) & 3) << 4),
+        (lo >> 4) | (((qh >> 4) & 3) << 4),
+        (hi >> 4) | (((qh >> 6) & 3) << 4),
+    ]
+    vals = np.concatenate(parts, axis=-1).reshape(m, -1, 256) - 32
+    return d, sc, vals
+
+
+def ggml_q6_K_tiled(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y f32 [n, m]: Q6_K rows times x f32 [n, k] as ggml-cpu's tiled K-quant matmul
+    (tiled/tiled-kernel.cpp, VNNI microtile; llama.cpp's x86 path for q6_K and >= 8 tokens)
+    computes each output: x quantized to q8_K; per super-block B the exact integer
+    I = sum_s sc_s * (values_s . q_s) over its 16 sub-blocks; acc = fma(float(I) * d_w, d_x, acc),
+    from +0 in block order (the microtile's buf + result * d_x, which GCC contracts to an fma:
+    this equals llama.cpp's layer-0 ffn_down of Gemma-3 bit for bit, the unfused form does not)."""
+    d_w, sc, vals = q6_K_parts(raw)
+    m, nB = d_w.shape
+    n, k = x.shape
+    q, d, _, _ = quantize_act(x, ACT_Q8_K)
+    qx = q.reshape(n, nB, 16, 16).astype(np.int64)
+    dots = np.einsum("mbsv,nbsv->nmbs", vals.reshape(m, nB, 16, 16), qx)  # [n, m, nB, 16] exact
+    ii = (dots * sc[None]).sum(-1)  # [n, m, nB]
+    acc = np.zeros((n, m), np.float32)
+    for b in range(nB):
+        acc = fma32(ii[:, :, b].astype(np.float32) * d_w[None, :, b], np.broadcast_to(d[:, None, b], acc.shape), acc)
+    return acc
