@@ -54,6 +54,7 @@ class ChatSettings:
     flash_attn: str = "auto"
     swa_full: bool = False
     threads: Optional[int] = None
+    exact: bool = False
     keep: Optional[int] = None
     context_shift: bool = True
     temp: float = 0.8
@@ -176,6 +177,14 @@ OPTIONS = [
         PANEL_MODEL,
         at_least(1),
         extra={"show_default": "all cores"},
+    ),
+    Option(
+        "exact",
+        bool,
+        ("--exact",),
+        "compute as llama.cpp's CPU build does, float op for float op where kvchat can "
+        "(KVCHAT_GGML_ORDER=1: SmolLM2's and Gemma-3's prompt logits bit-identical to llama.cpp's); slower prompts",
+        PANEL_MODEL,
     ),
     Option(
         "ctx_size",
@@ -437,6 +446,7 @@ CACHE_FLAGS = (
     "model",
     "hf_repo",
     "threads",
+    "exact",
     "ctx_size",
     "batch_size",
     "ubatch_size",
@@ -480,10 +490,24 @@ def parse_value(option: Option, text: str):
     return check_value(option, value)
 
 
+def use_ggml_order() -> None:
+    """--exact: every op in llama.cpp's float order (kernels/qlayout.py reads KVCHAT_GGML_ORDER when
+    the kernels load, which a command does after its flags are parsed)."""
+    import os
+    import sys
+
+    os.environ["KVCHAT_GGML_ORDER"] = "1"
+    loaded = sys.modules.get("kvchat.kernels.qlayout")
+    if loaded is not None and loaded.GGML_ORDER_PARTS != loaded.GGML_ORDER_ALL:  # only in a long-lived process
+        raise KvchatError("--exact: the kernels are already loaded in this process; give KVCHAT_GGML_ORDER=1 instead")
+
+
 def settings_from(values: dict, fixed: dict | None = None) -> ChatSettings:
     """ChatSettings from the shared flags' converted values (`fixed`: a command's own defaults
     for flags it does not take): -fa's choice as its text, `-hf X` as `-m hf:X`."""
     values = dict(values)
+    if values.get("exact"):
+        use_ggml_order()
     if isinstance(values.get("flash_attn"), FlashAttn):
         values["flash_attn"] = values["flash_attn"].value
     if values.get("hf_repo") is not None:  # -hf X is -m hf:X, for every command taking both

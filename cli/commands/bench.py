@@ -64,7 +64,17 @@ def model_desc(model) -> str:
     return f"{model.hparams.arch} {label} {model.ftype_name}"
 
 
-BENCH_FLAGS = ("model", "hf_repo", "threads", "batch_size", "ubatch_size", "cache_type_k", "cache_type_v", "flash_attn")
+BENCH_FLAGS = (
+    "model",
+    "hf_repo",
+    "threads",
+    "exact",
+    "batch_size",
+    "ubatch_size",
+    "cache_type_k",
+    "cache_type_v",
+    "flash_attn",
+)
 SPEC_FLAGS = ("model_draft", "draft_max", "draft_min", "draft_p_min")
 
 
