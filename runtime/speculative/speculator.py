@@ -85,33 +85,34 @@ class DraftLength:
     def p(self) -> float:
         return min(0.99, self.acc / self.trials)
 
-    def _t(self, n: int, min_samples: int = 1) -> float:
-        """Estimated seconds of an n-token target decode: a line through the medians of the sizes
-        measured at least min_samples times."""
+    def _line(self, min_samples: int = 1):
+        """n -> estimated seconds of an n-token target decode: a line through the medians of the
+        sizes measured at least min_samples times (fitted once, evaluated for every draft length)."""
         pts = sorted((m, t) for m, t in self.t_size.items() if len(self._times[m]) >= min_samples)
         if not pts:
-            return 1.0 + 0.15 * (n - 1)  # before any measurement: only ratios matter
+            return lambda n: 1.0 + 0.15 * (n - 1)  # before any measurement: only ratios matter
         if len(pts) == 1:
             (m, t) = pts[0]
             one = t / (1.0 + 0.15 * (m - 1))
-            return one * (1.0 + 0.15 * (n - 1))
+            return lambda n: one * (1.0 + 0.15 * (n - 1))
         xs = [m for m, _ in pts]
         ys = [t for _, t in pts]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         sxx = sum((x - mx) ** 2 for x in xs)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx)
-        return max(1e-6, my + slope * (n - mx))
+        return lambda n: max(1e-6, my + slope * (n - mx))
 
     def next(self) -> int:
         """How many tokens to draft for the next verify."""
         p, q = self.p, self.q
         t_draft = self.t_draft if self.t_size else 0.0  # seconds only mean something next to measured t(n)
-        best, best_rate = 0, 1.0 / self._t(1)
+        t = self._line()
+        best, best_rate = 0, 1.0 / t(1)
         gain = 1.0
         for k in range(1, self.draft_max + 1):
             gain += p**k
             # a share 1 - q of the proposals is empty: one draft step, then a plain step
-            rate = (q * gain + 1.0 - q) / (q * (self._t(k + 1) + k * t_draft) + (1.0 - q) * (self._t(1) + t_draft))
+            rate = (q * gain + 1.0 - q) / (q * (t(k + 1) + k * t_draft) + (1.0 - q) * (t(1) + t_draft))
             if rate > best_rate:
                 best, best_rate = k, rate
         if best < max(1, self.draft_min):
@@ -138,11 +139,9 @@ class DraftLength:
             return False
         # medians of sizes timed MIN_DRAFT_SAMPLES times: one verify stretched by a busy machine must
         # not stop drafting for HOPELESS_WAIT steps (with only one-token times, the prior slope)
-        plain = 1.0 / self._t(1, MIN_DRAFT_SAMPLES)
-        return all(
-            (k + 1) / (self._t(k + 1, MIN_DRAFT_SAMPLES) + k * self.t_draft) <= plain
-            for k in range(1, self.draft_max + 1)
-        )
+        t = self._line(MIN_DRAFT_SAMPLES)
+        plain = 1.0 / t(1)
+        return all((k + 1) / (t(k + 1) + k * self.t_draft) <= plain for k in range(1, self.draft_max + 1))
 
     def record_decode(self, n: int, seconds: float) -> None:
         """A target decode of n tokens took `seconds`. t_size[n] is the median of the last
