@@ -102,6 +102,22 @@ def test_every_cpu_path_gives_the_same_bits(t):
         np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=f"{t.name}: {isa} vs {ISAS[0]}")
 
 
+def assert_in_ggml_order(qm, default, x, want, alone, default_differs=True):
+    """qm (a QMatrix in a ggml order) gives want bit for bit on every instruction path, whatever
+    the token chunk and run split, and rows `alone` by themselves as in the batch; `default` (the
+    same rows in kvchat's order) agrees to the last bits (and differs in them: default_differs)."""
+    for isa in ISAS:  # every instruction path
+        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
+    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
+        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
+    for i in alone:  # alone: the bits it has in the batch
+        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
+    old = _run(default, x, ISAS[0])  # the default order: same values up to the last bits
+    if default_differs:
+        assert not np.array_equal(old, want)
+    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_q4_1_in_ggmls_order_is_llama_cpps_product_bit_for_bit():
     """KVCHAT_GGML_ORDER's q4_1 (QFormat.lanes, kernels/matmul_lanes.py) follows the float order of
     ggml_vec_dot_q4_1_q8_1's AVX2 code, which llama.cpp runs on every x86 CPU with AVX2: every
@@ -117,14 +133,7 @@ def test_q4_1_in_ggmls_order_is_llama_cpps_product_bit_for_bit():
     qm.fmt = qm.fmt._replace(lanes=True)
     x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
     want = ggml_q4_1_q8_1(raw, x)
-    for isa in ISAS:  # every instruction path
-        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
-    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
-        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
-    for i in (0, 4, 8):
-        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
-    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
-    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert_in_ggml_order(qm, QMatrix(raw, t, k), x, want, alone=(0, 4, 8), default_differs=False)
 
 
 @pytest.mark.parametrize("t", [GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
@@ -142,15 +151,7 @@ def test_q5_0_and_q8_0_in_tinyblas_order_are_llama_cpps_batch_product_bit_for_bi
     x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
     x[3, 64:96] = 0.0  # an all-zero activation block (d 0)
     want = ggml_q0_q8_0_batch(raw, t, x)
-    for isa in ISAS:  # every instruction path
-        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
-    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
-        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
-    for i in (0, 3, 8):  # alone: the bits it has in the batch
-        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
-    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
-    assert not np.array_equal(old, want)
-    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert_in_ggml_order(qm, QMatrix(raw, t, k), x, want, alone=(0, 3, 8))
 
 
 @pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
@@ -168,15 +169,7 @@ def test_k_quants_in_the_batch_order_of_llama_cpp_are_its_product_bit_for_bit(t)
     rng = np.random.default_rng(16)
     x = (rng.standard_normal((9, k)) * rng.uniform(0.05, 30.0, (9, 1))).astype(np.float32)
     want = ggml_q4_K_repacked(raw, x) if t == GGMLType.Q4_K else ggml_q6_K_tiled(raw, x)
-    for isa in ISAS:  # every instruction path
-        np.testing.assert_array_equal(_run(qm, x, isa, serial=True), want, err_msg=isa)
-    for chunk, runs in ((32, 8), (1, 3), (5, 1)):
-        np.testing.assert_array_equal(_run(qm, x, ISAS[0], chunk=chunk, runs=runs), want)
-    for i in (0, 4, 8):  # alone: the bits it has in the batch
-        np.testing.assert_array_equal(_run(qm, x[i : i + 1], ISAS[0], serial=True), want[i : i + 1])
-    old = _run(QMatrix(raw, t, k), x, ISAS[0])  # the default order: same values up to the last bits
-    assert not np.array_equal(old, want)
-    np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert_in_ggml_order(qm, QMatrix(raw, t, k), x, want, alone=(0, 4, 8))
 
 
 def test_this_machine_runs_every_path_it_claims():
