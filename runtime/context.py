@@ -46,12 +46,15 @@ class DecodeAborted(Exception):
 class Context:
     """One model + one memory + the outputs of the last decode."""
 
-    def __init__(self, model, params: ContextParams | None = None, abort_callback=None):
+    def __init__(self, model, params: ContextParams | None = None, abort_callback=None, memory=None):
+        """memory: another Context's memory to read and write instead of a new one (a self-draft
+        works in its target's KV cache: runtime/speculative/self_draft.py); the caller vouches that
+        it was made for these hyper-parameters and params."""
         self.model = model
         self.hparams = model.hparams
         self.params = params or ContextParams()
         self.cparams = resolve_cparams(self.params, self.hparams)
-        self.memory = create_memory(self.hparams, self.cparams)
+        self.memory = create_memory(self.hparams, self.cparams) if memory is None else memory
         self.abort_callback = abort_callback
         self.balloc = BatchAllocator()
         self.one = OneToken()  # decode_one's allocator

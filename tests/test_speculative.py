@@ -50,7 +50,7 @@ class Oracle:
         self.n_prompt, self.answer, self.n_vocab = n_prompt, list(answer), n_vocab
         self.calls = 0
 
-    def propose(self, history, n_max):
+    def propose(self, history, n_max, pos=None, seq=0):
         self.calls += 1
         g = len(history) - self.n_prompt
         out = self.answer[g : g + n_max] + [7] * max(0, g + n_max - len(self.answer))
@@ -302,6 +302,28 @@ def test_a_conversation_through_context_shifts_is_plain_decodings(model):
 
     plain = conversation(model, n_predict=300)
     spec = conversation(model, Speculator(NgramDraft(3, 1), draft_max=6), n_predict=300)
+    _through_context_shifts(plain, spec)
+
+
+@pytest.mark.slow
+def test_a_self_draft_in_the_targets_cache_through_context_shifts_is_plain_decodings(model):
+    """The same with the q4_0 copy drafting in the target's cache (self_draft.py): its rows come
+    and go between the shifts' seq_rm / seq_add of the target's cells."""
+    from kvchat.runtime.speculative import make_speculator
+
+    plain = conversation(model, n_predict=300)
+    spec = conversation(model, n_predict=300)
+    if not spec.ctx.memory.get_can_trim():
+        pytest.skip("recurrent and hybrid memories stop at the full context (the test above)")
+    spec.speculative = make_speculator(spec.ctx, "self:q4_0", draft_max=4, draft_p_min=0.0)
+    assert type(spec.speculative.source).__name__ == "SelfDraft"
+    spec.speculative.length.next = lambda: 4
+    _through_context_shifts(plain, spec)
+
+
+def _through_context_shifts(plain, spec):
+    from kvchat.runtime.chat.events import PromptTooLong
+
     turns = []  # per conversation: each question's stop reason, or its refusal as too long
     for conv in (plain, spec):
         turns.append([])
@@ -394,7 +416,10 @@ def test_a_self_draft_looks_up_the_targets_embeddings_and_gives_the_conversation
     assert draft.weights.tok_embd is model.weights.tok_embd
     head = draft.weights.output
     rare = [t for t in (40000, 45000, 49000) if t < head.m]
-    spec.source.propose(PROMPT + rare, 3)
+    h = PROMPT + rare
+    if ctx.memory.get_can_trim():  # the copy drafts in the target's cache (self_draft.py): h[:-1] there
+        decode_tokens(ctx, h[:-1], 0, logits="none")
+    spec.source.propose(h, 3, len(h) - 1, 0)
     logits = spec.source.ctx.get_logits_ith(-1)
     has_row = np.zeros(head.m, bool)
     has_row[: head.n_base] = True
@@ -444,7 +469,7 @@ def test_a_self_drafts_importances_are_the_mean_squares_of_each_matrixs_inputs(r
     m.close()
 
 
-def test_a_model_draft_stops_before_a_token_it_gives_less_than_p_min(model):
+def test_a_model_draft_stops_at_a_token_it_gives_less_than_p_min(model):
     from kvchat.runtime.speculative import make_speculator
     from kvchat.runtime.speculative.draft_model import confident_greedy
 
@@ -452,15 +477,19 @@ def test_a_model_draft_stops_before_a_token_it_gives_less_than_p_min(model):
     row[[2, 7]] = [np.log(3.0), 0.0]  # p = 0.75 / 0.25
     assert confident_greedy(row, 0.74) == (2, True) and confident_greedy(row, 0.76) == (2, False)
     assert confident_greedy(row, 0.0) == (2, True)
-    answers, drafted = {}, {}
+    answers, drafted, verified = {}, {}, {}
     for p_min in (0.0, 0.6, 1.0):
         conv = conversation(model, n_predict=40)
         conv.speculative = make_speculator(conv.ctx, "self:q4_0", draft_max=4, draft_p_min=p_min)
         conv.speculative.length.next = lambda: 4  # every step drafts: what p_min leaves of a draft is under test
         conv.ask("one two three one two three one two three four")
-        answers[p_min], drafted[p_min] = conv.tokens, conv.speculative.stats.n_drafted
+        st = conv.speculative.stats
+        answers[p_min], drafted[p_min], verified[p_min] = conv.tokens, st.n_drafted, st.n_verify
     assert answers[0.6] == answers[0.0] == answers[1.0]
-    assert drafted[1.0] == 0 < drafted[0.6] <= drafted[0.0]
+    if conv.ctx.memory.get_can_trim():  # a SelfDraft (self_draft.py) proposes the unsure token, then stops
+        assert drafted[1.0] == verified[1.0] > 0 and drafted[1.0] <= drafted[0.6] <= drafted[0.0]
+    else:  # a ModelDraft stops before it
+        assert drafted[1.0] == 0 < drafted[0.6] <= drafted[0.0]
 
 
 def test_empty_proposals_count_as_a_draft_step_spent_for_one_token():
@@ -484,3 +513,64 @@ def test_empty_proposals_count_as_a_draft_step_spent_for_one_token():
     assert full.q > 0.99 and full.next() >= 3
     assert mostly_empty.q < 0.2 and mostly_empty.next() == 0
     assert abs(mostly_empty.p - full.p) < 0.1  # empty proposals leave the acceptance alone
+
+
+def _self_draft(ctx, draft_model=None, p_min=0.0):
+    """A SelfDraft on ctx's memory; draft_model None: the target itself (its drafts are then the
+    target's own greedy tokens, bit for bit: batch-invariant kernels)."""
+    from kvchat.runtime.speculative.self_draft import SelfDraft
+
+    if not ctx.memory.get_can_trim():
+        pytest.skip("a recurrent or hybrid memory cannot host a draft's rows (make_speculator: ModelDraft)")
+    return SelfDraft(Context(draft_model or ctx.model, ctx.params, memory=ctx.memory), p_min=p_min)
+
+
+def test_a_self_draft_in_the_targets_cache_drafts_the_targets_tokens_and_leaves_its_memory(model):
+    """With the target as its own 'copy' every draft must be the plain answer's next token (right
+    positions, the target's rows read, the draft's own rows gone before the verify writes its),
+    all accepted, and the memory ends as plain decoding leaves it (dense; iSWA's window)."""
+    plain, stop, n_dec, state, _ = run(model, n=60)
+    ctx = context(model)
+    spec = Speculator(_self_draft(ctx), draft_max=5)
+    spec.length.next = lambda: 5
+    gen = generate_speculative(ctx, greedy, spec, prompt=PROMPT, max_tokens=60)
+    toks = [s.token for s in gen]
+    assert toks == plain and (gen.stop, gen.n_decoded) == (stop, n_dec)
+    assert ctx.state_seq_get_data(0) == state
+    assert gen.stats.n_drafted >= 5 * (gen.stats.n_verify - 1) and gen.stats.n_accepted == gen.stats.n_drafted
+
+
+def test_a_self_draft_proposal_leaves_the_memory_as_it_was_when_interrupted_or_out_of_room(model):
+    from kvchat.runtime.generate import Interrupted
+
+    ctx = context(model, n_ctx=256)
+    decode_tokens(ctx, PROMPT[:-1], 0, logits="none")
+    pos = len(PROMPT) - 1
+    before = ctx.state_seq_get_data(0)
+    src = _self_draft(ctx)
+    calls = []
+    src.ctx.abort_callback = lambda: calls.append(1) or len(calls) > 2  # the third step aborts
+    with pytest.raises(Interrupted):
+        src.propose(PROMPT, 5, pos, 0)
+    assert ctx.state_seq_get_data(0) == before and ctx.memory.seq_pos_max(0) == pos - 1
+    src.ctx.abort_callback = None
+    assert len(src.propose(PROMPT, 5, pos, 0)) == 5 and src.step_times[0] == 5
+    assert ctx.state_seq_get_data(0) == before
+    # three cells left: the steps that found a cell, then the proposal stops
+    long = (PROMPT * 20)[:254]
+    decode_tokens(ctx, long[pos:-1], pos, logits="none")
+    full = ctx.state_seq_get_data(0)
+    d = src.propose(long, 8, 253, 0)
+    assert len(d) == 3 and ctx.state_seq_get_data(0) == full  # steps at 253, 254, 255
+
+
+def test_a_self_draft_proposes_the_first_unsure_token_and_stops_there(model):
+    """--draft-p-min for a draft in the target's cache: the token under p_min ends the proposal but
+    is proposed (its step is paid; a verify row costs little); p_min 1 proposes one token a time."""
+    ctx = context(model)
+    decode_tokens(ctx, PROMPT[:-1], 0, logits="none")
+    pos = len(PROMPT) - 1
+    free = _self_draft(ctx).propose(PROMPT, 6, pos, 0)
+    assert len(free) == 6
+    one = _self_draft(ctx, p_min=1.0).propose(PROMPT, 6, pos, 0)
+    assert one == free[:1]

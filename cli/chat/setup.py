@@ -318,12 +318,10 @@ def make_speculator(engine: Engine, settings: ChatSettings, renderer: Renderer, 
             draft_p_min=settings.draft_p_min,
             abort_callback=stop_event.is_set,
         )
-        draft_ctx = getattr(spec.source, "ctx", None)
-        if draft_ctx is not None:
-            from kvchat.runtime.generate import warm_up
-
+        warm_up = getattr(spec.source, "warm_up", None)  # a model draft's kernels
+        if warm_up is not None:
             bos = getattr(engine.vocab, "bos", None)
-            warm_up(draft_ctx, bos if bos is not None and bos >= 0 else 0)
+            warm_up(bos if bos is not None and bos >= 0 else 0)
     return spec
 
 

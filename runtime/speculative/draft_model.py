@@ -86,8 +86,9 @@ class ModelDraft:
         half = max(1, n_ctx // 2)
         return ((need - n_ctx) // half + 1) * half
 
-    def propose(self, history, n_max: int) -> list[int]:
-        """Up to n_max greedy draft tokens to follow `history` (token ids, oldest first)."""
+    def propose(self, history, n_max: int, pos: int | None = None, seq: int = 0) -> list[int]:
+        """Up to n_max greedy draft tokens to follow `history` (token ids, oldest first); pos and
+        seq (where the target holds it) do not matter to a draft with its own memory."""
         if n_max <= 0 or not len(history):
             return []
         start = self._window(history, n_max)
@@ -158,6 +159,12 @@ class ModelDraft:
         self.cached = list(h)  # grows with the drafts; the checkpoint's tokens stay h
         self._ckpt = (mem.seq_checkpoint(0), h, logits)
         return logits
+
+    def warm_up(self, token: int) -> None:
+        """Load (or compile) the draft's kernels before the first answer (runtime.generate.warm_up)."""
+        from kvchat.runtime.generate import warm_up
+
+        warm_up(self.ctx, token)
 
     def _forget(self) -> None:
         self.ctx.memory.seq_rm(0, -1, -1)

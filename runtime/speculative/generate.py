@@ -71,7 +71,7 @@ class SpecGeneration(Generation):
             if k > 0:
                 t0 = time.perf_counter()
                 try:
-                    drafts = [int(d) for d in self.spec.source.propose(self.history, k)][:k]
+                    drafts = [int(d) for d in self.spec.source.propose(self.history, k, self.pos, self.seq)][:k]
                 except Interrupted:  # Ctrl-C inside the draft model's decode: the plain step stops too
                     drafts = []
                 # (draft steps, their seconds): a model draft times its own one-token decodes; a

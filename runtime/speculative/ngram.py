@@ -25,8 +25,9 @@ class NgramDraft:
         self.ngram_max, self.ngram_min = int(ngram_max), int(ngram_min)
         self.window = int(window)  # only the last `window` tokens are searched (cost per draft)
 
-    def propose(self, history, n_max: int) -> list[int]:
-        """Up to n_max draft tokens to follow `history` (token ids, oldest first)."""
+    def propose(self, history, n_max: int, pos: int | None = None, seq: int = 0) -> list[int]:
+        """Up to n_max draft tokens to follow `history` (token ids, oldest first); pos and seq
+        (where the target holds it) do not matter to a lookup."""
         if n_max <= 0:
             return []
         h = np.asarray(history[-self.window :], dtype=np.int64)  # [n]
