@@ -298,7 +298,6 @@ def conversation(model, speculative=None, n_ctx=256, n_predict=40, temp=0.0):
 def test_a_conversation_through_context_shifts_is_plain_decodings(model):
     """256 cells, answers of 300 tokens: several shifts inside speculative runs (dense, iSWA with
     its window; recurrent and hybrid memories stop at the full context, as plain ones do)."""
-    from kvchat.runtime.chat.events import PromptTooLong
 
     plain = conversation(model, n_predict=300)
     spec = conversation(model, Speculator(NgramDraft(3, 1), draft_max=6), n_predict=300)
