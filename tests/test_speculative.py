@@ -19,7 +19,7 @@ from kvchat.runtime.generate import StopReason, decode_tokens, generate
 from kvchat.runtime.model import Model
 from kvchat.runtime.speculative.generate import generate_speculative
 from kvchat.runtime.speculative.ngram import NgramDraft
-from kvchat.runtime.speculative.speculator import DraftLength, Speculator
+from kvchat.runtime.speculative.speculator import PROBE_EVERY, PROBE_MAX, DraftLength, Speculator
 
 MODELS = ["llama3rope_s1", "gemma2_s1", "mamba_s1", "lfm2_s1", "qwen35_s1"]
 PROMPT = [1, 500, 600, 700, 800, 900, 1000, 1100, 500, 600, 700, 800, 1200, 1300, 1400]
@@ -197,6 +197,26 @@ def test_one_slow_draft_does_not_stop_drafting_for_the_rest_of_the_run():
         assert steps <= 4 * PROBE_MAX, "no probe"
     assert drafted[1] - drafted[0] <= PROBE_MAX
     assert dl.next() >= 2 and dl.t_draft == 0.010  # drafting again, the outlier out of the median
+
+
+@pytest.mark.parametrize("probe_max", [PROBE_EVERY, PROBE_MAX])
+def test_failed_probes_back_off_up_to_the_sources_probe_max(probe_max):
+    """A source whose probe first catches up on the skipped tokens (ModelDraft) backs off to
+    PROBE_MAX plain steps between probes; one whose probe is its draft steps only (SelfDraft)
+    probes every PROBE_EVERY."""
+    dl = DraftLength(draft_max=4, probe_max=probe_max)
+    for n in (1, 2, 3):
+        for _ in range(4):
+            dl.record_decode(n, 0.010 * (1 + 0.05 * (n - 1)))
+    for _ in range(3):
+        dl.record_draft(2, 0, True, 2 * 0.003)  # cheap drafts, always rejected: drafting does not pay
+    gaps, last = [], 0
+    for step in range(1, 400):
+        if dl.next():
+            gaps.append(step - last)
+            last = step
+            dl.record_draft(2, 0, True, 2 * 0.003)
+    assert gaps[0] <= PROBE_EVERY and max(gaps) == gaps[-1] == probe_max
 
 
 def test_no_probes_while_a_draft_step_costs_so_much_that_even_accepted_drafts_would_lose():

@@ -64,10 +64,14 @@ class SpecStats:
 class DraftLength:
     """The number of tokens to draft next, from measured acceptance and costs (module docstring)."""
 
-    def __init__(self, draft_max: int = DRAFT_MAX, draft_min: int = 0):
+    def __init__(self, draft_max: int = DRAFT_MAX, draft_min: int = 0, probe_max: int = PROBE_MAX):
+        """probe_max: the longest wait between probes while drafting does not pay (PROBE_MAX for a
+        source whose probe first catches up on the skipped tokens; PROBE_EVERY, no backing off, for
+        one whose probe costs its draft steps only: a SelfDraft)."""
         if draft_max < 0 or draft_min < 0 or draft_min > draft_max:
             raise ValueError(f"draft lengths: need 0 <= draft-min ({draft_min}) <= draft-max ({draft_max})")
         self.draft_max, self.draft_min = int(draft_max), int(draft_min)
+        self.probe_max = int(probe_max)
         self.acc, self.trials = 1.0, 2.0  # prior p = 0.5 (pseudo-counts)
         # proposals that drafted something, of those asked for (a model draft proposes nothing when
         # it is unsure of the first token, --draft-p-min): prior 1 (pseudo-counts)
@@ -126,7 +130,7 @@ class DraftLength:
                 if self.probe_every < HOPELESS_WAIT and self.hopeless():
                     self.probe_every = HOPELESS_WAIT  # then one probe, whatever the estimates say
                     return 0
-                self.probe_every = min(PROBE_MAX, 2 * self.probe_every)  # each probe that fails waits longer
+                self.probe_every = min(self.probe_max, 2 * self.probe_every)  # each failed probe waits longer
                 # two drafts: a model draft's second one is a draft step, the sample of its cost
                 return max(min(2, self.draft_max), self.draft_min)
             return 0
@@ -185,7 +189,7 @@ class Speculator:
 
     def __init__(self, source, draft_max: int = DRAFT_MAX, draft_min: int = 0):
         self.source = source
-        self.length = DraftLength(draft_max, draft_min)
+        self.length = DraftLength(draft_max, draft_min, getattr(source, "probe_max", PROBE_MAX))
         self.stats = SpecStats()  # the whole run's
 
     @property
