@@ -177,7 +177,6 @@ def test_one_slow_draft_does_not_stop_drafting_for_the_rest_of_the_run():
     """A proposal that took 10x (a descheduled thread on a shared machine) makes drafting look
     unprofitable for a while; the estimates are medians, so two normal probes bring it back, and
     probes come at most PROBE_MAX plain steps apart."""
-    from kvchat.runtime.speculative.speculator import PROBE_MAX
 
     dl = DraftLength(draft_max=4)
     for n, t in ((1, 0.028), (2, 0.033), (3, 0.036), (5, 0.047)):
