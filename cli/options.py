@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from kvchat.cli.option_checks import above, at_least, one_of, seed_value, spec_type_value, within
 from kvchat.runtime.errors import KvchatError
 from kvchat.runtime.sampling import SamplingParams
-from kvchat.runtime.speculative.speculator import DRAFT_MAX, DRAFT_P_MIN, SELF_DRAFT_P_MIN
+from kvchat.runtime.speculative.speculator import DRAFT_MAX, DRAFT_P_MIN
 
 PANEL_MODEL = "Model"
 PANEL_CONTEXT = "Context and KV cache"
@@ -76,7 +76,7 @@ class ChatSettings:
     spec_type: Optional[str] = None
     draft_max: int = DRAFT_MAX
     draft_min: int = 0
-    draft_p_min: Optional[float] = None  # None: the draft source's own default
+    draft_p_min: float = DRAFT_P_MIN
     json_schema: Optional[str] = None
     json_schema_file: Optional[Path] = None
     grammar: Optional[str] = None
@@ -147,7 +147,7 @@ class Option:
     @property
     def value_type(self):
         t = self.type
-        return {Optional[int]: int, Optional[float]: float, Optional[str]: str, Optional[Path]: Path}.get(t, t)
+        return {Optional[int]: int, Optional[str]: str, Optional[Path]: Path}.get(t, t)
 
 
 MODEL_HELP = (
@@ -382,10 +382,9 @@ OPTIONS = [
     ),
     Option(
         "draft_p_min",
-        Optional[float],
+        float,
         ("--draft-p-min", "--spec-draft-p-min"),
-        f"a draft model stops at a token it gives less probability than this (0: never; default {DRAFT_P_MIN} "
-        f"for -md, {SELF_DRAFT_P_MIN} for self:TYPE)",
+        "a draft model stops at a token it gives less probability than this (0: never)",
         PANEL_SPEC,
         within(0.0, 1.0),
     ),

@@ -592,3 +592,21 @@ def test_a_self_draft_proposes_the_first_unsure_token_and_stops_there(model):
     assert len(free) == 6
     one = _self_draft(ctx, p_min=1.0).propose(PROMPT, 6, pos, 0)
     assert one == free[:1]
+
+
+def test_a_self_draft_with_p_min_is_asked_for_draft_max_whenever_drafting_pays(model):
+    """It ends its proposals at its first unsure token, so DraftLength's k (from the mean
+    acceptance) only says whether to draft: the proposal may run to --draft-max; without p_min,
+    k stays the cap."""
+    for p_min, want in ((0.5, 6), (0.0, 2)):
+        ctx = context(model)
+        src = _self_draft(ctx, p_min=p_min)
+        asked = []
+        propose = src.propose
+        src.propose = lambda h, n, pos=None, seq=0: asked.append(n) or propose(h, n, pos, seq)
+        spec = Speculator(src, draft_max=6)
+        ks = iter([2, 0] * 20)
+        spec.length.next = lambda: next(ks)
+        toks = [s.token for s in generate_speculative(ctx, greedy, spec, prompt=PROMPT, max_tokens=30)]
+        assert toks == run(model, n=30)[0]
+        assert asked[:3] == [want] * 3 and max(asked) == want, (p_min, asked)  # the last ones: the token limit

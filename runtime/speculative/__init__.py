@@ -5,7 +5,7 @@ draft sources (ngram.py, draft_model.py, self_quant.py + self_draft.py), the dra
 
 from __future__ import annotations
 
-from kvchat.runtime.speculative.speculator import DRAFT_MAX, DRAFT_P_MIN, SELF_DRAFT_P_MIN, Speculator
+from kvchat.runtime.speculative.speculator import DRAFT_MAX, DRAFT_P_MIN, Speculator
 
 SPEC_TYPES = ("draft", "ngram", "self:TYPE")
 
@@ -17,15 +17,14 @@ def make_speculator(
     draft_path=None,
     draft_max: int = DRAFT_MAX,
     draft_min: int = 0,
-    draft_p_min: float | None = None,
+    draft_p_min: float = DRAFT_P_MIN,
     abort_callback=None,
 ) -> Speculator:
     """A Speculator for `target_ctx` (a Context): kind "ngram", "draft" (draft_path: a GGUF of the
     same vocabulary) or "self:TYPE" (a TYPE copy of the target's weights). The draft model's
     Context takes the target's context parameters; a self-draft's shares the target's memory when
     that can cut a sequence (self_draft.py), else it has its own (ModelDraft). A model draft stops
-    at a token it gives less than draft_p_min probability (None: SELF_DRAFT_P_MIN for a SelfDraft,
-    DRAFT_P_MIN for a ModelDraft). KvchatError (one line) for what cannot work."""
+    at a token it gives less than draft_p_min probability. KvchatError (one line) for what cannot work."""
     from kvchat.runtime.errors import KvchatError
 
     if kind == "ngram":
@@ -57,15 +56,13 @@ def make_speculator(
 
             # the copy drafts in the target's KV cache (self_draft.py)
             ctx = Context(draft, params, abort_callback=abort_callback, memory=target_ctx.memory)
-            p_min = SELF_DRAFT_P_MIN if draft_p_min is None else draft_p_min
-            source = SelfDraft(ctx, name=name, n_vocab_target=n_vocab, p_min=p_min)
+            source = SelfDraft(ctx, name=name, n_vocab_target=n_vocab, p_min=draft_p_min)
         else:
             from dataclasses import replace
 
             one = replace(params, n_ctx=int(target_ctx.n_ctx_seq), n_seq_max=1, kv_unified=True)
             ctx = Context(draft, one, abort_callback=abort_callback)
-            p_min = DRAFT_P_MIN if draft_p_min is None else draft_p_min
-            source = ModelDraft(ctx, name=name, n_vocab_target=n_vocab, p_min=p_min)
+            source = ModelDraft(ctx, name=name, n_vocab_target=n_vocab, p_min=draft_p_min)
     else:
         raise KvchatError(f"--spec-type {kind}: unknown; use one of {', '.join(SPEC_TYPES)}")
     try:

@@ -90,11 +90,15 @@ class SpecGeneration(Generation):
             pending = outcome
 
     def _draft_budget(self) -> int:
-        """Most drafts this step: DraftLength's choice within the token limit and the room left;
-        none when a stop was asked for (plain decoding would decode just this token)."""
+        """Most drafts this step: DraftLength's choice (draft_max whenever it is not 0 for a source
+        that ends its proposals itself) within the token limit and the room left; none when a stop
+        was asked for (plain decoding would decode just this token)."""
         if self.stop_event is not None and self.stop_event.is_set():
             return 0
-        k = min(self.spec.length.next(), self._room())
+        k = self.spec.length.next()
+        if k and getattr(self.spec.source, "ends_unsure", False):
+            k = self.spec.length.draft_max  # it ends a proposal at its first unsure token (self_draft.py)
+        k = min(k, self._room())
         if self.max_tokens >= 0:
             k = min(k, self.max_tokens - self.n_sampled)
         return max(0, k)

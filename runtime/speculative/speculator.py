@@ -29,11 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 DRAFT_MAX = 16  # --draft-max's default: most drafts per verify (llama.cpp's default too)
-DRAFT_P_MIN = 0.5  # --draft-p-min's default for -md: a draft model stops before a token it gives less (llama.cpp: 0)
-# ... for self:TYPE in the target's cache, which proposes that token and stops after it (self_draft.py).
-# SmolLM2 F16, 3 rounds (docs/performance.md, session 18): story 1.48-1.51x at 0.5, 1.50-1.54x at 0.3; copying
-# a file 1.70-1.71x at 0 (and one round stuck plain), 1.75-1.82x at 0.3
-SELF_DRAFT_P_MIN = 0.3
+DRAFT_P_MIN = 0.5  # --draft-p-min's default: a model draft stops at a token it gives less (llama.cpp: 0)
 PROBE_EVERY = 16  # plain steps before a probing draft when drafting does not pay (doubles per probe)
 PROBE_MAX = 64  # ... up to this many: a model draft's probe first catches up on every skipped token (one
 # batch, ~1/20 of the plain steps' time on Gemma-3 here), so a wrong "does not pay" lasts 64 tokens at most
