@@ -610,3 +610,20 @@ def test_a_self_draft_with_p_min_is_asked_for_draft_max_whenever_drafting_pays(m
         toks = [s.token for s in generate_speculative(ctx, greedy, spec, prompt=PROMPT, max_tokens=30)]
         assert toks == run(model, n=30)[0]
         assert asked[:3] == [want] * 3 and max(asked) == want, (p_min, asked)  # the last ones: the token limit
+
+
+def test_one_stalled_verify_of_a_large_batch_does_not_make_drafts_look_dear():
+    """The batch-cost line is Theil-Sen: a 17-token verify timed once at 4x (a stall) leaves the
+    estimates of the sizes around it, and drafting goes on."""
+    dl = DraftLength(draft_max=16)
+    for n in (1, 2, 3, 4, 5):
+        for _ in range(4):
+            dl.record_decode(n, 0.0144 + 0.001 * (n - 1))
+    for _ in range(4):
+        dl.record_draft(4, 4, False, 4 * 0.0045)
+    k = dl.next()
+    dl.record_decode(17, 1.0)  # a size's first decode: not a sample
+    dl.record_decode(17, 4 * (0.0144 + 0.016))
+    assert dl.next() == k >= 4
+    t = dl._line()
+    assert abs(t(3) - 0.0164) < 1e-4 and abs(t(1) - 0.0144) < 1e-4

@@ -91,7 +91,10 @@ class DraftLength:
 
     def _line(self, min_samples: int = 1):
         """n -> estimated seconds of an n-token target decode: a line through the medians of the
-        sizes measured at least min_samples times (fitted once, evaluated for every draft length)."""
+        sizes measured at least min_samples times (fitted once, evaluated for every draft length).
+        Theil-Sen (the median of the pairwise slopes, then the median intercept): a size timed once
+        while the machine stalled must not tilt the line — a least-squares fit through one such
+        17-token verify (a self-draft asks for --draft-max) made every draft look dear."""
         pts = sorted((m, t) for m, t in self.t_size.items() if len(self._times[m]) >= min_samples)
         if not pts:
             return lambda n: 1.0 + 0.15 * (n - 1)  # before any measurement: only ratios matter
@@ -99,12 +102,10 @@ class DraftLength:
             (m, t) = pts[0]
             one = t / (1.0 + 0.15 * (m - 1))
             return lambda n: one * (1.0 + 0.15 * (n - 1))
-        xs = [m for m, _ in pts]
-        ys = [t for _, t in pts]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx)
-        return lambda n: max(1e-6, my + slope * (n - mx))
+        slopes = [(tj - ti) / (mj - mi) for i, (mi, ti) in enumerate(pts) for mj, tj in pts[i + 1 :]]
+        slope = max(0.0, statistics.median(slopes))
+        base = statistics.median(t - slope * m for m, t in pts)
+        return lambda n: max(1e-6, base + slope * n)
 
     def next(self) -> int:
         """How many tokens to draft for the next verify."""
