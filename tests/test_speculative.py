@@ -627,3 +627,17 @@ def test_one_stalled_verify_of_a_large_batch_does_not_make_drafts_look_dear():
     assert dl.next() == k >= 4
     t = dl._line()
     assert abs(t(3) - 0.0164) < 1e-4 and abs(t(1) - 0.0144) < 1e-4
+
+
+def test_a_self_drafts_warm_up_leaves_a_resumed_sequence_as_it_was(model):
+    """Chat warms the draft's kernels up before the first answer (cli/chat/setup.py), maybe after a
+    session put cells in the cache: one step past the sequence's end, then removed."""
+    ctx = context(model)
+    decode_tokens(ctx, PROMPT, 0, logits="none")
+    before = ctx.state_seq_get_data(0)
+    src = _self_draft(ctx)
+    steps = []
+    decode = src.ctx.decode_one
+    src.ctx.decode_one = lambda t, pos, seq: steps.append(pos) or decode(t, pos, seq)
+    src.warm_up(1)
+    assert steps == [len(PROMPT)] and ctx.state_seq_get_data(0) == before
