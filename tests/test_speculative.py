@@ -25,18 +25,8 @@ MODELS = ["llama3rope_s1", "gemma2_s1", "mamba_s1", "lfm2_s1", "qwen35_s1"]
 PROMPT = [1, 500, 600, 700, 800, 900, 1000, 1100, 500, 600, 700, 800, 1200, 1300, 1400]
 
 
-KV_MODELS = ["llama3rope_s1", "gemma2_s1"]  # memories that can cut a sequence: a SelfDraft's hosts
-
-
 @pytest.fixture(scope="module", params=MODELS)
 def model(request, reference_dir):
-    m = Model.load(reference_dir / "tiny" / f"{request.param}.gguf")
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module", params=KV_MODELS)
-def kv_model(request, reference_dir):
     m = Model.load(reference_dir / "tiny" / f"{request.param}.gguf")
     yield m
     m.close()
@@ -334,13 +324,13 @@ def test_a_conversation_through_context_shifts_is_plain_decodings(model):
 
 
 @pytest.mark.slow
-def test_a_self_draft_in_the_targets_cache_through_context_shifts_is_plain_decodings(kv_model):
-    """The same with the q4_0 copy drafting in the target's cache (self_draft.py): its rows come
+def test_a_self_draft_in_the_targets_memory_through_context_shifts_is_plain_decodings(model):
+    """The same with the q4_0 copy drafting in the target's memory (self_draft.py): its rows come
     and go between the shifts' seq_rm / seq_add of the target's cells."""
     from kvchat.runtime.speculative import make_speculator
 
-    plain = conversation(kv_model, n_predict=300)
-    spec = conversation(kv_model, n_predict=300)
+    plain = conversation(model, n_predict=300)
+    spec = conversation(model, n_predict=300)
     spec.speculative = make_speculator(spec.ctx, "self:q4_0", draft_max=4, draft_p_min=0.0)
     assert type(spec.speculative.source).__name__ == "SelfDraft"
     spec.speculative.length.next = lambda: 4
@@ -381,7 +371,7 @@ def test_a_seeded_sampled_answer_is_the_same_with_drafts(model):
 
 
 def test_self_q4_0_drafts_give_the_plain_answer(model):
-    """The model drafting for itself: a q4_0 copy of the (F32) weights, its own Context."""
+    """The model drafting for itself: a q4_0 copy of the (F32) weights in the target's memory."""
     from kvchat.runtime.speculative import make_speculator
 
     plain = conversation(model, n_predict=40)
@@ -443,8 +433,7 @@ def test_a_self_draft_looks_up_the_targets_embeddings_and_gives_the_conversation
     head = draft.weights.output
     rare = [t for t in (40000, 45000, 49000) if t < head.m]
     h = PROMPT + rare
-    if ctx.memory.get_can_trim():  # the copy drafts in the target's cache (self_draft.py): h[:-1] there
-        decode_tokens(ctx, h[:-1], 0, logits="none")
+    decode_tokens(ctx, h[:-1], 0, logits="none")  # the copy drafts in the target's memory (self_draft.py)
     spec.source.propose(h, 3, len(h) - 1, 0)
     logits = spec.source.ctx.get_logits_ith(-1)
     has_row = np.zeros(head.m, bool)
@@ -512,10 +501,9 @@ def test_a_model_draft_stops_at_a_token_it_gives_less_than_p_min(model):
         st = conv.speculative.stats
         answers[p_min], drafted[p_min], verified[p_min] = conv.tokens, st.n_drafted, st.n_verify
     assert answers[0.6] == answers[0.0] == answers[1.0]
-    if conv.ctx.memory.get_can_trim():  # a SelfDraft (self_draft.py) proposes the unsure token, then stops
-        assert drafted[1.0] == verified[1.0] > 0 and drafted[1.0] <= drafted[0.6] <= drafted[0.0]
-    else:  # a ModelDraft stops before it
-        assert drafted[1.0] == 0 < drafted[0.6] <= drafted[0.0]
+    # a SelfDraft (self_draft.py) proposes the unsure token, then stops
+    assert type(conv.speculative.source).__name__ == "SelfDraft"
+    assert drafted[1.0] == verified[1.0] > 0 and drafted[1.0] <= drafted[0.6] <= drafted[0.0]
 
 
 def test_empty_proposals_count_as_a_draft_step_spent_for_one_token():
@@ -546,16 +534,16 @@ def _self_draft(ctx, draft_model=None, p_min=0.0):
     target's own greedy tokens, bit for bit: batch-invariant kernels)."""
     from kvchat.runtime.speculative.self_draft import SelfDraft
 
-    assert ctx.memory.get_can_trim(), "a SelfDraft needs a memory that can cut a sequence (KV_MODELS)"
     return SelfDraft(Context(draft_model or ctx.model, ctx.params, memory=ctx.memory), p_min=p_min)
 
 
-def test_a_self_draft_in_the_targets_cache_drafts_the_targets_tokens_and_leaves_its_memory(kv_model):
+def test_a_self_draft_in_the_targets_memory_drafts_the_targets_tokens_and_leaves_it_as_plain_decoding(model):
     """With the target as its own 'copy' every draft must be the plain answer's next token (right
     positions, the target's rows read, the draft's own rows gone before the verify writes its),
-    all accepted, and the memory ends as plain decoding leaves it (dense; iSWA's window)."""
-    plain, stop, n_dec, state, _ = run(kv_model, n=60)
-    ctx = context(kv_model)
+    all accepted, and the memory ends as plain decoding leaves it (dense; iSWA's window; a
+    recurrent or hybrid state checkpointed and restored around the drafts)."""
+    plain, stop, n_dec, state, _ = run(model, n=60)
+    ctx = context(model)
     spec = Speculator(_self_draft(ctx), draft_max=5)
     spec.length.next = lambda: 5
     gen = generate_speculative(ctx, greedy, spec, prompt=PROMPT, max_tokens=60)
@@ -565,10 +553,10 @@ def test_a_self_draft_in_the_targets_cache_drafts_the_targets_tokens_and_leaves_
     assert gen.stats.n_drafted >= 5 * (gen.stats.n_verify - 1) and gen.stats.n_accepted == gen.stats.n_drafted
 
 
-def test_a_self_draft_proposal_leaves_the_memory_as_it_was_when_interrupted_or_out_of_room(kv_model):
+def test_a_self_draft_proposal_leaves_the_memory_as_it_was_when_interrupted_or_out_of_room(model):
     from kvchat.runtime.generate import Interrupted
 
-    ctx = context(kv_model, n_ctx=256)
+    ctx = context(model, n_ctx=256)
     decode_tokens(ctx, PROMPT[:-1], 0, logits="none")
     pos = len(PROMPT) - 1
     before = ctx.state_seq_get_data(0)
@@ -581,18 +569,20 @@ def test_a_self_draft_proposal_leaves_the_memory_as_it_was_when_interrupted_or_o
     src.ctx.abort_callback = None
     assert len(src.propose(PROMPT, 5, pos, 0)) == 5 and src.step_times[0] == 5
     assert ctx.state_seq_get_data(0) == before
-    # three cells left: the steps that found a cell, then the proposal stops
+    # three cells left: the steps that found a cell, then the proposal stops (a recurrent memory
+    # holds a state, not cells: all 8 steps)
     long = (PROMPT * 20)[:254]
     decode_tokens(ctx, long[pos:-1], pos, logits="none")
     full = ctx.state_seq_get_data(0)
     d = src.propose(long, 8, 253, 0)
-    assert len(d) == 3 and ctx.state_seq_get_data(0) == full  # steps at 253, 254, 255
+    assert len(d) == (8 if type(ctx.memory).__name__ == "MemoryRecurrent" else 3)  # steps at 253, 254, 255
+    assert ctx.state_seq_get_data(0) == full
 
 
-def test_a_self_draft_proposes_the_first_unsure_token_and_stops_there(kv_model):
+def test_a_self_draft_proposes_the_first_unsure_token_and_stops_there(model):
     """--draft-p-min for a draft in the target's cache: the token under p_min ends the proposal but
     is proposed (its step is paid; a verify row costs little); p_min 1 proposes one token a time."""
-    ctx = context(kv_model)
+    ctx = context(model)
     decode_tokens(ctx, PROMPT[:-1], 0, logits="none")
     pos = len(PROMPT) - 1
     free = _self_draft(ctx).propose(PROMPT, 6, pos, 0)
@@ -601,12 +591,12 @@ def test_a_self_draft_proposes_the_first_unsure_token_and_stops_there(kv_model):
     assert one == free[:1]
 
 
-def test_a_self_draft_with_p_min_is_asked_for_draft_max_whenever_drafting_pays(kv_model):
+def test_a_self_draft_with_p_min_is_asked_for_draft_max_whenever_drafting_pays(model):
     """It ends its proposals at its first unsure token, so DraftLength's k (from the mean
     acceptance) only says whether to draft: the proposal may run to --draft-max; without p_min,
     k stays the cap."""
     for p_min, want in ((0.5, 6), (0.0, 2)):
-        ctx = context(kv_model)
+        ctx = context(model)
         src = _self_draft(ctx, p_min=p_min)
         asked = []
         propose = src.propose
@@ -615,7 +605,7 @@ def test_a_self_draft_with_p_min_is_asked_for_draft_max_whenever_drafting_pays(k
         ks = iter([2, 0] * 20)
         spec.length.next = lambda: next(ks)
         toks = [s.token for s in generate_speculative(ctx, greedy, spec, prompt=PROMPT, max_tokens=30)]
-        assert toks == run(kv_model, n=30)[0]
+        assert toks == run(model, n=30)[0]
         assert asked[:3] == [want] * 3 and max(asked) == want, (p_min, asked)  # the last ones: the token limit
 
 
@@ -636,10 +626,10 @@ def test_one_stalled_verify_of_a_large_batch_does_not_make_drafts_look_dear():
     assert abs(t(3) - 0.0164) < 1e-4 and abs(t(1) - 0.0144) < 1e-4
 
 
-def test_a_self_drafts_warm_up_leaves_a_resumed_sequence_as_it_was(kv_model):
+def test_a_self_drafts_warm_up_leaves_a_resumed_sequence_as_it_was(model):
     """Chat warms the draft's kernels up before the first answer (cli/chat/setup.py), maybe after a
     session put cells in the cache: one step past the sequence's end, then removed."""
-    ctx = context(kv_model)
+    ctx = context(model)
     decode_tokens(ctx, PROMPT, 0, logits="none")
     before = ctx.state_seq_get_data(0)
     src = _self_draft(ctx)

@@ -1,4 +1,4 @@
-"""A self-draft that works in its target's KV cache (`--spec-type self:TYPE` on a KV-cache memory).
+"""A self-draft that works in its target's memory (`--spec-type self:TYPE`).
 
 The TYPE copy of the target's weights (self_quant.py) has the target's hyper-parameters, so its
 layers read and write cache rows of the target's shape. Instead of a memory of its own, kept in
@@ -13,8 +13,9 @@ A proposal after token t at position pos of sequence seq (t sampled, not yet dec
 decode t at pos with the draft's weights -> d1; d1 at pos + 1 -> d2; ... each step one row in the
 shared cache; then seq_rm(seq, pos, -1) takes the draft's rows out (also when a step fails or is
 interrupted), so the memory holds exactly what it held before, and the verify batch [t, d1..dk]
-writes the target's own rows there. Memories that cannot cut a sequence (recurrent, hybrid) keep
-their state in place and cannot host a draft this way: make_speculator gives them ModelDraft.
+writes the target's own rows there. A memory that cannot cut a sequence (recurrent, hybrid: the
+state is updated in place) is checkpointed before the first step and restored after the last, as
+the verify itself does; the draft then also starts from the target's exact recurrent state.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ class SelfDraft:
     1.52x proposing it; 1.58x drafting up to --draft-max while sure: docs/performance.md, session 18)."""
 
     def __init__(self, ctx, name: str = "self", n_vocab_target: int | None = None, p_min: float = 0.0):
-        if not ctx.memory.get_can_trim():
-            raise ValueError("SelfDraft: the shared memory cannot remove the draft's rows (recurrent or hybrid)")
         self.ctx = ctx
         self.n_vocab_target = n_vocab_target or int(ctx.n_vocab)  # drafts past it are dropped
         self.p_min = float(p_min)
@@ -59,6 +58,8 @@ class SelfDraft:
             return []
         self._add_head_rows(history)
         mem = self.ctx.memory
+        # a recurrent or hybrid memory cannot cut its state: saved here, restored below
+        ckpt = None if mem.get_can_trim() else mem.seq_checkpoint(seq)
         out: list[int] = []
         n_steps, seconds = 0, 0.0
         token = int(history[-1])
@@ -78,8 +79,8 @@ class SelfDraft:
             pass  # no room for another row (other sequences hold the cache): what was drafted
         finally:
             self.step_times = (n_steps, seconds)
-            if not mem.seq_rm(seq, pos, -1):
-                raise RuntimeError("self-draft: the memory refused to remove the draft's rows")
+            if not (mem.seq_rm(seq, pos, -1) if ckpt is None else mem.seq_restore(seq, ckpt)):
+                raise RuntimeError("self-draft: the memory refused to drop the draft's rows")
         return out
 
     def _add_head_rows(self, history) -> None:
