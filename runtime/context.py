@@ -48,7 +48,7 @@ class Context:
 
     def __init__(self, model, params: ContextParams | None = None, abort_callback=None, memory=None):
         """memory: another Context's memory to read and write instead of a new one (a self-draft
-        works in its target's KV cache: runtime/speculative/self_draft.py); the caller vouches that
+        works in its target's memory: runtime/speculative/self_draft.py); the caller vouches that
         it was made for these hyper-parameters and params."""
         self.model = model
         self.hparams = model.hparams
