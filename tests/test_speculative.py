@@ -638,3 +638,26 @@ def test_a_self_drafts_warm_up_leaves_a_resumed_sequence_as_it_was(model):
     src.ctx.decode_one = lambda t, pos, seq: steps.append(pos) or decode(t, pos, seq)
     src.warm_up(1)
     assert steps == [len(PROMPT)] and ctx.state_seq_get_data(0) == before
+
+
+def test_a_draft_file_of_the_targets_shape_drafts_in_its_memory_and_another_in_its_own(model, reference_dir):
+    """-md with the target's own file (equal hyper-parameters: as another quantization of the same
+    model) works in the target's memory — its drafts are the target's tokens, all accepted; a draft
+    of another shape (another tiny architecture, same vocabulary) gets a memory of its own."""
+    from kvchat.runtime.speculative import make_speculator
+    from kvchat.runtime.speculative.self_draft import same_shape
+
+    path = model.path
+    other = reference_dir / "tiny" / ("gemma2_s1.gguf" if path.stem != "gemma2_s1" else "llama3rope_s1.gguf")
+    plain = run(model, n=30)[0]
+    for draft_path, kind in ((path, "SelfDraft"), (other, "ModelDraft")):
+        ctx = context(model)
+        spec = make_speculator(ctx, "draft", draft_path=draft_path, draft_max=4, draft_p_min=0.0)
+        assert type(spec.source).__name__ == kind
+        assert same_shape(spec.source.ctx.model, model) == (kind == "SelfDraft")
+        spec.length.next = lambda: 4
+        gen = generate_speculative(ctx, greedy, spec, prompt=PROMPT, max_tokens=30)
+        assert [s.token for s in gen] == plain
+        if kind == "SelfDraft":
+            assert gen.stats.n_drafted > 0 and gen.stats.n_accepted == gen.stats.n_drafted
+        spec.close()

@@ -22,8 +22,9 @@ def make_speculator(
 ) -> Speculator:
     """A Speculator for `target_ctx` (a Context): kind "ngram", "draft" (draft_path: a GGUF of the
     same vocabulary) or "self:TYPE" (a TYPE copy of the target's weights). The draft model's
-    Context takes the target's context parameters; a self-draft's shares the target's memory
-    (self_draft.py), a draft model's has its own (ModelDraft). A model draft stops
+    Context takes the target's context parameters; a self-draft's — or a draft model's of the
+    target's exact shape — shares the target's memory (self_draft.py), any other has its own
+    (ModelDraft). A model draft stops
     at a token it gives less than draft_p_min probability. KvchatError (one line) for what cannot work."""
     from kvchat.runtime.errors import KvchatError
 
@@ -51,10 +52,9 @@ def make_speculator(
             name = kind
         params = target_ctx.params
         n_vocab = int(target.hparams.n_vocab)
-        if draft.hparams is target.hparams:
-            from kvchat.runtime.speculative.self_draft import SelfDraft
+        from kvchat.runtime.speculative.self_draft import SelfDraft, same_shape
 
-            # the copy drafts in the target's memory (self_draft.py)
+        if same_shape(draft, target):  # the copy (or a -md file of the target's shape) drafts in its memory
             ctx = Context(draft, params, abort_callback=abort_callback, memory=target_ctx.memory)
             source = SelfDraft(ctx, name=name, n_vocab_target=n_vocab, p_min=draft_p_min)
         else:

@@ -1,4 +1,5 @@
-"""A self-draft that works in its target's memory (`--spec-type self:TYPE`).
+"""A draft that works in its target's memory: `--spec-type self:TYPE`, or `-md` with a file of the
+target's exact shape (another quantization of the same model).
 
 The TYPE copy of the target's weights (self_quant.py) has the target's hyper-parameters, so its
 layers read and write cache rows of the target's shape. Instead of a memory of its own, kept in
@@ -20,20 +21,44 @@ the verify itself does; the draft then also starts from the target's exact recur
 
 from __future__ import annotations
 
+import dataclasses
 import time
+
+import numpy as np
 
 from kvchat.runtime.generate import DecodeError, Interrupted, decode_one
 from kvchat.runtime.speculative.draft_model import confident_greedy
 from kvchat.runtime.speculative.speculator import PROBE_EVERY
 
 
+def same_shape(draft_model, target_model) -> bool:
+    """Whether a draft model can work in the target's memory: the same architecture and every
+    hyper-parameter equal (the self:TYPE copy shares the target's; a -md file of another
+    quantization of the same model has equal ones), so its layers read and write the target's
+    cells and rows as the target's own do."""
+    a, b = draft_model.hparams, target_model.hparams
+    if a is b:
+        return True
+    if type(a) is not type(b) or draft_model.arch is not target_model.arch:
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if x is None or y is None or not np.array_equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 class SelfDraft:
-    """Draft source on a Context of the target's quantized copy that shares the target's memory
-    (Context(copy, params, memory=target_ctx.memory)). p_min (--draft-p-min): a proposal ends
-    with the first token the draft gives less probability — that token still proposed: unlike
-    ModelDraft's, whose steps decode accepted tokens it needs anyway, a step here serves only its
-    draft, and dropping its token wasted it (SmolLM2 F16 story: 1.31x plain dropping it at 0.5,
-    1.52x proposing it; 1.58x drafting up to --draft-max while sure: docs/performance.md, session 18)."""
+    """Draft source on a Context of the target's quantized copy (or of a draft model of its
+    shape, same_shape) that shares the target's memory (Context(copy, params,
+    memory=target_ctx.memory)). p_min (--draft-p-min): a proposal ends with the first token the
+    draft gives less probability — that token still proposed: unlike ModelDraft's, whose steps
+    decode accepted tokens it needs anyway, a step here serves only its draft, and dropping its
+    token wasted it (SmolLM2 F16 story: 1.31x plain dropping it at 0.5, 1.52x proposing it; 1.58x
+    drafting up to --draft-max while sure: docs/performance.md, session 18)."""
 
     def __init__(self, ctx, name: str = "self", n_vocab_target: int | None = None, p_min: float = 0.0):
         self.ctx = ctx
