@@ -201,19 +201,25 @@ def _bcast_dot_q4_1(isa, w, x, kf):
 
 
 @njit(cache=True, inline="always")
+def _k_last_block(bias, x32, tt, nb, sc_, ko):
+    """The kf of the last block's 8 lanes one word at a time (an odd block count: no 16-word load
+    past the row), the values kvec gives: 2^23 + 2^22 + bias * (sum of the word's 4 signed bytes)."""
+    for j in range((nb - 1) * 8, nb * 8):
+        v = np.int64(x32[tt, j])
+        s4 = 0
+        for i in range(4):
+            s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
+        sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+
+
+@njit(cache=True, inline="always")
 def _k_q5_0(isa, x32, tt, nb, sc_, ko):
     """Token tt's kf of every lane of every block (nb * 8) into sc_[ko ..] (q5_0)."""
     n4 = x32.shape[1]
     for b in range(0, nb - 1, 2):
         vstore(sc_, ko + b * 8, kvec_q5_0(isa, x32, tt * n4 + b * 8))
-    if nb % 2:  # the last block alone: no 16-word load past the row
-        bias = kbias_q5_0(isa)
-        for j in range((nb - 1) * 8, nb * 8):
-            v = np.int64(x32[tt, j])
-            s4 = 0
-            for i in range(4):
-                s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
-            sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+    if nb % 2:
+        _k_last_block(kbias_q5_0(isa), x32, tt, nb, sc_, ko)
 
 
 @njit(cache=True, inline="always")
@@ -223,13 +229,7 @@ def _k_q8_0(isa, x32, tt, nb, sc_, ko):
     for b in range(0, nb - 1, 2):
         vstore(sc_, ko + b * 8, kvec_q8_0(isa, x32, tt * n4 + b * 8))
     if nb % 2:
-        bias = kbias_q8_0(isa)
-        for j in range((nb - 1) * 8, nb * 8):
-            v = np.int64(x32[tt, j])
-            s4 = 0
-            for i in range(4):
-                s4 += (((v >> (8 * i)) & 0xFF) ^ 0x80) - 0x80
-            sc_[ko + j] = np.float32(2**23 + 2**22 + bias * s4)
+        _k_last_block(kbias_q8_0(isa), x32, tt, nb, sc_, ko)
 
 
 @njit(cache=True, inline="always")

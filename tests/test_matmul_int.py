@@ -136,14 +136,15 @@ def test_q4_1_in_ggmls_order_is_llama_cpps_product_bit_for_bit():
     assert_in_ggml_order(qm, QMatrix(raw, t, k), x, want, alone=(0, 4, 8), default_differs=False)
 
 
+@pytest.mark.parametrize("k", [640, 608])  # 608: 19 blocks, the last one's lane corrections word by word
 @pytest.mark.parametrize("t", [GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
-def test_q5_0_and_q8_0_in_tinyblas_order_are_llama_cpps_batch_product_bit_for_bit(t):
+def test_q5_0_and_q8_0_in_tinyblas_order_are_llama_cpps_batch_product_bit_for_bit(t, k):
     """KVCHAT_GGML_ORDER's q5_0 / q8_0 (QFormat.lanes, kernels/matmul_lanes.py) follow the float
     order of llamafile's tinyBLAS_Q0_AVX, which llama.cpp runs on x86 for a batch of >= 2 tokens
     (perplexity's ubatches): every output bit-identical to the emulation (tests/helpers/qref.py)
     on every instruction path, for one token and in a batch, whatever the token chunk, run split
     or driver (batch invariance)."""
-    k, m = 640, 75  # Gemma-3 270m's width; 75 rows: a partial last group
+    m = 75  # k 640: Gemma-3 270m's width; 75 rows: a partial last group
     raw = random_raw(t, m, k, seed=13)
     qm = QMatrix(raw, t, k)
     qm.fmt = qm.fmt._replace(lanes=True)
