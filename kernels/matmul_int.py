@@ -244,7 +244,7 @@ def _row(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    sub_bytes = fmt_get(fmt, "sub_bytes")
     z = izero()
     a0, a1 = vzero(), vzero()
     for B in range(n_super):
@@ -270,7 +270,7 @@ def _row4(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, gq, y, ym, ng, pf):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    sub_bytes = fmt_get(fmt, "sub_bytes")
     u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
     z = izero()
     f = vzero()
@@ -327,7 +327,7 @@ def _row4_km(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    sub_bytes = fmt_get(fmt, "sub_bytes")
     u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
     z = izero()
     f = vzero()
@@ -370,7 +370,7 @@ def _row4_tl(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym, ng):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    sub_bytes = fmt_get(fmt, "sub_bytes")
     u1, u2, u3 = t + min(1, ng - 1), t + min(2, ng - 1), t + min(3, ng - 1)
     z = izero()
     f = vzero()
@@ -414,7 +414,7 @@ def _row1_ord(isa, fmt, q, d, m, sc, mn, x32, xd, xs, xm, t, g, y, ym):
     NS = fmt_get(fmt, "n_sub")
     n_sub_all = xs.shape[1] * 16 // S
     n_super = n_sub_all // NS
-    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes")) if fmt_get(fmt, "nib") else S * R
+    sub_bytes = fmt_get(fmt, "sub_bytes")
     z = izero()
     a0, a1 = vzero(), vzero()
     b0 = b1 = vbcast(np.float32(-0.0))
@@ -473,7 +473,7 @@ def _expand_group(fmt, q, g, qx):
     S = fmt_get(fmt, "sub")
     H = S // 8
     n_sub = q.shape[1]
-    sub_bytes = S * (R // 2 + 4 * fmt_get(fmt, "planes"))
+    sub_bytes = fmt_get(fmt, "sub_bytes")  # a nibble format
     for j in range(n_sub):
         base = (g * n_sub + j) * sub_bytes
         out = j * S * R

@@ -303,7 +303,7 @@ def lanes_impl(fmt: QFormat):
     lmin = fmt.lmin
     # one 32-row block: 4 steps x 32 rows x 4 nibble bytes (+ q5_0's 4 plane words a step), or
     # q8_0's 8 steps x 32 rows x 4 bytes
-    sub_bytes = 32 * R // 2 + 4 * fmt.planes * 32 if fmt.nib else 32 * R
+    sub_bytes = fmt.sub_bytes
     if fmt.name == "q4_1":
         pair, dotf, kfill = _pair_q4_1, _bcast_dot_q4_1, _k_none
     elif fmt.name == "q5_0":

@@ -100,6 +100,13 @@ class QFormat(NamedTuple):
         return self.sub * self.n_sub
 
     @property
+    def sub_bytes(self) -> int:
+        """Bytes of one sub-block of a row group as packed (module docstring): R rows of S values,
+        two a byte plus 4 bytes a row per high-bit plane, or one a byte (read by the kernels as
+        fmt_get(fmt, "sub_bytes"), a compile-time constant)."""
+        return self.sub * (R // 2 + 4 * self.planes) if self.nib else self.sub * R
+
+    @property
     def _numba_type_(self):
         """numba's dispatcher reads this instead of calling typeof (13 µs -> 0.6 µs a call)."""
         t = _NUMBA_TYPES.get(self)
